@@ -1,0 +1,81 @@
+"""Backend choice: the one place that decides which implementation runs a call.
+
+Each operator family (``layer_norm``, ``rms_norm``, ``nsa_compress``, ``floyd_attention``)
+has a module under ``gradops/reference/`` (plain PyTorch, any device, any float dtype) and,
+once its kernels exist, a module of the same name under ``gradops/kernels/`` (Triton).
+Both expose the same functions with the same canonical arguments (see docs/backends.md);
+``ops/`` validates and canonicalises, then calls ``implementation(family, backend, ...)``.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Optional
+
+import torch
+
+from .errors import ACLNN_ERR_PARAM_INVALID, AclnnError
+
+BACKENDS = ("auto", "reference", "triton")
+FAMILIES = ("layer_norm", "rms_norm", "nsa_compress", "floyd_attention")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def triton_interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def has_triton_kernels(family: str) -> bool:
+    """True when gradops.kernels.<family> exists and triton imports."""
+    if not triton_available():
+        return False
+    try:
+        importlib.import_module(f"gradops.kernels.{family}")
+    except ModuleNotFoundError as e:
+        if e.name in (f"gradops.kernels.{family}", "triton"):
+            return False
+        raise
+    return True
+
+
+def _triton_usable_on(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and triton_interpreter_on())
+
+
+def implementation(op: str, family: str, backend: Optional[str], device: torch.device):
+    """The module implementing ``family`` for this call."""
+    if backend is None:
+        backend = "auto"
+    if backend not in BACKENDS:
+        raise AclnnError(ACLNN_ERR_PARAM_INVALID,
+                         f"{op}: backend is {backend!r}, expected one of {BACKENDS} or None")
+    if backend == "auto":
+        use_triton = device.type == "cuda" and has_triton_kernels(family)
+        backend = "triton" if use_triton else "reference"
+    if backend == "triton":
+        if not has_triton_kernels(family):
+            reason = "triton is not installed" if not triton_available() else \
+                f"there are no Triton kernels for {family} yet"
+            raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: backend='triton' unavailable: {reason}")
+        if not _triton_usable_on(device):
+            raise AclnnError(
+                ACLNN_ERR_PARAM_INVALID,
+                f"{op}: backend='triton' needs CUDA tensors (got {device}); on CPU it runs through "
+                f"the Triton interpreter only when TRITON_INTERPRET=1 is set before triton is imported",
+            )
+    return importlib.import_module(f"gradops.{'kernels' if backend == 'triton' else 'reference'}.{family}")
+
+
+def available_backends(family: str, device: torch.device) -> list:
+    """Backends that can run ``family`` on ``device`` in this process."""
+    out = ["reference"]
+    if has_triton_kernels(family) and _triton_usable_on(device):
+        out.append("triton")
+    return out

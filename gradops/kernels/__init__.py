@@ -1,0 +1,7 @@
+"""Triton kernels, one module per operator family, each with the same functions and
+arguments as its counterpart in ``gradops.reference`` (see docs/backends.md).
+
+On CUDA tensors they run compiled; on CPU tensors they run through the Triton interpreter
+when ``TRITON_INTERPRET=1`` was set before triton was first imported (that is how the test
+suite exercises them without a GPU).
+"""
