@@ -1,0 +1,500 @@
+"""Flash-style Triton kernels for Floyd ("pivotal") attention, forward and backward.
+
+Shapes (OPERATORS.md section 5): Q ``[B,H,N,M,D]``, K1/V1 ``[B,H,N,K,D]``, K2/V2
+``[B,H,K,M,D]``, mask ``[B,1,N,1,K]`` (True = masked out)::
+
+    S[n,m,k] = scale * (Q[n,m].K1[n,k] + Q[n,m].K2[k,m])     masked -> -FLT_MAX
+    Y[n,m]   = sum_k softmax_k(S)[n,m,k] * (V1[n,k] + V2[k,m])
+
+The first product is batched over n, the second over m, so no 2-D tile of S is a single
+matrix product. Every kernel therefore works on a 3-D tile of the score cube
+``[BLOCK_N, BLOCK_M, BLOCK_K]`` and computes it as two *batched* ``tl.dot`` (3-D operands,
+batch axis first): ``Q[n-tile, m-tile] @ K1[n-tile, k-tile]^T`` batched over the n of the
+tile, plus ``Q^T @ K2^T`` batched over the m of the tile, permuted to the same
+orientation. All four products of the forward (and all six of the backward) run on tensor
+cores with float32 accumulation; nothing is wasted, so the executed FLOPs are the nominal
+8*B*H*N*M*K*D of the forward. The design note is docs/kernels-floyd.md.
+
+- ``_fwd_kernel``: one program per (b, h, n-tile, m-tile); loops over k-tiles with an
+  online softmax; writes Y and the compact float32 statistics (row max, and the sum of
+  exp(S - max): not log-sum-exp).
+- backward, without atomics (deterministic: every output element is reduced by exactly one
+  program, in a fixed order), each kernel recomputing P = exp(S - max) / sum:
+  ``_bwd_dq_kernel`` per (n-tile, m-tile), looping over k: dQ, and Dr = rowsum(dY * Y),
+  which it writes for the other two; ``_bwd_dk1_kernel`` per (n-tile, k-tile), looping
+  over m: dK1, dV1; ``_bwd_dk2_kernel`` per (k-tile, m-tile), looping over n: dK2, dV2.
+
+Masking: a masked score is -FLT_MAX exactly as CANN, so a fully masked row has max -FLT_MAX,
+sum K and a uniform P. Tails (indices past N, M, K, D) are excluded entirely (their
+scores are -inf, their P and dS zero). dS is zero wherever the mask is set.
+
+Inputs: float16, bfloat16 and float32 (float32 products in IEEE precision, never TF32);
+float64 is not handled here (gradops.ops routes it to the reference backend). Any strides:
+every tensor's strides are passed to the kernels, so views need no copy.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .floyd_config import floyd_config
+
+FLT_MAX = 3.4028234663852886e38  # the masked score: -FLT_MAX, as CANN writes it
+
+_TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+# ----------------------------------------------------------------------------------------------
+# Small helpers shared by the kernels
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _tile3(ptr, i0, i1, i2, s0, s1, s2, n0, n1, n2):
+    """Load ptr[i0, i1, i2] (strides s*), zero past the bounds n*: a [len(i0), len(i1), len(i2)] tile."""
+    offs = (i0.to(tl.int64)[:, None, None] * s0 + i1.to(tl.int64)[None, :, None] * s1
+            + i2.to(tl.int64)[None, None, :] * s2)
+    inside = (i0 < n0)[:, None, None] & (i1 < n1)[None, :, None] & (i2 < n2)[None, None, :]
+    return tl.load(ptr + offs, mask=inside, other=0.0)
+
+
+@triton.jit
+def _store3(ptr, value, i0, i1, i2, s0, s1, s2, n0, n1, n2):
+    offs = (i0.to(tl.int64)[:, None, None] * s0 + i1.to(tl.int64)[None, :, None] * s1
+            + i2.to(tl.int64)[None, None, :] * s2)
+    inside = (i0 < n0)[:, None, None] & (i1 < n1)[None, :, None] & (i2 < n2)[None, None, :]
+    tl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _tile2(ptr, i0, i1, s0, s1, n0, n1, other):
+    offs = i0.to(tl.int64)[:, None] * s0 + i1.to(tl.int64)[None, :] * s1
+    inside = (i0 < n0)[:, None] & (i1 < n1)[None, :]
+    return tl.load(ptr + offs, mask=inside, other=other)
+
+
+@triton.jit
+def _store2(ptr, value, i0, i1, s0, s1, n0, n1):
+    offs = i0.to(tl.int64)[:, None] * s0 + i1.to(tl.int64)[None, :] * s1
+    inside = (i0 < n0)[:, None] & (i1 < n1)[None, :]
+    tl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _masked_out(mask_ptr, i0, i1, s0, s1, n0, n1):
+    """True where the user's mask is set, for a [len(i0), len(i1)] tile of (n, k) (or (k, n))."""
+    return _tile2(mask_ptr, i0, i1, s0, s1, n0, n1, 0) != 0
+
+
+@triton.jit
+def _program_tile(pid, tiles_a, tiles_b, GROUP: tl.constexpr):
+    """(b*H + h, tile index along a, tile index along b) of program ``pid``.
+
+    Programs of one (b, h) are contiguous; inside, GROUP consecutive a-tiles form a column
+    that is walked before moving to the next b-tile, so concurrently running programs share
+    their a-side and b-side operand rows in L2 (the grouped ordering of the matmul tutorial).
+    """
+    tiles = tiles_a * tiles_b
+    bh = pid // tiles
+    t = pid % tiles
+    per_group = GROUP * tiles_b
+    first_a = (t // per_group) * GROUP
+    group_size = tl.minimum(tiles_a - first_a, GROUP)
+    a = first_a + (t % per_group) % group_size
+    b = (t % per_group) // group_size
+    return bh, a, b
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_kernel(
+    q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, out_ptr, max_ptr, sum_ptr,
+    sq_b, sq_h, sq_n, sq_m, sq_d,
+    sk1_b, sk1_h, sk1_n, sk1_k, sk1_d,
+    sv1_b, sv1_h, sv1_n, sv1_k, sv1_d,
+    sk2_b, sk2_h, sk2_k, sk2_m, sk2_d,
+    sv2_b, sv2_h, sv2_k, sv2_m, sv2_d,
+    smk_b, smk_n, smk_k,
+    so_b, so_h, so_n, so_m, so_d,
+    sst_b, sst_h, sst_n, sst_m,
+    H, N, M, K, D, scale,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    bh, tn, tm = _program_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(M, BLOCK_M), GROUP)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    n_idx = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_idx = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+    d_idx = tl.arange(0, BLOCK_D)
+    k1_ptr += b * sk1_b + h * sk1_h
+    v1_ptr += b * sv1_b + h * sv1_h
+    k2_ptr += b * sk2_b + h * sk2_h
+    v2_ptr += b * sv2_b + h * sv2_h
+    mask_ptr += b * smk_b
+
+    q = _tile3(q_ptr + b * sq_b + h * sq_h, n_idx, m_idx, d_idx, sq_n, sq_m, sq_d, N, M, D)  # [BN,BM,BD]
+    q_by_m = tl.permute(q, (1, 0, 2))  # [BM,BN,BD]: the operand of the product batched over m
+
+    row_max = tl.full([BLOCK_N, BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_D], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k1_t = _tile3(k1_ptr, n_idx, d_idx, k_idx, sk1_n, sk1_d, sk1_k, N, D, K)  # [BN,BD,BK]
+        k2_t = _tile3(k2_ptr, m_idx, d_idx, k_idx, sk2_m, sk2_d, sk2_k, M, D, K)  # [BM,BD,BK]
+        s = tl.dot(q, k1_t, input_precision=PRECISION)
+        s += tl.permute(tl.dot(q_by_m, k2_t, input_precision=PRECISION), (1, 0, 2))
+        s = s * scale
+        if HAS_MASK:
+            user = _masked_out(mask_ptr, n_idx, k_idx, smk_n, smk_k, N, K)  # [BN,BK]
+            s = tl.where(user[:, None, :], -FLT_MAX, s)
+        # Tail pivots take no part at all (a masked pivot does: -FLT_MAX, as CANN).
+        s = tl.where((k_idx < K)[None, None, :], s, float("-inf"))
+
+        new_max = tl.maximum(row_max, tl.max(s, axis=2))  # finite: every k-tile has a real pivot
+        alpha = tl.exp(row_max - new_max)
+        p = tl.exp(s - new_max[:, :, None])
+        row_sum = row_sum * alpha + tl.sum(p, axis=2)
+        row_max = new_max
+
+        v1 = _tile3(v1_ptr, n_idx, k_idx, d_idx, sv1_n, sv1_k, sv1_d, N, K, D)  # [BN,BK,BD]
+        v2 = _tile3(v2_ptr, m_idx, k_idx, d_idx, sv2_m, sv2_k, sv2_d, M, K, D)  # [BM,BK,BD]
+        p_in = p.to(v1.dtype)
+        acc = acc * alpha[:, :, None]
+        acc = tl.dot(p_in, v1, acc, input_precision=PRECISION)
+        acc += tl.permute(tl.dot(tl.permute(p_in, (1, 0, 2)), v2, input_precision=PRECISION), (1, 0, 2))
+
+    out = acc / row_sum[:, :, None]
+    _store3(out_ptr + b * so_b + h * so_h, out, n_idx, m_idx, d_idx, so_n, so_m, so_d, N, M, D)
+    stat_off = b * sst_b + h * sst_h
+    _store2(max_ptr + stat_off, row_max, n_idx, m_idx, sst_n, sst_m, N, M)
+    _store2(sum_ptr + stat_off, row_sum, n_idx, m_idx, sst_n, sst_m, N, M)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_dq_kernel(
+    q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, dy_ptr, out_ptr, max_ptr, sum_ptr,
+    dr_ptr, dq_ptr,
+    sq_b, sq_h, sq_n, sq_m, sq_d,
+    sk1_b, sk1_h, sk1_n, sk1_k, sk1_d,
+    sv1_b, sv1_h, sv1_n, sv1_k, sv1_d,
+    sk2_b, sk2_h, sk2_k, sk2_m, sk2_d,
+    sv2_b, sv2_h, sv2_k, sv2_m, sv2_d,
+    smk_b, smk_n, smk_k,
+    sdy_b, sdy_h, sdy_n, sdy_m, sdy_d,
+    so_b, so_h, so_n, so_m, so_d,
+    smax_b, smax_h, smax_n, smax_m,
+    ssum_b, ssum_h, ssum_n, ssum_m,
+    sdq_b, sdq_h, sdq_n, sdq_m, sdq_d,
+    H, N, M, K, D, scale,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """dQ[n,m] = sum_k dS (K1[n,k] + K2[k,m]), one program per (n-tile, m-tile); also Dr."""
+    bh, tn, tm = _program_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(M, BLOCK_M), GROUP)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    n_idx = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_idx = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+    d_idx = tl.arange(0, BLOCK_D)
+    k1_ptr += b * sk1_b + h * sk1_h
+    v1_ptr += b * sv1_b + h * sv1_h
+    k2_ptr += b * sk2_b + h * sk2_h
+    v2_ptr += b * sv2_b + h * sv2_h
+    mask_ptr += b * smk_b
+
+    q = _tile3(q_ptr + b * sq_b + h * sq_h, n_idx, m_idx, d_idx, sq_n, sq_m, sq_d, N, M, D)
+    dy = _tile3(dy_ptr + b * sdy_b + h * sdy_h, n_idx, m_idx, d_idx, sdy_n, sdy_m, sdy_d, N, M, D)
+    out = _tile3(out_ptr + b * so_b + h * so_h, n_idx, m_idx, d_idx, so_n, so_m, so_d, N, M, D)
+    dr = tl.sum(dy.to(tl.float32) * out.to(tl.float32), axis=2)  # [BN,BM]
+    # Dr is a [B,H,N,M] float32 buffer of the launcher's, contiguous.
+    _store2(dr_ptr + bh.to(tl.int64) * N * M, dr, n_idx, m_idx, M, 1, N, M)
+    # Rows past N or M: any finite statistics (their results are never stored).
+    mx = _tile2(max_ptr + b * smax_b + h * smax_h, n_idx, m_idx, smax_n, smax_m, N, M, 0.0)
+    sm = _tile2(sum_ptr + b * ssum_b + h * ssum_h, n_idx, m_idx, ssum_n, ssum_m, N, M, 1.0)
+    inv_sum = 1.0 / sm
+    q_by_m = tl.permute(q, (1, 0, 2))
+    dy_by_m = tl.permute(dy, (1, 0, 2))
+
+    dq = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_D], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k1_t = _tile3(k1_ptr, n_idx, d_idx, k_idx, sk1_n, sk1_d, sk1_k, N, D, K)  # [BN,BD,BK]
+        k2_t = _tile3(k2_ptr, m_idx, d_idx, k_idx, sk2_m, sk2_d, sk2_k, M, D, K)  # [BM,BD,BK]
+        v1_t = _tile3(v1_ptr, n_idx, d_idx, k_idx, sv1_n, sv1_d, sv1_k, N, D, K)
+        v2_t = _tile3(v2_ptr, m_idx, d_idx, k_idx, sv2_m, sv2_d, sv2_k, M, D, K)
+        s = tl.dot(q, k1_t, input_precision=PRECISION)
+        s += tl.permute(tl.dot(q_by_m, k2_t, input_precision=PRECISION), (1, 0, 2))
+        s = s * scale
+        gone = (k_idx >= K)[None, None, :]  # where dS must be zero: tails, and masked pivots
+        if HAS_MASK:
+            user = _masked_out(mask_ptr, n_idx, k_idx, smk_n, smk_k, N, K)[:, None, :]
+            s = tl.where(user, -FLT_MAX, s)
+            gone = gone | user
+        s = tl.where(k_idx[None, None, :] < K, s, float("-inf"))  # tail pivots: P = 0
+        p = tl.exp(s - mx[:, :, None]) * inv_sum[:, :, None]
+        dp = tl.dot(dy, v1_t, input_precision=PRECISION)
+        dp += tl.permute(tl.dot(dy_by_m, v2_t, input_precision=PRECISION), (1, 0, 2))
+        ds = tl.where(gone, 0.0, p * (dp - dr[:, :, None]) * scale)
+        ds_in = ds.to(q.dtype)
+        dq = tl.dot(ds_in, tl.permute(k1_t, (0, 2, 1)), dq, input_precision=PRECISION)
+        dq += tl.permute(tl.dot(tl.permute(ds_in, (1, 0, 2)), tl.permute(k2_t, (0, 2, 1)),
+                                input_precision=PRECISION), (1, 0, 2))
+    _store3(dq_ptr + b * sdq_b + h * sdq_h, dq, n_idx, m_idx, d_idx, sdq_n, sdq_m, sdq_d, N, M, D)
+
+
+@triton.jit
+def _bwd_dk1_kernel(
+    q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, dy_ptr, max_ptr, sum_ptr, dr_ptr,
+    dk1_ptr, dv1_ptr,
+    sq_b, sq_h, sq_n, sq_m, sq_d,
+    sk1_b, sk1_h, sk1_n, sk1_k, sk1_d,
+    sv1_b, sv1_h, sv1_n, sv1_k, sv1_d,
+    sk2_b, sk2_h, sk2_k, sk2_m, sk2_d,
+    sv2_b, sv2_h, sv2_k, sv2_m, sv2_d,
+    smk_b, smk_n, smk_k,
+    sdy_b, sdy_h, sdy_n, sdy_m, sdy_d,
+    smax_b, smax_h, smax_n, smax_m,
+    ssum_b, ssum_h, ssum_n, ssum_m,
+    sg_b, sg_h, sg_n, sg_k, sg_d,  # dK1 and dV1: the launcher's, same strides
+    H, N, M, K, D, scale,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """dK1[n,k] = sum_m dS Q[n,m], dV1[n,k] = sum_m P dY[n,m]; one program per (n-tile, k-tile).
+
+    The score tile is held as [BN, BK, BM] (pivot before m) so both reductions over m are
+    batched products over n with m as the contraction.
+    """
+    bh, tn, tk = _program_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K), GROUP)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    n_idx = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_idx = tk * BLOCK_K + tl.arange(0, BLOCK_K)
+    d_idx = tl.arange(0, BLOCK_D)
+    q_ptr += b * sq_b + h * sq_h
+    dy_ptr += b * sdy_b + h * sdy_h
+    k2_ptr += b * sk2_b + h * sk2_h
+    v2_ptr += b * sv2_b + h * sv2_h
+    max_ptr += b * smax_b + h * smax_h
+    sum_ptr += b * ssum_b + h * ssum_h
+    dr_ptr += bh.to(tl.int64) * N * M
+
+    k1 = _tile3(k1_ptr + b * sk1_b + h * sk1_h, n_idx, k_idx, d_idx, sk1_n, sk1_k, sk1_d, N, K, D)
+    v1 = _tile3(v1_ptr + b * sv1_b + h * sv1_h, n_idx, k_idx, d_idx, sv1_n, sv1_k, sv1_d, N, K, D)
+    user = tl.zeros([BLOCK_N, BLOCK_K, 1], tl.int1)
+    if HAS_MASK:
+        user = _masked_out(mask_ptr + b * smk_b, n_idx, k_idx, smk_n, smk_k, N, K)[:, :, None]
+    k_ok = (k_idx < K)[None, :, None]
+
+    dk1 = tl.zeros([BLOCK_N, BLOCK_K, BLOCK_D], tl.float32)
+    dv1 = tl.zeros([BLOCK_N, BLOCK_K, BLOCK_D], tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        m_idx = m0 + tl.arange(0, BLOCK_M)
+        q = _tile3(q_ptr, n_idx, m_idx, d_idx, sq_n, sq_m, sq_d, N, M, D)  # [BN,BM,BD]
+        dy = _tile3(dy_ptr, n_idx, m_idx, d_idx, sdy_n, sdy_m, sdy_d, N, M, D)
+        k2 = _tile3(k2_ptr, m_idx, k_idx, d_idx, sk2_m, sk2_k, sk2_d, M, K, D)  # [BM,BK,BD]
+        v2 = _tile3(v2_ptr, m_idx, k_idx, d_idx, sv2_m, sv2_k, sv2_d, M, K, D)
+        s = tl.dot(k1, tl.permute(q, (0, 2, 1)), input_precision=PRECISION)  # [BN,BK,BM]
+        s += tl.permute(tl.dot(k2, tl.permute(q, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
+        s = tl.where(user, -FLT_MAX, s * scale)
+        mx = _tile2(max_ptr, n_idx, m_idx, smax_n, smax_m, N, M, 0.0)[:, None, :]
+        sm = _tile2(sum_ptr, n_idx, m_idx, ssum_n, ssum_m, N, M, 1.0)[:, None, :]
+        dr = _tile2(dr_ptr, n_idx, m_idx, M, 1, N, M, 0.0)[:, None, :]
+        live = k_ok & (m_idx < M)[None, None, :]  # rows past M must add nothing to the sums
+        p = tl.exp(tl.where(live, s, float("-inf")) - mx) / sm
+        dp = tl.dot(v1, tl.permute(dy, (0, 2, 1)), input_precision=PRECISION)
+        dp += tl.permute(tl.dot(v2, tl.permute(dy, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
+        ds = tl.where(user, 0.0, p * (dp - dr) * scale)
+        dv1 = tl.dot(p.to(dy.dtype), dy, dv1, input_precision=PRECISION)
+        dk1 = tl.dot(ds.to(q.dtype), q, dk1, input_precision=PRECISION)
+    g_off = b * sg_b + h * sg_h
+    _store3(dk1_ptr + g_off, dk1, n_idx, k_idx, d_idx, sg_n, sg_k, sg_d, N, K, D)
+    _store3(dv1_ptr + g_off, dv1, n_idx, k_idx, d_idx, sg_n, sg_k, sg_d, N, K, D)
+
+
+@triton.jit
+def _bwd_dk2_kernel(
+    q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, dy_ptr, max_ptr, sum_ptr, dr_ptr,
+    dk2_ptr, dv2_ptr,
+    sq_b, sq_h, sq_n, sq_m, sq_d,
+    sk1_b, sk1_h, sk1_n, sk1_k, sk1_d,
+    sv1_b, sv1_h, sv1_n, sv1_k, sv1_d,
+    sk2_b, sk2_h, sk2_k, sk2_m, sk2_d,
+    sv2_b, sv2_h, sv2_k, sv2_m, sv2_d,
+    smk_b, smk_n, smk_k,
+    sdy_b, sdy_h, sdy_n, sdy_m, sdy_d,
+    smax_b, smax_h, smax_n, smax_m,
+    ssum_b, ssum_h, ssum_n, ssum_m,
+    sg_b, sg_h, sg_k, sg_m, sg_d,  # dK2 and dV2: the launcher's, same strides
+    H, N, M, K, D, scale,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """dK2[k,m] = sum_n dS Q[n,m], dV2[k,m] = sum_n P dY[n,m]; one program per (k-tile, m-tile).
+
+    The score tile is held as [BM, BK, BN] so both reductions over n are batched products
+    over m with n as the contraction.
+    """
+    bh, tk, tm = _program_tile(tl.program_id(0), tl.cdiv(K, BLOCK_K), tl.cdiv(M, BLOCK_M), GROUP)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    k_idx = tk * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_idx = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+    d_idx = tl.arange(0, BLOCK_D)
+    q_ptr += b * sq_b + h * sq_h
+    dy_ptr += b * sdy_b + h * sdy_h
+    k1_ptr += b * sk1_b + h * sk1_h
+    v1_ptr += b * sv1_b + h * sv1_h
+    mask_ptr += b * smk_b
+    max_ptr += b * smax_b + h * smax_h
+    sum_ptr += b * ssum_b + h * ssum_h
+    dr_ptr += bh.to(tl.int64) * N * M
+
+    k2 = _tile3(k2_ptr + b * sk2_b + h * sk2_h, m_idx, k_idx, d_idx, sk2_m, sk2_k, sk2_d, M, K, D)
+    v2 = _tile3(v2_ptr + b * sv2_b + h * sv2_h, m_idx, k_idx, d_idx, sv2_m, sv2_k, sv2_d, M, K, D)
+    k_ok = (k_idx < K)[None, :, None]
+
+    dk2 = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_D], tl.float32)
+    dv2 = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_D], tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        n_idx = n0 + tl.arange(0, BLOCK_N)
+        q = _tile3(q_ptr, m_idx, n_idx, d_idx, sq_m, sq_n, sq_d, M, N, D)  # [BM,BN,BD]
+        dy = _tile3(dy_ptr, m_idx, n_idx, d_idx, sdy_m, sdy_n, sdy_d, M, N, D)
+        k1 = _tile3(k1_ptr, n_idx, k_idx, d_idx, sk1_n, sk1_k, sk1_d, N, K, D)  # [BN,BK,BD]
+        v1 = _tile3(v1_ptr, n_idx, k_idx, d_idx, sv1_n, sv1_k, sv1_d, N, K, D)
+        s = tl.dot(k2, tl.permute(q, (0, 2, 1)), input_precision=PRECISION)  # [BM,BK,BN]
+        s += tl.permute(tl.dot(k1, tl.permute(q, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
+        s = s * scale
+        user = tl.zeros([1, BLOCK_K, BLOCK_N], tl.int1)
+        if HAS_MASK:
+            user = _masked_out(mask_ptr, k_idx, n_idx, smk_k, smk_n, K, N)[None, :, :]
+            s = tl.where(user, -FLT_MAX, s)
+        mx = _tile2(max_ptr, m_idx, n_idx, smax_m, smax_n, M, N, 0.0)[:, None, :]
+        sm = _tile2(sum_ptr, m_idx, n_idx, ssum_m, ssum_n, M, N, 1.0)[:, None, :]
+        dr = _tile2(dr_ptr, m_idx, n_idx, 1, M, M, N, 0.0)[:, None, :]
+        live = k_ok & (n_idx < N)[None, None, :]  # rows past N must add nothing to the sums
+        p = tl.exp(tl.where(live, s, float("-inf")) - mx) / sm
+        dp = tl.dot(v2, tl.permute(dy, (0, 2, 1)), input_precision=PRECISION)
+        dp += tl.permute(tl.dot(v1, tl.permute(dy, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
+        ds = tl.where(user, 0.0, p * (dp - dr) * scale)
+        dv2 = tl.dot(p.to(dy.dtype), dy, dv2, input_precision=PRECISION)
+        dk2 = tl.dot(ds.to(q.dtype), q, dk2, input_precision=PRECISION)
+    g_off = b * sg_b + h * sg_h
+    _store3(dk2_ptr + g_off, dk2, m_idx, k_idx, d_idx, sg_m, sg_k, sg_d, M, K, D)
+    _store3(dv2_ptr + g_off, dv2, m_idx, k_idx, d_idx, sg_m, sg_k, sg_d, M, K, D)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers (the backend functions of docs/backends.md)
+# ----------------------------------------------------------------------------------------------
+def _precision(dtype: torch.dtype) -> str:
+    # float32 inputs get IEEE products: TF32 would cost ~3 decimal digits the reference keeps.
+    # For 16-bit inputs the option is ignored (their products are exact in float32).
+    return "ieee"
+
+
+def _mask_arg(mask, like: torch.Tensor):
+    """(pointer tensor, strides b/n/k, has_mask) for the kernels; bool is read as bytes."""
+    if mask is None:
+        return like, (0, 0, 0), False
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    return mask, (mask.stride(0), mask.stride(2), mask.stride(4)), True
+
+
+def _check_dtype(q: torch.Tensor):
+    if q.dtype not in _TORCH_TO_TL:
+        # gradops.ops routes other dtypes (float64) to the reference; reaching here is a bug.
+        raise TypeError(f"Floyd attention kernels take float16, bfloat16 or float32, got {q.dtype}")
+
+
+def floyd_attention(q, k1, v1, k2, v2, mask, scale):
+    """Forward: ``(out [B,H,N,M,D] q.dtype, softmax_max, softmax_sum [B,H,N,M] float32)``."""
+    _check_dtype(q)
+    B, H, N, M, D = q.shape
+    K = k1.shape[3]
+    out = torch.empty((B, H, N, M, D), dtype=q.dtype, device=q.device)
+    softmax_max = torch.empty((B, H, N, M), dtype=torch.float32, device=q.device)
+    softmax_sum = torch.empty((B, H, N, M), dtype=torch.float32, device=q.device)
+    if B * H * N * M == 0:
+        return out, softmax_max, softmax_sum
+    if K == 0:  # a softmax over no pivot: nothing to attend to
+        out.zero_()
+        softmax_max.fill_(-FLT_MAX)
+        softmax_sum.zero_()
+        return out, softmax_max, softmax_sum
+    cfg = floyd_config("fwd", D)
+    mask_t, mask_strides, has_mask = _mask_arg(mask, q)
+    grid = (B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(M, cfg.block_m),)
+    _fwd_kernel[grid](
+        q, k1, v1, k2, v2, mask_t, out, softmax_max, softmax_sum,
+        *q.stride(), *k1.stride(), *v1.stride(), *k2.stride(), *v2.stride(), *mask_strides,
+        *out.stride(), *softmax_max.stride(),
+        H, N, M, K, D, float(scale),
+        HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
+        GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, softmax_max, softmax_sum
+
+
+def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask, scale):
+    """Backward: ``(dq, dk1, dv1, dk2, dv2)`` in q.dtype, deterministic (no atomics)."""
+    _check_dtype(q)
+    B, H, N, M, D = q.shape
+    K = k1.shape[3]
+    dev = q.device
+    dq = torch.empty((B, H, N, M, D), dtype=q.dtype, device=dev)
+    dk1 = torch.empty((B, H, N, K, D), dtype=q.dtype, device=dev)
+    dv1 = torch.empty((B, H, N, K, D), dtype=q.dtype, device=dev)
+    dk2 = torch.empty((B, H, K, M, D), dtype=q.dtype, device=dev)
+    dv2 = torch.empty((B, H, K, M, D), dtype=q.dtype, device=dev)
+    if B * H == 0:
+        return dq, dk1, dv1, dk2, dv2
+    if N * M * K == 0:  # every sum is over nothing
+        for g in (dq, dk1, dv1, dk2, dv2):
+            g.zero_()
+        return dq, dk1, dv1, dk2, dv2
+    mask_t, mask_strides, has_mask = _mask_arg(mask, q)
+    dr = torch.empty((B, H, N, M), dtype=torch.float32, device=dev)  # rowsum(dY * Y)
+    common = dict(HAS_MASK=has_mask, PRECISION=_precision(q.dtype))
+    in_strides = (*q.stride(), *k1.stride(), *v1.stride(), *k2.stride(), *v2.stride(), *mask_strides,
+                  *dy.stride())
+    stat_strides = (*softmax_max.stride(), *softmax_sum.stride())
+    sizes = (H, N, M, K, D, float(scale))
+
+    cfg = floyd_config("bwd_dq", D)
+    grid = (B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(M, cfg.block_m),)
+    _bwd_dq_kernel[grid](
+        q, k1, v1, k2, v2, mask_t, dy, out, softmax_max, softmax_sum, dr, dq,
+        *in_strides, *out.stride(), *stat_strides, *dq.stride(), *sizes,
+        **common, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+        BLOCK_D=cfg.block_d, GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    cfg = floyd_config("bwd_dk1", D)
+    grid = (B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(K, cfg.block_k),)
+    _bwd_dk1_kernel[grid](
+        q, k1, v1, k2, v2, mask_t, dy, softmax_max, softmax_sum, dr, dk1, dv1,
+        *in_strides, *stat_strides, *dk1.stride(), *sizes,
+        **common, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+        BLOCK_D=cfg.block_d, GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    cfg = floyd_config("bwd_dk2", D)
+    grid = (B * H * triton.cdiv(K, cfg.block_k) * triton.cdiv(M, cfg.block_m),)
+    _bwd_dk2_kernel[grid](
+        q, k1, v1, k2, v2, mask_t, dy, softmax_max, softmax_sum, dr, dk2, dv2,
+        *in_strides, *stat_strides, *dk2.stride(), *sizes,
+        **common, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+        BLOCK_D=cfg.block_d, GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dq, dk1, dv1, dk2, dv2
