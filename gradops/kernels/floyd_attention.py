@@ -28,8 +28,9 @@ Masking: a masked score is -FLT_MAX exactly as CANN, so a fully masked row has m
 sum K and a uniform P. Tails (indices past N, M, K, D) are excluded entirely (their
 scores are -inf, their P and dS zero). dS is zero wherever the mask is set.
 
-Inputs: float16, bfloat16 and float32 (float32 products in IEEE precision, never TF32);
-float64 is not handled here (gradops.ops routes it to the reference backend). Any strides:
+Inputs: float16 and bfloat16 (tensor-core products, float32 accumulation), float32 (IEEE
+products, never TF32: the fp32 path is for exactness, not speed) and float64 (float64
+accumulation and statistics, as the reference; slow, for checking). Any strides:
 every tensor's strides are passed to the kernels, so views need no copy.
 """
 from __future__ import annotations
@@ -40,9 +41,13 @@ import triton.language as tl
 
 from .floyd_config import floyd_config
 
-FLT_MAX = 3.4028234663852886e38  # the masked score: -FLT_MAX, as CANN writes it
+FLT_MAX = 3.4028234663852886e38  # the masked score is -FLT_MAX, as CANN writes it
+_NEG_FLT_MAX = tl.constexpr(-FLT_MAX)  # kernels may only read globals that are constexpr
 
-_TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+# Accumulation dtype per input dtype: float32, or float64 for float64 inputs.
+_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
+        torch.float64: torch.float64}
+_TL = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,12 +123,13 @@ def _fwd_kernel(
     smk_b, smk_n, smk_k,
     so_b, so_h, so_n, so_m, so_d,
     sst_b, sst_h, sst_n, sst_m,
-    H, N, M, K, D, scale,
-    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    H, N, M, K, D, scale_ptr,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr,
 ):
     bh, tn, tm = _program_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(M, BLOCK_M), GROUP)
+    scale = tl.load(scale_ptr)  # in ACC: a float argument would be rounded to float32
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     n_idx = tn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,9 +144,9 @@ def _fwd_kernel(
     q = _tile3(q_ptr + b * sq_b + h * sq_h, n_idx, m_idx, d_idx, sq_n, sq_m, sq_d, N, M, D)  # [BN,BM,BD]
     q_by_m = tl.permute(q, (1, 0, 2))  # [BM,BN,BD]: the operand of the product batched over m
 
-    row_max = tl.full([BLOCK_N, BLOCK_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_D], tl.float32)
+    row_max = tl.full([BLOCK_N, BLOCK_M], float("-inf"), ACC)
+    row_sum = tl.zeros([BLOCK_N, BLOCK_M], ACC)
+    acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_D], ACC)
     for k0 in range(0, K, BLOCK_K):
         k_idx = k0 + tl.arange(0, BLOCK_K)
         k1_t = _tile3(k1_ptr, n_idx, d_idx, k_idx, sk1_n, sk1_d, sk1_k, N, D, K)  # [BN,BD,BK]
@@ -150,7 +156,7 @@ def _fwd_kernel(
         s = s * scale
         if HAS_MASK:
             user = _masked_out(mask_ptr, n_idx, k_idx, smk_n, smk_k, N, K)  # [BN,BK]
-            s = tl.where(user[:, None, :], -FLT_MAX, s)
+            s = tl.where(user[:, None, :], _NEG_FLT_MAX, s)
         # Tail pivots take no part at all (a masked pivot does: -FLT_MAX, as CANN).
         s = tl.where((k_idx < K)[None, None, :], s, float("-inf"))
 
@@ -192,13 +198,14 @@ def _bwd_dq_kernel(
     smax_b, smax_h, smax_n, smax_m,
     ssum_b, ssum_h, ssum_n, ssum_m,
     sdq_b, sdq_h, sdq_n, sdq_m, sdq_d,
-    H, N, M, K, D, scale,
-    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    H, N, M, K, D, scale_ptr,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr,
 ):
     """dQ[n,m] = sum_k dS (K1[n,k] + K2[k,m]), one program per (n-tile, m-tile); also Dr."""
     bh, tn, tm = _program_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(M, BLOCK_M), GROUP)
+    scale = tl.load(scale_ptr)  # in ACC: a float argument would be rounded to float32
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     n_idx = tn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -213,7 +220,7 @@ def _bwd_dq_kernel(
     q = _tile3(q_ptr + b * sq_b + h * sq_h, n_idx, m_idx, d_idx, sq_n, sq_m, sq_d, N, M, D)
     dy = _tile3(dy_ptr + b * sdy_b + h * sdy_h, n_idx, m_idx, d_idx, sdy_n, sdy_m, sdy_d, N, M, D)
     out = _tile3(out_ptr + b * so_b + h * so_h, n_idx, m_idx, d_idx, so_n, so_m, so_d, N, M, D)
-    dr = tl.sum(dy.to(tl.float32) * out.to(tl.float32), axis=2)  # [BN,BM]
+    dr = tl.sum(dy.to(ACC) * out.to(ACC), axis=2)  # [BN,BM]
     # Dr is a [B,H,N,M] float32 buffer of the launcher's, contiguous.
     _store2(dr_ptr + bh.to(tl.int64) * N * M, dr, n_idx, m_idx, M, 1, N, M)
     # Rows past N or M: any finite statistics (their results are never stored).
@@ -223,7 +230,7 @@ def _bwd_dq_kernel(
     q_by_m = tl.permute(q, (1, 0, 2))
     dy_by_m = tl.permute(dy, (1, 0, 2))
 
-    dq = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_D], tl.float32)
+    dq = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_D], ACC)
     for k0 in range(0, K, BLOCK_K):
         k_idx = k0 + tl.arange(0, BLOCK_K)
         k1_t = _tile3(k1_ptr, n_idx, d_idx, k_idx, sk1_n, sk1_d, sk1_k, N, D, K)  # [BN,BD,BK]
@@ -236,7 +243,7 @@ def _bwd_dq_kernel(
         gone = (k_idx >= K)[None, None, :]  # where dS must be zero: tails, and masked pivots
         if HAS_MASK:
             user = _masked_out(mask_ptr, n_idx, k_idx, smk_n, smk_k, N, K)[:, None, :]
-            s = tl.where(user, -FLT_MAX, s)
+            s = tl.where(user, _NEG_FLT_MAX, s)
             gone = gone | user
         s = tl.where(k_idx[None, None, :] < K, s, float("-inf"))  # tail pivots: P = 0
         p = tl.exp(s - mx[:, :, None]) * inv_sum[:, :, None]
@@ -264,8 +271,8 @@ def _bwd_dk1_kernel(
     smax_b, smax_h, smax_n, smax_m,
     ssum_b, ssum_h, ssum_n, ssum_m,
     sg_b, sg_h, sg_n, sg_k, sg_d,  # dK1 and dV1: the launcher's, same strides
-    H, N, M, K, D, scale,
-    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    H, N, M, K, D, scale_ptr,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr,
 ):
@@ -275,6 +282,7 @@ def _bwd_dk1_kernel(
     batched products over n with m as the contraction.
     """
     bh, tn, tk = _program_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K), GROUP)
+    scale = tl.load(scale_ptr)  # in ACC: a float argument would be rounded to float32
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     n_idx = tn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -295,8 +303,8 @@ def _bwd_dk1_kernel(
         user = _masked_out(mask_ptr + b * smk_b, n_idx, k_idx, smk_n, smk_k, N, K)[:, :, None]
     k_ok = (k_idx < K)[None, :, None]
 
-    dk1 = tl.zeros([BLOCK_N, BLOCK_K, BLOCK_D], tl.float32)
-    dv1 = tl.zeros([BLOCK_N, BLOCK_K, BLOCK_D], tl.float32)
+    dk1 = tl.zeros([BLOCK_N, BLOCK_K, BLOCK_D], ACC)
+    dv1 = tl.zeros([BLOCK_N, BLOCK_K, BLOCK_D], ACC)
     for m0 in range(0, M, BLOCK_M):
         m_idx = m0 + tl.arange(0, BLOCK_M)
         q = _tile3(q_ptr, n_idx, m_idx, d_idx, sq_n, sq_m, sq_d, N, M, D)  # [BN,BM,BD]
@@ -305,7 +313,7 @@ def _bwd_dk1_kernel(
         v2 = _tile3(v2_ptr, m_idx, k_idx, d_idx, sv2_m, sv2_k, sv2_d, M, K, D)
         s = tl.dot(k1, tl.permute(q, (0, 2, 1)), input_precision=PRECISION)  # [BN,BK,BM]
         s += tl.permute(tl.dot(k2, tl.permute(q, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
-        s = tl.where(user, -FLT_MAX, s * scale)
+        s = tl.where(user, _NEG_FLT_MAX, s * scale)
         mx = _tile2(max_ptr, n_idx, m_idx, smax_n, smax_m, N, M, 0.0)[:, None, :]
         sm = _tile2(sum_ptr, n_idx, m_idx, ssum_n, ssum_m, N, M, 1.0)[:, None, :]
         dr = _tile2(dr_ptr, n_idx, m_idx, M, 1, N, M, 0.0)[:, None, :]
@@ -335,8 +343,8 @@ def _bwd_dk2_kernel(
     smax_b, smax_h, smax_n, smax_m,
     ssum_b, ssum_h, ssum_n, ssum_m,
     sg_b, sg_h, sg_k, sg_m, sg_d,  # dK2 and dV2: the launcher's, same strides
-    H, N, M, K, D, scale,
-    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    H, N, M, K, D, scale_ptr,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr,
 ):
@@ -346,6 +354,7 @@ def _bwd_dk2_kernel(
     over m with n as the contraction.
     """
     bh, tk, tm = _program_tile(tl.program_id(0), tl.cdiv(K, BLOCK_K), tl.cdiv(M, BLOCK_M), GROUP)
+    scale = tl.load(scale_ptr)  # in ACC: a float argument would be rounded to float32
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     k_idx = tk * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -364,8 +373,8 @@ def _bwd_dk2_kernel(
     v2 = _tile3(v2_ptr + b * sv2_b + h * sv2_h, m_idx, k_idx, d_idx, sv2_m, sv2_k, sv2_d, M, K, D)
     k_ok = (k_idx < K)[None, :, None]
 
-    dk2 = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_D], tl.float32)
-    dv2 = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_D], tl.float32)
+    dk2 = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_D], ACC)
+    dv2 = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_D], ACC)
     for n0 in range(0, N, BLOCK_N):
         n_idx = n0 + tl.arange(0, BLOCK_N)
         q = _tile3(q_ptr, m_idx, n_idx, d_idx, sq_m, sq_n, sq_d, M, N, D)  # [BM,BN,BD]
@@ -378,7 +387,7 @@ def _bwd_dk2_kernel(
         user = tl.zeros([1, BLOCK_K, BLOCK_N], tl.int1)
         if HAS_MASK:
             user = _masked_out(mask_ptr, k_idx, n_idx, smk_k, smk_n, K, N)[None, :, :]
-            s = tl.where(user, -FLT_MAX, s)
+            s = tl.where(user, _NEG_FLT_MAX, s)
         mx = _tile2(max_ptr, m_idx, n_idx, smax_m, smax_n, M, N, 0.0)[:, None, :]
         sm = _tile2(sum_ptr, m_idx, n_idx, ssum_m, ssum_n, M, N, 1.0)[:, None, :]
         dr = _tile2(dr_ptr, m_idx, n_idx, 1, M, M, N, 0.0)[:, None, :]
@@ -397,10 +406,15 @@ def _bwd_dk2_kernel(
 # ----------------------------------------------------------------------------------------------
 # Launchers (the backend functions of docs/backends.md)
 # ----------------------------------------------------------------------------------------------
-def _precision(dtype: torch.dtype) -> str:
-    # float32 inputs get IEEE products: TF32 would cost ~3 decimal digits the reference keeps.
-    # For 16-bit inputs the option is ignored (their products are exact in float32).
-    return "ieee"
+def _launch_args(q: torch.Tensor, scale: float):
+    """(accumulation dtype, constexprs shared by every kernel, scale as a 1-element tensor)."""
+    acc = _ACC.get(q.dtype)
+    if acc is None:  # gradops.ops admits only float dtypes; reaching here is a bug
+        raise TypeError(f"Floyd attention kernels take float16, bfloat16, float32 or float64, got {q.dtype}")
+    # IEEE products for float32 and float64: TF32 would lose ~3 decimal digits the reference keeps.
+    # For 16-bit inputs the option is moot (their products are exact in float32).
+    consts = dict(PRECISION="ieee", ACC=_TL[acc])
+    return acc, consts, torch.tensor([scale], dtype=acc, device=q.device)
 
 
 def _mask_arg(mask, like: torch.Tensor):
@@ -412,23 +426,23 @@ def _mask_arg(mask, like: torch.Tensor):
     return mask, (mask.stride(0), mask.stride(2), mask.stride(4)), True
 
 
-def _check_dtype(q: torch.Tensor):
-    if q.dtype not in _TORCH_TO_TL:
-        # gradops.ops routes other dtypes (float64) to the reference; reaching here is a bug.
-        raise TypeError(f"Floyd attention kernels take float16, bfloat16 or float32, got {q.dtype}")
+def _meta(cfg):
+    return dict(BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
+                GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def floyd_attention(q, k1, v1, k2, v2, mask, scale):
-    """Forward: ``(out [B,H,N,M,D] q.dtype, softmax_max, softmax_sum [B,H,N,M] float32)``."""
-    _check_dtype(q)
+    """Forward: ``(out [B,H,N,M,D] q.dtype, softmax_max, softmax_sum [B,H,N,M] acc)``."""
+    acc, consts, scale_t = _launch_args(q, scale)
     B, H, N, M, D = q.shape
     K = k1.shape[3]
-    out = torch.empty((B, H, N, M, D), dtype=q.dtype, device=q.device)
-    softmax_max = torch.empty((B, H, N, M), dtype=torch.float32, device=q.device)
-    softmax_sum = torch.empty((B, H, N, M), dtype=torch.float32, device=q.device)
+    dev = q.device
+    out = torch.empty((B, H, N, M, D), dtype=q.dtype, device=dev)
+    softmax_max = torch.empty((B, H, N, M), dtype=acc, device=dev)
+    softmax_sum = torch.empty((B, H, N, M), dtype=acc, device=dev)
     if B * H * N * M == 0:
         return out, softmax_max, softmax_sum
-    if K == 0:  # a softmax over no pivot: nothing to attend to
+    if K == 0:  # gradops.ops refuses it; a softmax over no pivot attends to nothing
         out.zero_()
         softmax_max.fill_(-FLT_MAX)
         softmax_sum.zero_()
@@ -440,17 +454,14 @@ def floyd_attention(q, k1, v1, k2, v2, mask, scale):
         q, k1, v1, k2, v2, mask_t, out, softmax_max, softmax_sum,
         *q.stride(), *k1.stride(), *v1.stride(), *k2.stride(), *v2.stride(), *mask_strides,
         *out.stride(), *softmax_max.stride(),
-        H, N, M, K, D, float(scale),
-        HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
-        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
-        GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        H, N, M, K, D, scale_t, HAS_MASK=has_mask, **consts, **_meta(cfg),
     )
     return out, softmax_max, softmax_sum
 
 
 def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask, scale):
     """Backward: ``(dq, dk1, dv1, dk2, dv2)`` in q.dtype, deterministic (no atomics)."""
-    _check_dtype(q)
+    acc, consts, scale_t = _launch_args(q, scale)
     B, H, N, M, D = q.shape
     K = k1.shape[3]
     dev = q.device
@@ -459,42 +470,36 @@ def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, m
     dv1 = torch.empty((B, H, N, K, D), dtype=q.dtype, device=dev)
     dk2 = torch.empty((B, H, K, M, D), dtype=q.dtype, device=dev)
     dv2 = torch.empty((B, H, K, M, D), dtype=q.dtype, device=dev)
-    if B * H == 0:
-        return dq, dk1, dv1, dk2, dv2
-    if N * M * K == 0:  # every sum is over nothing
+    if B * H * N * M * K == 0:  # every sum is over nothing
         for g in (dq, dk1, dv1, dk2, dv2):
             g.zero_()
         return dq, dk1, dv1, dk2, dv2
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
-    dr = torch.empty((B, H, N, M), dtype=torch.float32, device=dev)  # rowsum(dY * Y)
-    common = dict(HAS_MASK=has_mask, PRECISION=_precision(q.dtype))
+    dr = torch.empty((B, H, N, M), dtype=acc, device=dev)  # rowsum(dY * Y), contiguous
     in_strides = (*q.stride(), *k1.stride(), *v1.stride(), *k2.stride(), *v2.stride(), *mask_strides,
                   *dy.stride())
     stat_strides = (*softmax_max.stride(), *softmax_sum.stride())
-    sizes = (H, N, M, K, D, float(scale))
+    tail = (H, N, M, K, D, scale_t)
 
-    cfg = floyd_config("bwd_dq", D)
+    cfg = floyd_config("bwd_dq", D)  # first: it writes Dr, which the other two read
     grid = (B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(M, cfg.block_m),)
     _bwd_dq_kernel[grid](
         q, k1, v1, k2, v2, mask_t, dy, out, softmax_max, softmax_sum, dr, dq,
-        *in_strides, *out.stride(), *stat_strides, *dq.stride(), *sizes,
-        **common, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
-        BLOCK_D=cfg.block_d, GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        *in_strides, *out.stride(), *stat_strides, *dq.stride(), *tail,
+        HAS_MASK=has_mask, **consts, **_meta(cfg),
     )
     cfg = floyd_config("bwd_dk1", D)
     grid = (B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(K, cfg.block_k),)
     _bwd_dk1_kernel[grid](
         q, k1, v1, k2, v2, mask_t, dy, softmax_max, softmax_sum, dr, dk1, dv1,
-        *in_strides, *stat_strides, *dk1.stride(), *sizes,
-        **common, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
-        BLOCK_D=cfg.block_d, GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        *in_strides, *stat_strides, *dk1.stride(), *tail,
+        HAS_MASK=has_mask, **consts, **_meta(cfg),
     )
     cfg = floyd_config("bwd_dk2", D)
     grid = (B * H * triton.cdiv(K, cfg.block_k) * triton.cdiv(M, cfg.block_m),)
     _bwd_dk2_kernel[grid](
         q, k1, v1, k2, v2, mask_t, dy, softmax_max, softmax_sum, dr, dk2, dv2,
-        *in_strides, *stat_strides, *dk2.stride(), *sizes,
-        **common, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
-        BLOCK_D=cfg.block_d, GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        *in_strides, *stat_strides, *dk2.stride(), *tail,
+        HAS_MASK=has_mask, **consts, **_meta(cfg),
     )
     return dq, dk1, dv1, dk2, dv2
