@@ -1,0 +1,252 @@
+"""The Floyd attention Triton kernels (gradops/kernels/floyd_attention.py).
+
+On CPU they run through the Triton interpreter (tests/conftest.py switches it on), at tiny
+shapes with tails on every axis; GRADOPS_TEST_DEVICE=cuda runs the same tests compiled.
+Two independent oracles: a float64 einsum formulation written here, differentiated by
+autograd (so the backward is checked against the exact derivative, not our formula), and
+the chunked reference backend (gradops.reference.floyd_attention).
+
+Tolerances, relative to the largest magnitude of the expected tensor:
+- float32 / float64 inputs: every product is IEEE in the input precision with sums over at
+  most D*K ~ 1e3 terms; 2e-5 (float32) is ~170 ulps of headroom over that bound's typical
+  size, 1e-12 for float64.
+- float16 inputs: the kernels round P and dS to float16 before their products (as every
+  flash-attention kernel does) and round the results to float16: a few units of 2^-11 each;
+  4e-3 (~8 ulps of float16).
+- the statistics are float32 whatever the input dtype, computed from the same (already
+  rounded) inputs: 1e-5 relative; masked rows exactly -FLT_MAX and K.
+"""
+import pytest
+import torch
+
+import gradops
+from gradops.reference import floyd_attention as reference
+
+kernels = pytest.importorskip("gradops.kernels.floyd_attention")
+
+FLT_MAX = 3.4028234663852886e38
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float64: 1e-12}
+
+
+# ---------------------------------------------------------------------------------------------
+# The float64 oracle: FloydNet's einsum formulation, differentiated by autograd
+# ---------------------------------------------------------------------------------------------
+def oracle_forward(q, k1, v1, k2, v2, mask, scale):
+    s = (torch.einsum("bhnmd,bhnkd->bhnmk", q, k1) + torch.einsum("bhnmd,bhkmd->bhnmk", q, k2)) * scale
+    if mask is not None:  # a masked score is the constant -FLT_MAX (CANN): no gradient through it
+        s = s.masked_fill(mask, -FLT_MAX)
+    row_max = s.amax(dim=-1, keepdim=True).detach()
+    e = torch.exp(s - row_max)
+    row_sum = e.sum(dim=-1, keepdim=True)
+    p = e / row_sum
+    y = torch.einsum("bhnmk,bhnkd->bhnmd", p, v1) + torch.einsum("bhnmk,bhkmd->bhnmd", p, v2)
+    return y, row_max[..., 0], row_sum[..., 0]
+
+
+def oracle(inputs, dy, mask, scale):
+    """(out, max, sum, (dq, dk1, dv1, dk2, dv2)) in float64 from the (rounded) inputs."""
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    y, mx, sm = oracle_forward(*leaves, mask, scale)
+    grads = torch.autograd.grad(y, leaves, dy.double())
+    return y.detach(), mx.detach(), sm.detach(), grads
+
+
+def make_inputs(b, h, n, m, k, d, dtype, device, mask_kind=None):
+    gen = torch.Generator().manual_seed(b * 1000003 + h * 10007 + n * 101 + m * 11 + k + 7 * d)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
+
+    q = rnd(b, h, n, m, d)
+    k1, v1 = rnd(b, h, n, k, d), rnd(b, h, n, k, d)
+    k2, v2 = rnd(b, h, k, m, d), rnd(b, h, k, m, d)
+    dy = rnd(b, h, n, m, d)
+    mask = None
+    if mask_kind is not None:
+        mask = torch.rand(b, 1, n, 1, k, generator=gen) < 0.35
+        if mask_kind == "full_rows":  # every pivot of some rows masked: uniform softmax there
+            mask[0, 0, 0] = True
+            if n > 2:
+                mask[-1, 0, n // 2] = True
+        mask = mask.to(device)
+    return (q, k1, v1, k2, v2), dy, mask
+
+
+def assert_close(actual, expected, tol, name):
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{name}: non-finite values"
+    bound = tol * max(1.0, expected.abs().max().item()) if expected.numel() else 0.0
+    err = (actual - expected).abs().max().item() if expected.numel() else 0.0
+    assert err <= bound, f"{name}: max abs error {err:.3g} > {bound:.3g}"
+
+
+def assert_stats(mx, sm, mx_ref, sm_ref, mask, k, name):
+    assert mx.dtype == sm.dtype
+    mx, sm, mx_ref, sm_ref = (t.double().cpu() for t in (mx, sm, mx_ref, sm_ref))
+    masked_rows = mx_ref == -FLT_MAX
+    if mask is not None:  # rows whose every pivot is masked: exactly CANN's values
+        full = mask.cpu().all(dim=-1).expand_as(mx_ref)  # [B,1,N,1] -> [B,H,N,M]
+        assert torch.equal(masked_rows, full)
+        assert (mx[full] == -FLT_MAX).all(), f"{name}: fully masked rows must have max -FLT_MAX"
+        assert (sm[full] == k).all(), f"{name}: fully masked rows must have sum K"
+    live = ~masked_rows
+    assert_close(mx[live], mx_ref[live], 1e-5, f"{name} softmax_max")
+    assert_close(sm[live], sm_ref[live], 1e-5, f"{name} softmax_sum")
+
+
+def run_kernels(inputs, dy, mask, scale):
+    out, mx, sm = kernels.floyd_attention(*inputs, mask, scale)
+    grads = kernels.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, scale)
+    return out, mx, sm, grads
+
+
+GRAD_NAMES = ("dq", "dk1", "dv1", "dk2", "dv2")
+
+# (B, H, N, M, K, D): single elements, odd sizes, tails past one tile on N, M and K, several
+# k-steps of the loops (K=70 at D=8 is two forward steps of 64; D=72 pads to 128 and steps
+# by 16), head dims that are not powers of two.
+SHAPES = [
+    (1, 1, 1, 1, 1, 1),
+    (2, 3, 5, 7, 3, 8),
+    (1, 2, 19, 21, 23, 20),
+    (2, 1, 17, 3, 70, 8),
+    (1, 1, 3, 18, 33, 72),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mask_kind", [None, "random", "full_rows"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_against_float64_autograd(shape, mask_kind, dtype, device):
+    b, h, n, m, k, d = shape
+    inputs, dy, mask = make_inputs(*shape, dtype, device, mask_kind)
+    scale = 0.37
+    out, mx, sm, grads = run_kernels(inputs, dy, mask, scale)
+    y_ref, mx_ref, sm_ref, grads_ref = oracle(inputs, dy, mask, scale)
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    assert mx.dtype == torch.float32 and mx.shape == (b, h, n, m)
+    tol = TOL[dtype]
+    assert_close(out, y_ref, tol, "out")
+    assert_stats(mx, sm, mx_ref, sm_ref, mask, k, "stats")
+    for g, g_ref, name in zip(grads, grads_ref, GRAD_NAMES):
+        assert g.shape == g_ref.shape
+        assert_close(g, g_ref, tol, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_against_reference_backend(dtype, device):
+    shape = (2, 2, 18, 17, 19, 20)
+    inputs, dy, mask = make_inputs(*shape, dtype, device, "full_rows")
+    scale = 1.3
+    out, mx, sm, grads = run_kernels(inputs, dy, mask, scale)
+    r_out, r_mx, r_sm = reference.floyd_attention(*inputs, mask, scale)
+    # The reference's backward from the kernels' own forward: the two backends must agree
+    # on the same statistics, and the kernels' statistics must match the reference's.
+    r_grads = reference.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, scale)
+    tol = TOL[dtype]
+    assert_close(out, r_out, tol, "out")
+    assert_stats(mx, sm, r_mx, r_sm, mask, shape[4], "stats")
+    for g, g_ref, name in zip(grads, r_grads, GRAD_NAMES):
+        assert_close(g, g_ref, tol, name)
+
+
+def test_fully_masked_row_gradients(device):
+    """dS is zero where masked: Q, K1, K2 get nothing from a fully masked row; V1, V2 get P*dY."""
+    inputs, dy, _ = make_inputs(1, 2, 4, 5, 6, 8, torch.float32, device)
+    mask = torch.zeros(1, 1, 4, 1, 6, dtype=torch.bool, device=device)
+    mask[0, 0, 1] = True  # row n = 1: every pivot masked
+    out, mx, sm, (dq, dk1, dv1, dk2, dv2) = run_kernels(inputs, dy, mask, 0.5)
+    assert (dq[:, :, 1] == 0).all() and (dk1[:, :, 1] == 0).all()
+    # uniform softmax: Y[1,m] = mean_k (V1[1,k] + V2[k,m]); dV1[1,k] = sum_m dY[1,m] / K
+    q, k1, v1, k2, v2 = inputs
+    assert_close(out[:, :, 1], (v1[:, :, 1].mean(dim=2, keepdim=True) + v2.mean(dim=2)), 2e-5, "uniform Y")
+    assert_close(dv1[:, :, 1], dy[:, :, 1].sum(dim=2, keepdim=True).expand(-1, -1, 6, -1) / 6, 2e-5, "dV1")
+    # with only row 1 masked and dS zero there, dK2 equals the gradient computed without row 1
+    rows = [0, 2, 3]
+    _, _, _, grads_sub = oracle((q[:, :, rows], k1[:, :, rows], v1[:, :, rows], k2, v2), dy[:, :, rows], None, 0.5)
+    assert_close(dk2, grads_sub[3], 2e-5, "dK2 without the masked row")
+
+
+def test_non_contiguous_inputs_and_cann_statistics(device):
+    """Views with arbitrary strides, and statistics read from CANN's [B,H,N,M,8] layout."""
+    b, h, n, m, k, d = 2, 2, 9, 11, 13, 12
+    inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.float32, device, "random")
+    views = []
+    for t in inputs + (dy,):
+        # the same values stored with their two middle axes swapped, then viewed back
+        views.append(t.transpose(2, 3).contiguous().transpose(2, 3))
+    assert not views[0].is_contiguous()
+    # the mask stored [K, N, B] and viewed as [B, 1, N, 1, K]
+    mask_view = mask[:, 0, :, 0, :].permute(2, 1, 0).contiguous().permute(2, 1, 0)[:, None, :, None, :]
+    assert torch.equal(mask_view, mask) and not mask_view.is_contiguous()
+    out, mx, sm = kernels.floyd_attention(*views[:5], mask_view, 0.8)
+    out_c, mx_c, sm_c = kernels.floyd_attention(*inputs, mask, 0.8)
+    assert torch.equal(out, out_c) and torch.equal(mx, mx_c) and torch.equal(sm, sm_c)
+    mx8 = mx.unsqueeze(-1).expand(b, h, n, m, 8).contiguous()
+    sm8 = sm.unsqueeze(-1).expand(b, h, n, m, 8).contiguous()
+    g = kernels.floyd_attention_grad(views[5], *views[:5], out.transpose(2, 3).contiguous().transpose(2, 3),
+                                     mx8[..., 0], sm8[..., 0], mask_view, 0.8)
+    g_c = kernels.floyd_attention_grad(dy, *inputs, out_c, mx_c, sm_c, mask, 0.8)
+    for a, c, name in zip(g, g_c, GRAD_NAMES):
+        assert torch.equal(a, c), name
+
+
+def test_deterministic(device):
+    inputs, dy, mask = make_inputs(1, 2, 20, 18, 37, 16, torch.float16, device, "random")
+    first = run_kernels(inputs, dy, mask, 0.6)
+    second = run_kernels(inputs, dy, mask, 0.6)
+    flat = lambda r: [r[0], r[1], r[2], *r[3]]  # noqa: E731
+    for a, b_ in zip(flat(first), flat(second)):
+        assert torch.equal(a, b_)
+
+
+def test_float64(device):
+    shape = (1, 2, 6, 17, 5, 8)
+    inputs, dy, mask = make_inputs(*shape, torch.float64, device, "full_rows")
+    out, mx, sm, grads = run_kernels(inputs, dy, mask, 0.9)
+    y_ref, mx_ref, sm_ref, grads_ref = oracle(inputs, dy, mask, 0.9)
+    assert mx.dtype == torch.float64 and out.dtype == torch.float64
+    assert_close(out, y_ref, 1e-12, "out")
+    assert (mx[mx_ref == -FLT_MAX] == -FLT_MAX).all()
+    for g, g_ref, name in zip(grads, grads_ref, GRAD_NAMES):
+        assert_close(g, g_ref, 1e-12, name)
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 3, 4, 5, 8), (1, 1, 0, 4, 5, 8), (1, 1, 3, 0, 5, 8)])
+def test_empty(shape, device):
+    b, h, n, m, k, d = shape
+    inputs, dy, _ = make_inputs(*shape, torch.float32, device)
+    out, mx, sm, grads = run_kernels(inputs, dy, None, 1.0)
+    assert out.shape == (b, h, n, m, d) and mx.shape == (b, h, n, m)
+    for g, t in zip(grads, inputs):
+        assert g.shape == t.shape and (g == 0).all()  # sums over nothing
+
+
+def test_public_api_runs_the_kernels(device):
+    """gradops.floyd_attention(backend="triton") dispatches here; uint8 mask, CANN stats."""
+    shape = (1, 2, 5, 6, 7, 8)
+    inputs, dy, mask = make_inputs(*shape, torch.float32, device, "full_rows")
+    out, mx, sm = gradops.floyd_attention(*inputs, mask.to(torch.uint8), 0.5, backend="triton")
+    k_out, k_mx, k_sm = kernels.floyd_attention(*inputs, mask, 0.5)
+    assert torch.equal(out, k_out) and torch.equal(mx, k_mx) and torch.equal(sm, k_sm)
+    mx8 = mx.unsqueeze(-1).expand(*mx.shape, 8).contiguous()
+    sm8 = sm.unsqueeze(-1).expand(*sm.shape, 8).contiguous()
+    grads = gradops.floyd_attention_grad(dy, *inputs, out, mx8, sm8, mask, 0.5, backend="triton")
+    for g, g_k in zip(grads, kernels.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, 0.5)):
+        assert torch.equal(g, g_k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="bfloat16 tl.dot is wrong in the Triton interpreter (triton issue 11584): CUDA only")
+def test_bfloat16_cuda(device):
+    if device != "cuda":
+        pytest.skip("run with GRADOPS_TEST_DEVICE=cuda")
+    shape = (2, 2, 33, 40, 70, 64)
+    inputs, dy, mask = make_inputs(*shape, torch.bfloat16, device, "full_rows")
+    out, mx, sm, grads = run_kernels(inputs, dy, mask, 0.125)
+    y_ref, mx_ref, sm_ref, grads_ref = oracle(inputs, dy, mask, 0.125)
+    assert_close(out, y_ref, TOL[torch.bfloat16], "out")
+    assert_stats(mx, sm, mx_ref, sm_ref, mask, shape[4], "stats")
+    for g, g_ref, name in zip(grads, grads_ref, GRAD_NAMES):
+        assert_close(g, g_ref, TOL[torch.bfloat16], name)
