@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import gradops
+from gradops.kernels import floyd_config as config
 from gradops.reference import floyd_attention as reference
 
 kernels = pytest.importorskip("gradops.kernels.floyd_attention")
@@ -132,6 +133,37 @@ def test_against_float64_autograd(shape, mask_kind, dtype, device):
     for g, g_ref, name in zip(grads, grads_ref, GRAD_NAMES):
         assert g.shape == g_ref.shape
         assert_close(g, g_ref, tol, name)
+
+
+def test_small_tiles_many_programs(monkeypatch, device):
+    """Tiles of 4 (8 on K) and loop steps of 16 with a grouped program order of 2: several
+    tiles on every axis, partial groups, several loop steps in every kernel."""
+    small = {"fwd": dict(block_n=4, block_m=4, block_k=16), "bwd_dq": dict(block_n=4, block_m=4, block_k=16),
+             "bwd_dk1": dict(block_n=4, block_m=16, block_k=8), "bwd_dk2": dict(block_n=16, block_m=4, block_k=8)}
+    for kernel, sizes in small.items():
+        monkeypatch.setitem(config.OVERRIDES, kernel, dict(sizes, group=2))
+    shape = (1, 1, 11, 9, 33, 8)
+    inputs, dy, mask = make_inputs(*shape, torch.float32, device, "full_rows")
+    out, mx, sm, grads = run_kernels(inputs, dy, mask, 0.7)
+    y_ref, mx_ref, sm_ref, grads_ref = oracle(inputs, dy, mask, 0.7)
+    assert_close(out, y_ref, TOL[torch.float32], "out")
+    assert_stats(mx, sm, mx_ref, sm_ref, mask, shape[4], "stats")
+    for g, g_ref, name in zip(grads, grads_ref, GRAD_NAMES):
+        assert_close(g, g_ref, TOL[torch.float32], name)
+
+
+@pytest.mark.parametrize("element_size", [2, 4, 8])
+@pytest.mark.parametrize("head_dim", [1, 8, 20, 32, 64, 100, 128, 256])
+def test_config_bounds(head_dim, element_size):
+    for kernel in config.KERNELS:
+        cfg = config.floyd_config(kernel, head_dim, element_size)
+        assert cfg.block_d >= max(16, head_dim) and cfg.block_d & (cfg.block_d - 1) == 0
+        # every contraction of a tl.dot here is block_d or the loop step: >= 16 for any Triton
+        step = {"fwd": cfg.block_k, "bwd_dq": cfg.block_k, "bwd_dk1": cfg.block_m, "bwd_dk2": cfg.block_n}[kernel]
+        assert step >= 16
+        side = min(cfg.block_n, cfg.block_m, cfg.block_k)
+        if side * 16 * cfg.block_d * element_size <= config.OPERAND_BYTES:
+            assert side * step * cfg.block_d * element_size <= config.OPERAND_BYTES
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -250,3 +282,12 @@ def test_bfloat16_cuda(device):
     assert_stats(mx, sm, mx_ref, sm_ref, mask, shape[4], "stats")
     for g, g_ref, name in zip(grads, grads_ref, GRAD_NAMES):
         assert_close(g, g_ref, TOL[torch.bfloat16], name)
+
+
+def test_bench_quick_runs(capsys):
+    from gradops.bench import floyd as bench
+
+    assert bench.main(["--device", "cpu", "--quick", "--shape", "1,1,4,5,6,8", "--reps", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "floyd_fwd" in text and "floyd_bwd" in text and "einsum" in text and "reference" in text
+    assert bench.fwd_flops((1, 2, 3, 4, 5, 6)) == 8 * 720 and bench.bwd_flops((1, 2, 3, 4, 5, 6)) == 20 * 720

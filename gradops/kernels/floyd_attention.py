@@ -411,9 +411,10 @@ def _launch_args(q: torch.Tensor, scale: float):
     acc = _ACC.get(q.dtype)
     if acc is None:  # gradops.ops admits only float dtypes; reaching here is a bug
         raise TypeError(f"Floyd attention kernels take float16, bfloat16, float32 or float64, got {q.dtype}")
-    # IEEE products for float32 and float64: TF32 would lose ~3 decimal digits the reference keeps.
-    # For 16-bit inputs the option is moot (their products are exact in float32).
-    consts = dict(PRECISION="ieee", ACC=_TL[acc])
+    # IEEE products for float32 and float64: TF32 would lose ~3 decimal digits the reference
+    # keeps. 16-bit inputs keep the default (their products are exact in float32 anyway).
+    precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
+    consts = dict(PRECISION=precision, ACC=_TL[acc])
     return acc, consts, torch.tensor([scale], dtype=acc, device=q.device)
 
 
@@ -447,7 +448,7 @@ def floyd_attention(q, k1, v1, k2, v2, mask, scale):
         softmax_max.fill_(-FLT_MAX)
         softmax_sum.zero_()
         return out, softmax_max, softmax_sum
-    cfg = floyd_config("fwd", D)
+    cfg = floyd_config("fwd", D, q.element_size())
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
     grid = (B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(M, cfg.block_m),)
     _fwd_kernel[grid](
@@ -481,21 +482,21 @@ def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, m
     stat_strides = (*softmax_max.stride(), *softmax_sum.stride())
     tail = (H, N, M, K, D, scale_t)
 
-    cfg = floyd_config("bwd_dq", D)  # first: it writes Dr, which the other two read
+    cfg = floyd_config("bwd_dq", D, q.element_size())  # first: it writes Dr, which the other two read
     grid = (B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(M, cfg.block_m),)
     _bwd_dq_kernel[grid](
         q, k1, v1, k2, v2, mask_t, dy, out, softmax_max, softmax_sum, dr, dq,
         *in_strides, *out.stride(), *stat_strides, *dq.stride(), *tail,
         HAS_MASK=has_mask, **consts, **_meta(cfg),
     )
-    cfg = floyd_config("bwd_dk1", D)
+    cfg = floyd_config("bwd_dk1", D, q.element_size())
     grid = (B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(K, cfg.block_k),)
     _bwd_dk1_kernel[grid](
         q, k1, v1, k2, v2, mask_t, dy, softmax_max, softmax_sum, dr, dk1, dv1,
         *in_strides, *stat_strides, *dk1.stride(), *tail,
         HAS_MASK=has_mask, **consts, **_meta(cfg),
     )
-    cfg = floyd_config("bwd_dk2", D)
+    cfg = floyd_config("bwd_dk2", D, q.element_size())
     grid = (B * H * triton.cdiv(K, cfg.block_k) * triton.cdiv(M, cfg.block_m),)
     _bwd_dk2_kernel[grid](
         q, k1, v1, k2, v2, mask_t, dy, softmax_max, softmax_sum, dr, dk2, dv2,

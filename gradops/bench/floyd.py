@@ -1,0 +1,249 @@
+"""Benchmark of Floyd (pivotal) attention, forward and backward: ``gradops bench floyd``.
+
+Implementations measured side by side, same process, same inputs:
+
+- ``gradops``: the Triton kernels (backend="triton"; on CPU only with ``--interpret``, and
+  then only to see that it runs: interpreter timings mean nothing);
+- ``reference``: the chunked PyTorch reference (backend="reference"), bounded memory;
+- ``einsum``: FloydNet's formulation (two einsums for the scores, softmax, two einsums for
+  the output) under autograd: it materialises the [B,H,N,M,K] scores, so it runs out of
+  memory where the others do not (recorded as an error, not a crash);
+- ``compiled``: ``torch.compile`` of that formulation (CUDA only).
+
+Forward FLOP 8*B*H*N*M*K*D, backward 20*B*H*N*M*K*D (PERFORMANCE.md). The backward of
+``gradops``/``reference`` is the standalone grad operator fed with its forward's outputs;
+the backward of ``einsum``/``compiled`` is ``autograd.grad`` on a retained graph.
+Defaults: on CUDA bfloat16 and the shapes of issue 6 (N = M = K in 128..1024, D in 32, 64,
+128), a JSON file under benchmarks/results/; ``--quick`` runs a few tiny float32 shapes
+on the CPU in well under a minute (reference against einsum).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import sys
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .harness import OURS, Run, progress
+
+FAMILY = "floyd"
+IMPLS = (OURS, "reference", "einsum", "compiled")
+Shape = Tuple[int, int, int, int, int, int]  # B, H, N, M, K, D
+
+
+def fwd_flops(shape: Shape) -> float:
+    b, h, n, m, k, d = shape
+    return 8.0 * b * h * n * m * k * d
+
+
+def bwd_flops(shape: Shape) -> float:
+    b, h, n, m, k, d = shape
+    return 20.0 * b * h * n * m * k * d
+
+
+def default_shapes(quick: bool, device: str) -> List[Shape]:
+    if quick or not device.startswith("cuda"):
+        return [(1, 2, 16, 16, 16, 16), (1, 2, 32, 32, 32, 32), (2, 4, 48, 48, 48, 32)]
+    shapes = []
+    for d in (32, 64, 128):
+        for s in (128, 256, 512, 1024):
+            # B*H shrinks as the cube grows, keeping each case between ~0.1 and ~5 TFLOP
+            b, h = {128: (4, 16), 256: (2, 16), 512: (1, 8), 1024: (1, 4)}[s]
+            shapes.append((b, h, s, s, s, d))
+    return shapes
+
+
+def parse_shape(text: str) -> Shape:
+    parts = [int(p) for p in text.replace("x", ",").split(",")]
+    if len(parts) != 6 or min(parts) < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: expected B,H,N,M,K,D (all >= 1)")
+    return tuple(parts)  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# FloydNet's formulation: everything materialised, differentiated by autograd
+# ---------------------------------------------------------------------------------------------
+def floyd_einsum(q, k1, v1, k2, v2, mask, scale):
+    scores = torch.einsum("bhnmd,bhnkd->bhnmk", q, k1) + torch.einsum("bhnmd,bhkmd->bhnmk", q, k2)
+    scores = scores * scale
+    if mask is not None:
+        scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
+    p = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhnmk,bhnkd->bhnmd", p, v1) + torch.einsum("bhnmk,bhkmd->bhnmd", p, v2)
+
+
+def make_inputs(shape: Shape, dtype: torch.dtype, device: str, masked: bool):
+    b, h, n, m, k, d = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    q = rnd(b, h, n, m, d)
+    k1, v1, k2, v2 = rnd(b, h, n, k, d), rnd(b, h, n, k, d), rnd(b, h, k, m, d), rnd(b, h, k, m, d)
+    dy = rnd(b, h, n, m, d)
+    mask = None
+    if masked:
+        mask = torch.rand(b, 1, n, 1, k, generator=gen, device=device) < 0.1
+    return (q, k1, v1, k2, v2), dy, mask
+
+
+def _gradops_fns(backend: str, inputs, dy, mask, scale):
+    import gradops
+
+    def fwd():
+        return gradops.floyd_attention(*inputs, mask, scale, backend=backend)
+
+    out, mx, sm = fwd()
+
+    def bwd():
+        return gradops.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, scale, backend=backend)
+
+    return fwd, bwd
+
+
+def _autograd_fns(fn: Callable, inputs, dy, mask, scale):
+    leaves = [t.detach().requires_grad_() for t in inputs]
+
+    def fwd():
+        return fn(*leaves, mask, scale)
+
+    y = fwd()
+
+    def bwd():
+        return torch.autograd.grad(y, leaves, dy, retain_graph=True)
+
+    return fwd, bwd
+
+
+def implementations(names: Sequence[str], device: str) -> Dict[str, Callable]:
+    """name -> builder(inputs, dy, mask, scale) -> (fwd, bwd)."""
+    builders: Dict[str, Callable] = {}
+    compiled_fn = None
+    for name in names:
+        if name == OURS:
+            builders[name] = lambda *a: _gradops_fns("triton", *a)
+        elif name == "reference":
+            builders[name] = lambda *a: _gradops_fns("reference", *a)
+        elif name == "einsum":
+            builders[name] = lambda *a: _autograd_fns(floyd_einsum, *a)
+        elif name == "compiled":
+            if compiled_fn is None:
+                compiled_fn = torch.compile(floyd_einsum, dynamic=False)
+            builders[name] = lambda *a, _f=compiled_fn: _autograd_fns(_f, *a)
+    return builders
+
+
+def default_impls(device: str, interpret: bool) -> List[str]:
+    if device.startswith("cuda"):
+        return list(IMPLS)
+    return ([OURS] if interpret else []) + ["reference", "einsum"]
+
+
+def run(shapes: Sequence[Shape], dtype: torch.dtype, device: str, impls: Sequence[str], *,
+        masked: bool, scale: Optional[float], directions: Sequence[str], reps: int, warmup: int,
+        max_seconds: float, memory: bool) -> Run:
+    bench = Run(FAMILY, device)
+    builders = implementations(impls, device)
+    for shape in progress(shapes, "floyd"):
+        b, h, n, m, k, d = shape
+        case = {"B": b, "H": h, "N": n, "M": m, "K": k, "D": d, "dtype": str(dtype).replace("torch.", ""),
+                "mask": masked}
+        inputs, dy, mask = make_inputs(shape, dtype, device, masked)
+        sc = d ** -0.5 if scale is None else scale
+        for name, build in builders.items():
+            try:
+                fwd, bwd = build(inputs, dy, mask, sc)
+            except Exception as e:  # e.g. out of memory building the peer's graph: a result
+                for direction in directions:
+                    bench.time(f"floyd_{direction}", case, name, _raiser(e))
+                _free(device)
+                continue
+            for direction in directions:
+                fn, flops = (fwd, fwd_flops(shape)) if direction == "fwd" else (bwd, bwd_flops(shape))
+                bench.time(f"floyd_{direction}", case, name, fn, flops=flops, memory=memory,
+                           reps=reps, warmup=warmup, max_seconds=max_seconds, flush_l2=False)
+            del fwd, bwd
+            _free(device)
+    return bench
+
+
+def _raiser(error: Exception):
+    def fn():
+        raise error
+    return fn
+
+
+def _free(device: str):
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="gradops bench floyd", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                        help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--quick", action="store_true", help="a few tiny shapes, < 1 minute on a CPU")
+    parser.add_argument("--shape", action="append", type=parse_shape, metavar="B,H,N,M,K,D",
+                        help="a case (repeatable; default: the issue's grid on CUDA, tiny ones on CPU)")
+    parser.add_argument("--impl", action="append", choices=IMPLS,
+                        help="only these implementations (repeatable)")
+    parser.add_argument("--direction", action="append", choices=["fwd", "bwd"], help="default: both")
+    parser.add_argument("--mask", action="store_true", help="a random [B,1,N,1,K] mask (10%% masked)")
+    parser.add_argument("--scale", type=float, help="default: D**-0.5")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--json", help="where to write the results (default on CUDA: "
+                                       "benchmarks/results/floyd-<gpu>-<date>.json)")
+    parser.add_argument("--no-json", action="store_true")
+    parser.add_argument("--plot", help="PNG of TFLOP/s against N")
+    parser.add_argument("--interpret", action="store_true",
+                        help="on CPU, also run the Triton kernels through the interpreter (slow; "
+                             "TRITON_INTERPRET=1 must be set before triton is imported: "
+                             "`gradops bench floyd --interpret` does it)")
+    args = parser.parse_args(argv)
+
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("gradops bench floyd: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    on_gpu = device == "cuda"
+    dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
+    impls = args.impl or default_impls(device, args.interpret)
+    if not on_gpu:
+        if "compiled" in impls:
+            print("gradops bench floyd: skipping 'compiled' on CPU (compile time dwarfs the run)",
+                  file=sys.stderr)
+            impls = [i for i in impls if i != "compiled"]
+        if OURS in impls and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            print("gradops bench floyd: the Triton kernels need CUDA, or --interpret on CPU",
+                  file=sys.stderr)
+            impls = [i for i in impls if i != OURS]
+    shapes = args.shape or default_shapes(args.quick, device)
+    quick = args.quick or not on_gpu
+    reps = args.reps or (5 if quick else 20)
+    bench = run(shapes, dtype, device, impls, masked=args.mask, scale=args.scale,
+                directions=args.direction or ["fwd", "bwd"], reps=reps, warmup=1 if quick else 3,
+                max_seconds=2.0 if quick else 10.0, memory=on_gpu)
+    print(bench.table())
+    if not on_gpu:
+        print("(CPU timings: the Triton kernels' real speed is only measured on a GPU)")
+    json_path = args.json
+    if json_path is None and on_gpu and not args.no_json:
+        gpu = torch.cuda.get_device_name().replace(" ", "_")
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        json_path = os.path.join("benchmarks", "results", f"floyd-{gpu}-{stamp}.json")
+    if json_path and not args.no_json:
+        print(f"wrote {bench.write_json(json_path)}")
+    if args.plot:
+        print(f"plot: {bench.plot(args.plot, 'N', metric='tflops', group_keys=('op', 'D'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
