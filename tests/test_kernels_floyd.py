@@ -159,11 +159,23 @@ def test_config_bounds(head_dim, element_size):
         cfg = config.floyd_config(kernel, head_dim, element_size)
         assert cfg.block_d >= max(16, head_dim) and cfg.block_d & (cfg.block_d - 1) == 0
         # every contraction of a tl.dot here is block_d or the loop step: >= 16 for any Triton
-        step = {"fwd": cfg.block_k, "bwd_dq": cfg.block_k, "bwd_dk1": cfg.block_m, "bwd_dk2": cfg.block_n}[kernel]
+        looped = {"fwd": "block_k", "bwd_dq": "block_k", "bwd_dk1": "block_m", "bwd_dk2": "block_n"}[kernel]
+        step = getattr(cfg, looped)
         assert step >= 16
-        side = min(cfg.block_n, cfg.block_m, cfg.block_k)
-        if side * 16 * cfg.block_d * element_size <= config.OPERAND_BYTES:
-            assert side * step * cfg.block_d * element_size <= config.OPERAND_BYTES
+        sides = [getattr(cfg, f) for f in ("block_n", "block_m", "block_k") if f != looped]
+        smallest = min(config.TILES[-1]) * max(config.TILES[-1]) * cfg.block_d
+        if smallest <= config.REGISTER_ELEMENTS[kernel] and \
+                max(config.TILES[-1]) * 16 * cfg.block_d * element_size <= config.OPERAND_BYTES:
+            assert sides[0] * sides[1] * cfg.block_d <= config.REGISTER_ELEMENTS[kernel]
+            assert max(sides) * step * cfg.block_d * element_size <= config.OPERAND_BYTES
+
+
+def test_config_overrides(monkeypatch):
+    monkeypatch.setitem(config.OVERRIDES, "fwd", {"block_k": 128, "num_warps": 2})
+    cfg = config.floyd_config("fwd", 64)
+    assert cfg.block_k == 128 and cfg.num_warps == 2
+    monkeypatch.setenv("GRADOPS_FLOYD_CONFIG", '{"bwd_dq": {"group": 3}}')
+    assert config.floyd_config("bwd_dq", 64).group == 3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
