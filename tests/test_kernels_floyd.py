@@ -236,6 +236,28 @@ def test_non_contiguous_inputs_and_cann_statistics(device):
         assert torch.equal(a, c), name
 
 
+def test_int64_index_path(monkeypatch, device):
+    """Tensors whose offsets pass 2^31 get int64 index vectors; same results as int32."""
+    import triton.language as tl
+
+    inputs, dy, mask = make_inputs(1, 2, 9, 10, 11, 8, torch.float32, device, "full_rows")
+    narrow = run_kernels(inputs, dy, mask, 0.4)
+    index_dtype = kernels._index_dtype
+    monkeypatch.setattr(kernels, "_index_dtype", lambda *tensors: tl.int64)
+    wide = run_kernels(inputs, dy, mask, 0.4)
+    for a, b_ in zip([*narrow[:3], *narrow[3]], [*wide[:3], *wide[3]]):
+        assert torch.equal(a, b_)
+    class Big:  # the shape and strides of a view whose (b, h) slice spans 2^31 elements
+        shape = (1, 1, 2, 2, 2)
+
+        @staticmethod
+        def stride():
+            return (0, 0, 2**30, 1, 1)
+
+    assert index_dtype(Big()) is tl.int64
+    assert index_dtype(inputs[0], None) is tl.int32
+
+
 def test_deterministic(device):
     inputs, dy, mask = make_inputs(1, 2, 20, 18, 37, 16, torch.float16, device, "random")
     first = run_kernels(inputs, dy, mask, 0.6)

@@ -55,31 +55,34 @@ _TL = {torch.float32: tl.float32, torch.float64: tl.float64}
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _tile3(ptr, i0, i1, i2, s0, s1, s2, n0, n1, n2):
-    """Load ptr[i0, i1, i2] (strides s*), zero past the bounds n*: a [len(i0), len(i1), len(i2)] tile."""
-    offs = (i0.to(tl.int64)[:, None, None] * s0 + i1.to(tl.int64)[None, :, None] * s1
-            + i2.to(tl.int64)[None, None, :] * s2)
+    """Load ptr[i0, i1, i2] (strides s*), zero past the bounds n*: a [len(i0), len(i1), len(i2)] tile.
+
+    The index vectors are int32, or int64 when some offset inside one (b, h) slice can pass
+    2^31 (the launcher decides: ``IDX``); 64-bit offsets cost registers the tiles need."""
+    offs = (i0[:, None, None] * s0 + i1[None, :, None] * s1
+            + i2[None, None, :] * s2)
     inside = (i0 < n0)[:, None, None] & (i1 < n1)[None, :, None] & (i2 < n2)[None, None, :]
     return tl.load(ptr + offs, mask=inside, other=0.0)
 
 
 @triton.jit
 def _store3(ptr, value, i0, i1, i2, s0, s1, s2, n0, n1, n2):
-    offs = (i0.to(tl.int64)[:, None, None] * s0 + i1.to(tl.int64)[None, :, None] * s1
-            + i2.to(tl.int64)[None, None, :] * s2)
+    offs = (i0[:, None, None] * s0 + i1[None, :, None] * s1
+            + i2[None, None, :] * s2)
     inside = (i0 < n0)[:, None, None] & (i1 < n1)[None, :, None] & (i2 < n2)[None, None, :]
     tl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
 def _tile2(ptr, i0, i1, s0, s1, n0, n1, other):
-    offs = i0.to(tl.int64)[:, None] * s0 + i1.to(tl.int64)[None, :] * s1
+    offs = i0[:, None] * s0 + i1[None, :] * s1
     inside = (i0 < n0)[:, None] & (i1 < n1)[None, :]
     return tl.load(ptr + offs, mask=inside, other=other)
 
 
 @triton.jit
 def _store2(ptr, value, i0, i1, s0, s1, n0, n1):
-    offs = i0.to(tl.int64)[:, None] * s0 + i1.to(tl.int64)[None, :] * s1
+    offs = i0[:, None] * s0 + i1[None, :] * s1
     inside = (i0 < n0)[:, None] & (i1 < n1)[None, :]
     tl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=inside)
 
@@ -126,15 +129,15 @@ def _fwd_kernel(
     H, N, M, K, D, scale_ptr,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr, IDX: tl.constexpr,
 ):
     bh, tn, tm = _program_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(M, BLOCK_M), GROUP)
     scale = tl.load(scale_ptr)  # in ACC: a float argument would be rounded to float32
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    n_idx = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_idx = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-    d_idx = tl.arange(0, BLOCK_D)
+    n_idx = (tn * BLOCK_N + tl.arange(0, BLOCK_N)).to(IDX)
+    m_idx = (tm * BLOCK_M + tl.arange(0, BLOCK_M)).to(IDX)
+    d_idx = (tl.arange(0, BLOCK_D)).to(IDX)
     k1_ptr += b * sk1_b + h * sk1_h
     v1_ptr += b * sv1_b + h * sv1_h
     k2_ptr += b * sk2_b + h * sk2_h
@@ -148,7 +151,7 @@ def _fwd_kernel(
     row_sum = tl.zeros([BLOCK_N, BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_D], ACC)
     for k0 in range(0, K, BLOCK_K):
-        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k_idx = (k0 + tl.arange(0, BLOCK_K)).to(IDX)
         k1_t = _tile3(k1_ptr, n_idx, d_idx, k_idx, sk1_n, sk1_d, sk1_k, N, D, K)  # [BN,BD,BK]
         k2_t = _tile3(k2_ptr, m_idx, d_idx, k_idx, sk2_m, sk2_d, sk2_k, M, D, K)  # [BM,BD,BK]
         s = tl.dot(q, k1_t, input_precision=PRECISION)
@@ -201,16 +204,16 @@ def _bwd_dq_kernel(
     H, N, M, K, D, scale_ptr,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr, IDX: tl.constexpr,
 ):
     """dQ[n,m] = sum_k dS (K1[n,k] + K2[k,m]), one program per (n-tile, m-tile); also Dr."""
     bh, tn, tm = _program_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(M, BLOCK_M), GROUP)
     scale = tl.load(scale_ptr)  # in ACC: a float argument would be rounded to float32
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    n_idx = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_idx = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-    d_idx = tl.arange(0, BLOCK_D)
+    n_idx = (tn * BLOCK_N + tl.arange(0, BLOCK_N)).to(IDX)
+    m_idx = (tm * BLOCK_M + tl.arange(0, BLOCK_M)).to(IDX)
+    d_idx = (tl.arange(0, BLOCK_D)).to(IDX)
     k1_ptr += b * sk1_b + h * sk1_h
     v1_ptr += b * sv1_b + h * sv1_h
     k2_ptr += b * sk2_b + h * sk2_h
@@ -232,7 +235,7 @@ def _bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_D], ACC)
     for k0 in range(0, K, BLOCK_K):
-        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k_idx = (k0 + tl.arange(0, BLOCK_K)).to(IDX)
         k1_t = _tile3(k1_ptr, n_idx, d_idx, k_idx, sk1_n, sk1_d, sk1_k, N, D, K)  # [BN,BD,BK]
         k2_t = _tile3(k2_ptr, m_idx, d_idx, k_idx, sk2_m, sk2_d, sk2_k, M, D, K)  # [BM,BD,BK]
         v1_t = _tile3(v1_ptr, n_idx, d_idx, k_idx, sv1_n, sv1_d, sv1_k, N, D, K)
@@ -274,7 +277,7 @@ def _bwd_dk1_kernel(
     H, N, M, K, D, scale_ptr,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr, IDX: tl.constexpr,
 ):
     """dK1[n,k] = sum_m dS Q[n,m], dV1[n,k] = sum_m P dY[n,m]; one program per (n-tile, k-tile).
 
@@ -285,9 +288,9 @@ def _bwd_dk1_kernel(
     scale = tl.load(scale_ptr)  # in ACC: a float argument would be rounded to float32
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    n_idx = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_idx = tk * BLOCK_K + tl.arange(0, BLOCK_K)
-    d_idx = tl.arange(0, BLOCK_D)
+    n_idx = (tn * BLOCK_N + tl.arange(0, BLOCK_N)).to(IDX)
+    k_idx = (tk * BLOCK_K + tl.arange(0, BLOCK_K)).to(IDX)
+    d_idx = (tl.arange(0, BLOCK_D)).to(IDX)
     q_ptr += b * sq_b + h * sq_h
     dy_ptr += b * sdy_b + h * sdy_h
     k2_ptr += b * sk2_b + h * sk2_h
@@ -306,7 +309,7 @@ def _bwd_dk1_kernel(
     dk1 = tl.zeros([BLOCK_N, BLOCK_K, BLOCK_D], ACC)
     dv1 = tl.zeros([BLOCK_N, BLOCK_K, BLOCK_D], ACC)
     for m0 in range(0, M, BLOCK_M):
-        m_idx = m0 + tl.arange(0, BLOCK_M)
+        m_idx = (m0 + tl.arange(0, BLOCK_M)).to(IDX)
         q = _tile3(q_ptr, n_idx, m_idx, d_idx, sq_n, sq_m, sq_d, N, M, D)  # [BN,BM,BD]
         dy = _tile3(dy_ptr, n_idx, m_idx, d_idx, sdy_n, sdy_m, sdy_d, N, M, D)
         k2 = _tile3(k2_ptr, m_idx, k_idx, d_idx, sk2_m, sk2_k, sk2_d, M, K, D)  # [BM,BK,BD]
@@ -346,7 +349,7 @@ def _bwd_dk2_kernel(
     H, N, M, K, D, scale_ptr,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr, IDX: tl.constexpr,
 ):
     """dK2[k,m] = sum_n dS Q[n,m], dV2[k,m] = sum_n P dY[n,m]; one program per (k-tile, m-tile).
 
@@ -357,9 +360,9 @@ def _bwd_dk2_kernel(
     scale = tl.load(scale_ptr)  # in ACC: a float argument would be rounded to float32
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    k_idx = tk * BLOCK_K + tl.arange(0, BLOCK_K)
-    m_idx = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-    d_idx = tl.arange(0, BLOCK_D)
+    k_idx = (tk * BLOCK_K + tl.arange(0, BLOCK_K)).to(IDX)
+    m_idx = (tm * BLOCK_M + tl.arange(0, BLOCK_M)).to(IDX)
+    d_idx = (tl.arange(0, BLOCK_D)).to(IDX)
     q_ptr += b * sq_b + h * sq_h
     dy_ptr += b * sdy_b + h * sdy_h
     k1_ptr += b * sk1_b + h * sk1_h
@@ -376,7 +379,7 @@ def _bwd_dk2_kernel(
     dk2 = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_D], ACC)
     dv2 = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_D], ACC)
     for n0 in range(0, N, BLOCK_N):
-        n_idx = n0 + tl.arange(0, BLOCK_N)
+        n_idx = (n0 + tl.arange(0, BLOCK_N)).to(IDX)
         q = _tile3(q_ptr, m_idx, n_idx, d_idx, sq_m, sq_n, sq_d, M, N, D)  # [BM,BN,BD]
         dy = _tile3(dy_ptr, m_idx, n_idx, d_idx, sdy_m, sdy_n, sdy_d, M, N, D)
         k1 = _tile3(k1_ptr, n_idx, k_idx, d_idx, sk1_n, sk1_k, sk1_d, N, K, D)  # [BN,BK,BD]
@@ -418,6 +421,18 @@ def _launch_args(q: torch.Tensor, scale: float):
     return acc, consts, torch.tensor([scale], dtype=acc, device=q.device)
 
 
+def _index_dtype(*tensors):
+    """tl.int64 when an element offset inside one (b, h) slice of some tensor (counting the
+    lanes of a tile that overhang an edge) can pass 2^31 - 1, else tl.int32."""
+    for t in tensors:
+        if t is None:
+            continue
+        span = sum((size + 256) * abs(stride) for size, stride in zip(t.shape[2:], t.stride()[2:]))
+        if span >= 2**31 - 1:
+            return tl.int64
+    return tl.int32
+
+
 def _mask_arg(mask, like: torch.Tensor):
     """(pointer tensor, strides b/n/k, has_mask) for the kernels; bool is read as bytes."""
     if mask is None:
@@ -450,6 +465,7 @@ def floyd_attention(q, k1, v1, k2, v2, mask, scale):
         return out, softmax_max, softmax_sum
     cfg = floyd_config("fwd", D, q.element_size())
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
+    consts["IDX"] = _index_dtype(q, k1, v1, k2, v2, mask, out, softmax_max)
     grid = (B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(M, cfg.block_m),)
     _fwd_kernel[grid](
         q, k1, v1, k2, v2, mask_t, out, softmax_max, softmax_sum,
@@ -477,6 +493,7 @@ def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, m
         return dq, dk1, dv1, dk2, dv2
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
     dr = torch.empty((B, H, N, M), dtype=acc, device=dev)  # rowsum(dY * Y), contiguous
+    consts["IDX"] = _index_dtype(q, k1, v1, k2, v2, mask, dy, out, softmax_max, softmax_sum, dq, dk1, dk2)
     in_strides = (*q.stride(), *k1.stride(), *v1.stride(), *k2.stride(), *v2.stride(), *mask_strides,
                   *dy.stride())
     stat_strides = (*softmax_max.stride(), *softmax_sum.stride())
