@@ -105,8 +105,8 @@ def run_kernels(inputs, dy, mask, scale):
 GRAD_NAMES = ("dq", "dk1", "dv1", "dk2", "dv2")
 
 # (B, H, N, M, K, D): single elements, odd sizes, tails past one tile on N, M and K, several
-# k-steps of the loops (K=70 at D=8 is two forward steps of 64; D=72 pads to 128 and steps
-# by 16), head dims that are not powers of two.
+# steps of every loop (steps are 16: K=70 is five), head dims that are not powers of two
+# (D=72 pads to 128, where the tiles shrink to 8x8).
 SHAPES = [
     (1, 1, 1, 1, 1, 1),
     (2, 3, 5, 7, 3, 8),
@@ -153,21 +153,20 @@ def test_small_tiles_many_programs(monkeypatch, device):
 
 
 @pytest.mark.parametrize("element_size", [2, 4, 8])
-@pytest.mark.parametrize("head_dim", [1, 8, 20, 32, 64, 100, 128, 256])
-def test_config_bounds(head_dim, element_size):
+def test_config_shapes(element_size):
+    """Powers of two; every tl.dot contraction (block_d, the loop step) >= 16, as Triton
+    requires for 16-bit operands; tiles never grow with the head dim."""
+    looped_axis = {"fwd": "block_k", "bwd_dq": "block_k", "bwd_dk1": "block_m", "bwd_dk2": "block_n"}
     for kernel in config.KERNELS:
-        cfg = config.floyd_config(kernel, head_dim, element_size)
-        assert cfg.block_d >= max(16, head_dim) and cfg.block_d & (cfg.block_d - 1) == 0
-        # every contraction of a tl.dot here is block_d or the loop step: >= 16 for any Triton
-        looped = {"fwd": "block_k", "bwd_dq": "block_k", "bwd_dk1": "block_m", "bwd_dk2": "block_n"}[kernel]
-        step = getattr(cfg, looped)
-        assert step >= 16
-        sides = [getattr(cfg, f) for f in ("block_n", "block_m", "block_k") if f != looped]
-        smallest = min(config.TILES[-1]) * max(config.TILES[-1]) * cfg.block_d
-        if smallest <= config.REGISTER_ELEMENTS[kernel] and \
-                max(config.TILES[-1]) * 16 * cfg.block_d * element_size <= config.OPERAND_BYTES:
-            assert sides[0] * sides[1] * cfg.block_d <= config.REGISTER_ELEMENTS[kernel]
-            assert max(sides) * step * cfg.block_d * element_size <= config.OPERAND_BYTES
+        previous = None
+        for head_dim in (1, 8, 16, 20, 32, 64, 100, 128, 256, 512):
+            cfg = config.floyd_config(kernel, head_dim, element_size)
+            sides = [cfg.block_n, cfg.block_m, cfg.block_k, cfg.block_d]
+            assert all(v & (v - 1) == 0 for v in sides)
+            assert cfg.block_d >= max(16, head_dim) and getattr(cfg, looped_axis[kernel]) >= 16
+            volume = cfg.block_n * cfg.block_m * cfg.block_k
+            assert previous is None or volume <= previous
+            previous = volume
 
 
 def test_config_overrides(monkeypatch):

@@ -171,6 +171,75 @@ def run(shapes: Sequence[Shape], dtype: torch.dtype, device: str, impls: Sequenc
     return bench
 
 
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compile check: no GPU needed
+# ---------------------------------------------------------------------------------------------
+# Stride arguments the JIT turns into the constant 1 for contiguous tensors.
+_UNIT_STRIDES = ("sq_d", "sk1_d", "sv1_d", "sk2_d", "sv2_d", "so_d", "sdy_d", "sdq_d", "sg_d", "smk_k",
+                 "sst_m", "smax_m", "ssum_m")
+
+
+def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dict]:
+    """Compile the four kernels for ``sm_<arch>`` without a GPU (Triton's bundled ptxas),
+    specialised as the JIT would for contiguous tensors whose sizes are multiples of 16, and
+    report shared memory (bytes), the registers a thread uses and its local-memory spill
+    instructions, read from the SASS. Needs TRITON_INTERPRET unset when triton was imported."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ..kernels import floyd_attention as fa
+    from ..kernels.floyd_config import floyd_config
+
+    ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float64: "*fp64"}[dtype]
+    acc = "*fp64" if dtype == torch.float64 else "*fp32"
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    rows = []
+    for name, kernel in (("fwd", fa._fwd_kernel), ("bwd_dq", fa._bwd_dq_kernel),
+                         ("bwd_dk1", fa._bwd_dk1_kernel), ("bwd_dk2", fa._bwd_dk2_kernel)):
+        cfg = floyd_config(name, head_dim, torch.empty((), dtype=dtype).element_size())
+        consts = dict(HAS_MASK=True, PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32",
+                      ACC=tl.float64 if dtype == torch.float64 else tl.float32, IDX=tl.int32,
+                      BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
+                      GROUP=cfg.group)
+        sig, attrs = {}, {}
+        for idx, arg in enumerate(kernel.arg_names):
+            if kernel.params[idx].is_constexpr:
+                continue
+            if arg in _UNIT_STRIDES:
+                sig[arg], consts[arg] = "constexpr", 1
+                continue
+            if arg.endswith("_ptr"):
+                sig[arg] = "*u8" if arg == "mask_ptr" else \
+                    acc if arg in ("max_ptr", "sum_ptr", "dr_ptr", "scale_ptr") else ptr
+            else:
+                sig[arg] = "i32"
+            attrs[(idx,)] = [["tt.divisibility", 16]]
+        row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": head_dim,
+               "tile": f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k}x{cfg.block_d}", "warps": cfg.num_warps}
+        try:
+            compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                                      options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+            with tempfile.TemporaryDirectory() as tmp:
+                cubin = os.path.join(tmp, "k.cubin")
+                with open(cubin, "wb") as f:
+                    f.write(compiled.asm["cubin"])
+                sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
+            regs = [int(r) for r in re.findall(r"\bR(\d+)\b", sass)]
+            row.update(shared=compiled.metadata.shared, registers=max(regs) + 1 if regs else None,
+                       spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
+                       mma=sass.count("HMMA") + sass.count("DMMA"))
+        except Exception as e:  # e.g. out of shared memory: the finding this check exists for
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[-1][:200] if str(e) else ''}"
+        rows.append(row)
+    return rows
+
+
 def _raiser(error: Exception):
     def fn():
         raise error
@@ -187,7 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="gradops bench floyd", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"],
                         default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32", "float64"],
                         help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--quick", action="store_true", help="a few tiny shapes, < 1 minute on a CPU")
     parser.add_argument("--shape", action="append", type=parse_shape, metavar="B,H,N,M,K,D",
@@ -206,7 +275,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="on CPU, also run the Triton kernels through the interpreter (slow; "
                              "TRITON_INTERPRET=1 must be set before triton is imported: "
                              "`gradops bench floyd --interpret` does it)")
+    parser.add_argument("--compile-check", action="store_true",
+                        help="compile the kernels for an H100 (sm_90) without a GPU and report shared memory, "
+                             "registers and spills (for each --dtype, default bfloat16/float32, and D in 16..256)")
     args = parser.parse_args(argv)
+    if args.compile_check:
+        dtypes = [getattr(torch, args.dtype)] if args.dtype else [torch.bfloat16, torch.float32]
+        dims = sorted({s[5] for s in args.shape}) if args.shape else [16, 32, 64, 128, 256]
+        limit = 227 * 1024
+        worst = 0
+        for dt in dtypes:
+            for d in dims:
+                for row in compile_check(dt, d):
+                    if "error" in row:
+                        worst = 1
+                        print(f"{row['kernel']:8} {row['dtype']:9} D={row['D']:<4} {row['tile']:14} {row['error']}")
+                        continue
+                    over = row["shared"] > limit
+                    worst = max(worst, int(over))
+                    print(f"{row['kernel']:8} {row['dtype']:9} D={row['D']:<4} {row['tile']:14} w{row['warps']} "
+                          f"shared={row['shared'] // 1024}KiB{' (over the H100 limit)' if over else ''} "
+                          f"registers={row['registers']} spill ld/st={row['spill_loads']}/{row['spill_stores']} "
+                          f"mma={row['mma']}", flush=True)
+        return worst
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():

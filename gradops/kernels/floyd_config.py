@@ -6,31 +6,34 @@ registers; the third is the axis the program loops over, advanced by ``step``.
 ``block_d`` is the head dim rounded up to a power of two (at least 16, the smallest
 contraction ``tl.dot`` accepts for 16-bit inputs in every Triton the project supports).
 
-How the sizes are bounded (chosen by construction for an H100, not tuned on one: none was
-available when they were written; tune them here, nowhere else):
+How the table below was chosen, without a GPU: each kernel was compiled ahead of time for
+an H100 (``triton.compile(..., target=GPUTarget("cuda", 90, 32))``, Triton 3.9, the
+signature specialised as the JIT does for contiguous tensors) and its shared memory and
+register spills read from the cubin (``gradops bench floyd --compile-check`` repeats
+this). The kept tile is the largest with no or few spills and at most ~192 KiB of shared
+memory (an H100 SM has 227 KiB):
 
-- Registers. Every ``tl.dot`` here is batched (3-D), which Triton lowers to ``mma.sync``
-  (m16n8k16) with the batch axis spread over warps. A program keeps, per element of its
-  output tile times ``block_d``, one float32 accumulator and one or two 16-bit operands
-  (the forward holds Q in both orientations; the backward kernels hold two accumulators
-  and two operands), so ``major * minor * block_d`` is capped at REGISTER_ELEMENTS
-  (16K forward: ~32K of the 64K 32-bit registers of an SM; 12K backward).
-- Tensor-core shape. ``major`` is the M of the products that reduce into the output and
-  ``minor`` the M of the others; an M below 16 pads the MMA, so the largest tile that
-  fits is tried first, 16 x 8 (75 % of the MMA rows used) before 8 x 8 (50 %).
-- Shared memory. Each loop step loads four operand tiles of ``major_or_minor * step *
-  block_d`` elements that pass through shared memory on their way to the tensor cores;
-  each is kept under OPERAND_BYTES (64 KiB) so the four fit in the 227 KiB of an H100 SM
-  even if live together, and there is one stage (double buffering would not fit).
-- The loop ``step`` is the contraction of the P @ V (and dS @ K) products, so it is >= 16;
-  longer steps cut the loop overhead and the online-softmax rescales.
+- shared memory is about the sum of the operand tiles a loop step feeds to ``tl.dot``
+  (4 in the forward, up to 8 in the dQ kernel), each ``side * step * block_d`` elements,
+  so it grows with ``block_d`` and the element size; one pipeline stage, since double
+  buffering would not fit;
+- registers: every ``tl.dot`` here is batched (3-D) and lowers to ``mma.sync`` with the
+  batch axis over warps; a program holds ``major * minor * block_d`` float32 accumulators
+  plus 16-bit operands, so large ``block_d`` forces small output tiles (16 x 16 spills at
+  ``block_d`` = 128; 8 x 8 pads the MMA rows to 16, which the tensor cores pay for);
+- the loop step is the contraction of the ``P @ V`` and ``dS @ K`` products, so >= 16;
+  steps of 32 spilled wherever 16 did not gain a tile size.
+
+Wider elements are looked up by their byte width: float32 at D = 64 uses the bf16 row of
+D = 128 (``width = block_d * element_size / 2``). The sizes are not tuned for speed on a
+GPU (none was available): tune them here, nowhere else.
 """
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass, replace
-from typing import Dict
+from typing import Dict, Tuple
 
 import triton
 
@@ -38,10 +41,15 @@ import triton
 # backward dK2/dV2.
 KERNELS = ("fwd", "bwd_dq", "bwd_dk1", "bwd_dk2")
 
-OPERAND_BYTES = 64 * 1024
-REGISTER_ELEMENTS = {"fwd": 16 * 1024, "bwd_dq": 12 * 1024, "bwd_dk1": 12 * 1024, "bwd_dk2": 12 * 1024}
-TILES = ((32, 16), (16, 16), (16, 8), (8, 8), (8, 4), (4, 4))  # (major, minor), best first
-STEPS = (64, 32, 16)
+# (major, minor, step) per kernel and width = block_d * element_size / 2, from the
+# ahead-of-time compiles described above; widths past the table use its last entry.
+TABLE: Dict[str, Dict[int, Tuple[int, int, int]]] = {
+    "fwd": {32: (16, 16, 16), 64: (16, 16, 16), 128: (8, 8, 16), 256: (8, 4, 16), 512: (4, 4, 16)},
+    "bwd_dq": {32: (16, 16, 16), 64: (8, 8, 16), 128: (8, 8, 16), 256: (4, 4, 16), 512: (2, 2, 16)},
+    "bwd_dk1": {32: (16, 16, 16), 64: (16, 8, 16), 128: (8, 8, 16), 256: (4, 4, 16), 512: (2, 2, 16)},
+    "bwd_dk2": {32: (16, 16, 16), 64: (16, 8, 16), 128: (8, 8, 16), 256: (4, 4, 16), 512: (2, 2, 16)},
+}
+NUM_WARPS = 8  # 4 warps spilled in every kernel at every tile the table keeps
 
 # Manual overrides for tuning on a GPU, e.g. {"fwd": {"block_k": 32, "num_warps": 4}}: merged
 # over the computed config. Also read (as JSON of the same form) from GRADOPS_FLOYD_CONFIG.
@@ -82,15 +90,14 @@ def _overrides(kernel: str) -> Dict[str, int]:
     return merged
 
 
-def _tile(kernel: str, block_d: int, element_size: int):
-    """(major, minor, step): the best tile within the bounds, else the smallest one."""
-    for major, minor in TILES:
-        if major * minor * block_d > REGISTER_ELEMENTS[kernel]:
-            continue
-        for step in STEPS:
-            if major * step * block_d * element_size <= OPERAND_BYTES:
-                return major, minor, step
-    return TILES[-1][0], TILES[-1][1], STEPS[-1]
+def _tile(kernel: str, block_d: int, element_size: int) -> Tuple[int, int, int]:
+    """(major, minor, step) for this kernel, head dim and element size."""
+    width = block_d * element_size // 2
+    rows = TABLE[kernel]
+    for w in sorted(rows):
+        if width <= w:
+            return rows[w]
+    return rows[max(rows)]
 
 
 def floyd_config(kernel: str, head_dim: int, element_size: int = 2) -> FloydConfig:
@@ -109,6 +116,5 @@ def floyd_config(kernel: str, head_dim: int, element_size: int = 2) -> FloydConf
         sizes = dict(block_n=minor, block_m=step, block_k=major)
     else:
         sizes = dict(block_n=step, block_m=minor, block_k=major)
-    num_warps = 4 if major * minor * block_d <= 4 * 1024 else 8
-    cfg = FloydConfig(**sizes, block_d=block_d, num_warps=num_warps, num_stages=1, group=8)
+    cfg = FloydConfig(**sizes, block_d=block_d, num_warps=NUM_WARPS, num_stages=1, group=8)
     return replace(cfg, **_overrides(kernel))
