@@ -444,9 +444,11 @@ def aclnnRmsNormGetWorkspaceSize(x, gamma, epsilon, yOut, rstdOut):
     _present(op, [("x", x), ("gamma", gamma), ("epsilon", epsilon), ("yOut", yOut), ("rstdOut", rstdOut)])
     _tensors(op, [("x", x), ("gamma", gamma), ("yOut", yOut), ("rstdOut", rstdOut)])
     _dtype(op, "x", x, CANN_FLOATS)
-    _rms_shapes(op, [("x", x)], gamma, 1)
+    _same_dtype(op, [("yOut", yOut)], "x", x)
+    _dtype(op, "rstdOut", rstdOut, (F32,))
     with _cann_names(_RMS_NAMES):
         prepared = prepare_rms_norm(x, gamma, epsilon, op=op)
+    _rms_shapes(op, [("x", x)], gamma, 1)  # after every dtype rule: CANN checks shapes at tiling
     device = prepared.device
     _out(op, "yOut", yOut, [x.shape], (x.dtype,), device, TILING)
     _out(op, "rstdOut", rstdOut, _stat_out_shapes(x, gamma.dim()), (F32,), device, TILING)
@@ -467,9 +469,11 @@ def aclnnRmsNormGradGetWorkspaceSize(dy, x, rstd, gamma, dxOut, dgammaOut):
                   ("dgammaOut", dgammaOut)])
     _dtype(op, "x", x, CANN_FLOATS)
     _dtype(op, "dy", dy, CANN_FLOATS)
-    _rms_shapes(op, [("dy", dy), ("x", x)], gamma, 2)  # CANN's grad takes 2..8 dims
+    _same_dtype(op, [("dxOut", dxOut)], "dy", dy)
+    _dtype(op, "dgammaOut", dgammaOut, (F32,))
     with _cann_names(_RMS_NAMES):
         prepared = prepare_rms_norm_grad(dy, x, rstd, gamma, op=op)
+    _rms_shapes(op, [("dy", dy), ("x", x)], gamma, 2)  # CANN's grad takes 2..8 dims; at tiling
     device = prepared.device
     _out(op, "dxOut", dxOut, [dy.shape], (dy.dtype,), device, TILING)
     _out(op, "dgammaOut", dgammaOut, [gamma.shape], (F32,), device, TILING)

@@ -525,6 +525,41 @@ def test_floyd_attention_grad_errors(change, status, word):
     expect_error(A.aclnnFusedFloydAttentionGradGetWorkspaceSize, fag_args(**change), status, word, FAG_OUTS)
 
 
+def test_dtype_rule_wins_over_a_tiling_shape_rule():
+    # CANN checks dtypes in its op API before shapes at tiling: both broken -> 161002
+    a = rmsg_args(dxOut=sentinel(2, 3, 32), dy=rand(2, 4, 32, dtype=torch.float16))
+    expect_error(A.aclnnRmsNormGradGetWorkspaceSize, a, INVALID, "dxOut", RMSG_OUTS)
+    q, k1, v1, k2, v2 = qkv(torch.float16, n=8, lazy=True)
+    a = fa_args(query=q, key1=k1, value1=v1, key2=k2, value2=v2, attenMaskOptional=None,
+                attentionOutOut=sentinel(B, H, 8, M, D))
+    expect_error(A.aclnnFusedFloydAttentionGetWorkspaceSize, a, INVALID, "attentionOutOut", FA_OUTS)
+
+
+def test_messages_name_cann_parameters():
+    cases = [
+        (A.aclnnNsaCompressGetWorkspaceSize, nsa_args(actSeqLenOptional=[64, 100]),
+         ["actSeqLenOptional", "input.shape[0]"], ["seq_lens", "x.shape"]),
+        (A.aclnnNsaCompressGetWorkspaceSize, nsa_args(weight=rand(16, 2, dtype=torch.float16)),
+         ["weight", "compressBlockSize", "input.shape[1]"], ["block_size", "x.shape"]),
+        (A.aclnnLayerNormGetWorkspaceSize, ln_args(weightOptional=rand(8)),
+         ["weightOptional", "normalizedShape"], ["normalized_shape", " weight "]),
+        (A.aclnnLayerNormBackwardGetWorkspaceSize, lnb_args(gradOut=rand(2, 4, 16)),
+         ["gradOut", "input.shape"], ["dy ", "x.shape"]),
+        (A.aclnnFusedFloydAttentionGetWorkspaceSize, fa_args(key1=rand(B, H, N, K, 64, dtype=torch.float16)),
+         ["key1", "of query"], ["k1 ", "of q "]),
+        (A.aclnnFusedFloydAttentionGradGetWorkspaceSize,
+         fag_args(attentionIn=rand(B, H, N, M - 1, D, dtype=torch.float16)), ["attentionIn", "query"], ["out "]),
+    ]
+    for get_ws, args, present, absent in cases:
+        with pytest.raises(gradops.AclnnError) as e:
+            get_ws(**args)
+        msg = str(e.value)
+        for w in present:
+            assert w in msg, msg
+        for w in absent:
+            assert w not in msg, msg
+
+
 # ---------------------------------------------------------------------------------------
 # Phase one reads and writes nothing
 # ---------------------------------------------------------------------------------------
