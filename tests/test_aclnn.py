@@ -407,10 +407,21 @@ FA_OUTS = ["softmaxMaxOut", "softmaxSumOut", "attentionOutOut"]
 FAG_OUTS = ["dqOut", "dk1Out", "dv1Out", "dk2Out", "dv2Out"]
 
 
+_QKV = {}
+
+
 def qkv(dtype, b=B, h=H, n=N, m=M, k=K, d=D, lazy=False):
-    """q, k1, v1, k2, v2; ``lazy`` gives data-less expanded tensors for shape-only checks."""
-    make = (lambda *s: torch.zeros((), dtype=dtype).expand(*s)) if lazy else (lambda *s: rand(*s, dtype=dtype) * 0.3)
-    return (make(b, h, n, m, d), make(b, h, n, k, d), make(b, h, n, k, d), make(b, h, k, m, d), make(b, h, k, m, d))
+    """q, k1, v1, k2, v2; ``lazy`` gives data-less expanded tensors for shape-only checks.
+    The random ones are made once per dtype (no test writes into inputs)."""
+    if lazy:
+        make = lambda *s: torch.zeros((), dtype=dtype).expand(*s)  # noqa: E731
+        return (make(b, h, n, m, d), make(b, h, n, k, d), make(b, h, n, k, d), make(b, h, k, m, d),
+                make(b, h, k, m, d))
+    key = (dtype, b, h, n, m, k, d)
+    if key not in _QKV:
+        _QKV[key] = tuple(rand(*s, dtype=dtype) * 0.3 for s in
+                          ((b, h, n, m, d), (b, h, n, k, d), (b, h, n, k, d), (b, h, k, m, d), (b, h, k, m, d)))
+    return _QKV[key]
 
 
 def fa_args(dtype=torch.float16, mask=True, **over):
@@ -677,8 +688,9 @@ def test_workspace_checks(bad, status, word):
         A.aclnnFusedFloydAttentionGrad(ws, ws_size, ex, None)
     assert e.value.status == status and word in str(e.value), str(e.value)
     assert intact(*[a[n] for n in FAG_OUTS])
-    # a larger workspace is fine, and the refused call did not consume the executor
-    assert A.aclnnFusedFloydAttentionGrad(torch.empty(size + 100, dtype=torch.uint8), size + 100, ex, None) == 0
+    if bad == "small":  # a larger workspace is fine, and the refused call did not consume the executor
+        assert A.aclnnFusedFloydAttentionGrad(torch.empty(size + 100, dtype=torch.uint8), size + 100, ex, None) == 0
+        assert not intact(a["dqOut"])
 
 
 def test_zero_workspace_accepts_none_or_an_empty_tensor():
