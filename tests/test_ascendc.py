@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import gradops
-from gradops import ascendc
 from gradops.ascendc import (
     GetLayerNormGradBetaMaxMinTmpSize,
     GetLayerNormGradBetaNDTilingInfo,
