@@ -270,11 +270,11 @@ def _run_phase_two(op: str, workspace, workspace_size, executor, stream) -> int:
         _fail(op, INVALID, "executor already ran, expected a fresh executor or one made repeatable with "
                            "aclSetAclOpExecutorRepeatable before its first run")
     if workspace_size is None:
-        _fail(op, NULLPTR, "workspace_size is None, expected the size phase one returned")
+        _fail(op, NULLPTR, "workspaceSize is None, expected the size phase one returned")
     if isinstance(workspace_size, bool) or not isinstance(workspace_size, int) or workspace_size < 0:
-        _fail(op, INVALID, f"workspace_size is {workspace_size!r}, expected an int >= 0")
+        _fail(op, INVALID, f"workspaceSize is {workspace_size!r}, expected an int >= 0")
     if workspace_size < ex.workspace_size:
-        _fail(op, INVALID, f"workspace_size is {workspace_size}, expected >= {ex.workspace_size} "
+        _fail(op, INVALID, f"workspaceSize is {workspace_size}, expected >= {ex.workspace_size} "
                            f"(phase one's size)")
     if workspace is None:
         if ex.workspace_size:
@@ -289,7 +289,7 @@ def _run_phase_two(op: str, workspace, workspace_size, executor, stream) -> int:
         if not workspace.is_contiguous():
             _fail(op, INVALID, "workspace is not contiguous, expected one block of bytes")
         if workspace.numel() < max(ex.workspace_size, workspace_size):
-            _fail(op, INVALID, f"workspace has {workspace.numel()} bytes, expected >= workspace_size "
+            _fail(op, INVALID, f"workspace has {workspace.numel()} bytes, expected >= workspaceSize "
                                f"({max(ex.workspace_size, workspace_size)})")
         if ex.workspace_size and workspace.storage_offset() % _F32_BYTES:
             _fail(op, INVALID, "workspace starts at a byte offset that is not a multiple of 4, "

@@ -663,7 +663,7 @@ def test_executor_argument_rules():
     ("small", INVALID, "bytes"),
     ("float", INVALID, "uint8"),
     ("meta", INVALID, "device"),
-    ("size_arg", INVALID, "workspace_size"),
+    ("size_arg", INVALID, "workspaceSize"),
     ("strided", INVALID, "contiguous"),
 ])
 def test_workspace_checks(bad, status, word):
@@ -709,3 +709,25 @@ def test_runs_on_the_given_cuda_stream():
     s.synchronize()
     y, _ = gradops.rms_norm(a["x"], a["gamma"])
     torch.testing.assert_close(a["yOut"], y)
+
+
+def test_views_are_accepted_everywhere():
+    # LayerNormBackward on transposed views, results into a strided output
+    x = rand(16, 6).t().unflatten(0, (2, 3))
+    dy = rand(16, 6).t().unflatten(0, (2, 3))
+    w = rand(32)[::2]
+    _, mean, rstd = gradops.layer_norm(x, [16], w)
+    gi_store = sentinel(2, 3, 32)
+    a = dict(gradOut=dy, input=x, normalizedShape=[16], mean=mean, rstd=rstd, weightOptional=w, biasOptional=None,
+             outputMask=[True, True, True], gradInputOut=gi_store[..., ::2], gradWeightOut=sentinel(16),
+             gradBiasOut=sentinel(16))
+    run(A.aclnnLayerNormBackwardGetWorkspaceSize, A.aclnnLayerNormBackward, a)
+    want = gradops.layer_norm_backward(dy.contiguous(), x.contiguous(), [16], mean, rstd, w.contiguous())
+    torch.testing.assert_close(a["gradInputOut"], want[0], rtol=1e-6, atol=1e-6)
+    assert torch.all(gi_store[..., 1::2] == SENTINEL)  # the other half of the storage is untouched
+    torch.testing.assert_close(a["gradWeightOut"], want[1], rtol=1e-6, atol=1e-6)
+    # NSA on a view of a wider [T, N, 2D] tensor
+    wide = rand(112, 2, 32, dtype=torch.float16)
+    b = nsa_args(input=wide[..., 16:])
+    run(A.aclnnNsaCompressGetWorkspaceSize, A.aclnnNsaCompress, b)
+    assert torch.equal(b["output"], gradops.nsa_compress(wide[..., 16:].contiguous(), b["weight"], BLOCK, STRIDE, ENDS))
