@@ -340,9 +340,10 @@ def _check_kernel_tensors(op: str, named, shapes, is_reuse: bool) -> torch.dtype
 
 
 def _check_tiling_h(op: str, tiling) -> int:
+    for name in ("bLength", "sLength", "hLength"):
+        if getattr(tiling, name) <= 0:
+            _fail(op, ACLNN_ERR_PARAM_INVALID, f"tiling.{name} is {getattr(tiling, name)}, expected > 0")
     h = tiling.hLength
-    if h <= 0:
-        _fail(op, ACLNN_ERR_PARAM_INVALID, f"tiling.hLength is {h}, expected > 0")
     if tiling.originalHLength != h:
         # With padding (originH < storageH) CANN's pd_mean sums the zero padding's x - mean;
         # the engine computes unpadded rows, so refuse rather than give other numbers.

@@ -514,3 +514,12 @@ def test_layer_norm_grad_beta_refuses_small_buffer_and_bad_tiling():
         LayerNormGradBeta(pg, None, res, dy, None, tiling)
     assert e.value.status == NULLPTR and "outputPdBeta" in str(e.value)
     assert torch.all(pg == 3.0)
+
+
+def test_empty_tiling_is_refused_before_anything_runs():
+    t = LayerNormGradBetaTiling()  # all zeros: describes nothing
+    empty = torch.empty(0, 0, 0)
+    pg = torch.full((0,), 3.0)
+    with pytest.raises(gradops.AclnnError) as e:
+        LayerNormGradBeta(pg, pg.clone(), empty, empty.clone(), None, t)
+    assert e.value.status == INVALID and "tiling.bLength" in str(e.value)
