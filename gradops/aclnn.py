@@ -151,9 +151,9 @@ _STATUS_SUFFIX = re.compile(r" \[[A-Z_]+ \d+\]$")
 
 
 @contextlib.contextmanager
-def _cann_names(names: Dict[str, str]):
+def renamed_errors(names: Dict[str, str]):
     """Errors of the shared validator name the Python API's parameters (``x``, ``block_size``);
-    re-raise them naming CANN's (``input``, ``compressBlockSize``), same status."""
+    re-raise them naming the caller's (CANN's ``input``, ``compressBlockSize``), same status."""
     try:
         yield
     except AclnnError as e:
@@ -344,7 +344,7 @@ def aclnnLayerNormGetWorkspaceSize(input, normalizedShape, weightOptional, biasO
     _dtype(op, "input", input, CANN_FLOATS)
     _rank(op, "input", input, 1, MAX_DIMS, INVALID)
     shape = _normalized_shape(op, normalizedShape)
-    with _cann_names(_LN_NAMES):
+    with renamed_errors(_LN_NAMES):
         prepared = prepare_layer_norm(input, shape, weightOptional, biasOptional, eps, op=op)
     device = prepared.device
     n = len(shape)
@@ -369,7 +369,7 @@ def aclnnLayerNormBackwardGetWorkspaceSize(gradOut, input, normalizedShape, mean
     op = "aclnnLayerNormBackward"
     _present(op, [("gradOut", gradOut), ("input", input), ("normalizedShape", normalizedShape),
                   ("mean", mean), ("rstd", rstd), ("outputMask", outputMask)])
-    with _cann_names(_LN_NAMES):
+    with renamed_errors(_LN_NAMES):
         mask = as_bool_triple(op, "output_mask", outputMask)
     outs = (("gradInputOut", gradInputOut), ("gradWeightOut", gradWeightOut), ("gradBiasOut", gradBiasOut))
     _present(op, [(name, t) for (name, t), wanted in zip(outs, mask) if wanted])
@@ -401,7 +401,7 @@ def aclnnLayerNormBackwardGetWorkspaceSize(gradOut, input, normalizedShape, mean
     def prepare(m, r):
         return prepare_layer_norm_backward(gradOut, input, shape, m, r, weightOptional, biasOptional, mask, op=op)
 
-    with _cann_names(_LN_NAMES):
+    with renamed_errors(_LN_NAMES):
         prepared = prepare(stat_m, stat_r)
     _out(op, "gradInputOut", gradInputOut if mask[0] else None, [input.shape], CANN_FLOATS, device, INVALID)
     _out(op, "gradWeightOut", gradWeightOut if mask[1] else None, [shape], CANN_FLOATS, device, INVALID)
@@ -446,7 +446,7 @@ def aclnnRmsNormGetWorkspaceSize(x, gamma, epsilon, yOut, rstdOut):
     _dtype(op, "x", x, CANN_FLOATS)
     _same_dtype(op, [("yOut", yOut)], "x", x)
     _dtype(op, "rstdOut", rstdOut, (F32,))
-    with _cann_names(_RMS_NAMES):
+    with renamed_errors(_RMS_NAMES):
         prepared = prepare_rms_norm(x, gamma, epsilon, op=op)
     _rms_shapes(op, [("x", x)], gamma, 1)  # after every dtype rule: CANN checks shapes at tiling
     device = prepared.device
@@ -471,7 +471,7 @@ def aclnnRmsNormGradGetWorkspaceSize(dy, x, rstd, gamma, dxOut, dgammaOut):
     _dtype(op, "dy", dy, CANN_FLOATS)
     _same_dtype(op, [("dxOut", dxOut)], "dy", dy)
     _dtype(op, "dgammaOut", dgammaOut, (F32,))
-    with _cann_names(_RMS_NAMES):
+    with renamed_errors(_RMS_NAMES):
         prepared = prepare_rms_norm_grad(dy, x, rstd, gamma, op=op)
     _rms_shapes(op, [("dy", dy), ("x", x)], gamma, 2)  # CANN's grad takes 2..8 dims; at tiling
     device = prepared.device
@@ -545,7 +545,7 @@ def aclnnNsaCompressGetWorkspaceSize(input, weight, actSeqLenOptional, layoutOpt
     _same_dtype(op, [("weight", weight), ("output", output)], "input", input)
     block, stride = _nsa_host_args(op, actSeqLenOptional, layoutOptional, compressBlockSize, compressStride,
                                    actSeqLenType)
-    with _cann_names(_NSA_NAMES):
+    with renamed_errors(_NSA_NAMES):
         prepared = prepare_nsa_compress(input, weight, block, stride, actSeqLenOptional, "cumsum", op=op)
     out_shape, _ = prepared.outputs[0]
     _nsa_limits(op, input, block, stride, False, out_shape[0])
@@ -571,7 +571,7 @@ def aclnnNsaCompressGradGetWorkspaceSize(outputGrad, input, weight, actSeqLenOpt
                      ("weightGradOut", weightGradOut)], "input", input)
     block, stride = _nsa_host_args(op, actSeqLenOptional, layoutOptional, compressBlockSize, compressStride,
                                    actSeqLenType)
-    with _cann_names(_NSA_NAMES):
+    with renamed_errors(_NSA_NAMES):
         prepared = prepare_nsa_compress_grad(outputGrad, input, weight, block, stride, actSeqLenOptional,
                                              "cumsum", op=op)
     _nsa_limits(op, input, block, stride, True, outputGrad.shape[0])
@@ -624,7 +624,7 @@ def aclnnFusedFloydAttentionGetWorkspaceSize(query, key1, value1, key2, value2, 
     _dtype(op, "softmaxMaxOut", softmaxMaxOut, (F32,))
     _dtype(op, "softmaxSumOut", softmaxSumOut, (F32,))
     _same_dtype(op, [("attentionOutOut", attentionOutOut)], "query", query)
-    with _cann_names(_FLOYD_NAMES):
+    with renamed_errors(_FLOYD_NAMES):
         prepared = prepare_floyd_attention(query, key1, value1, key2, value2, attenMaskOptional, scaleValue, op=op)
     _floyd_limits(op, query, key1)
     device = prepared.device
@@ -655,7 +655,7 @@ def aclnnFusedFloydAttentionGradGetWorkspaceSize(query, key1, value1, key2, valu
     _tensors(op, inputs + [("attenMaskOptional", attenMaskOptional)] + stats + outs)
     _dtype(op, "query", query, CANN_HALVES)
     _same_dtype(op, outs, "query", query)
-    with _cann_names(_FLOYD_NAMES):
+    with renamed_errors(_FLOYD_NAMES):
         prepared = prepare_floyd_attention_grad(dy, query, key1, value1, key2, value2, attentionIn, softmaxMax,
                                                 softmaxSum, attenMaskOptional, scaleValue, op=op)
     b, h, n, m, _ = query.shape

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import api
+from .aclnn import renamed_errors
 
 __all__ = [
     "npu_rms_norm",
@@ -30,26 +31,38 @@ __all__ = [
 
 STAT_REPLICAS = 8  # torch_npu / CANN keep each softmax statistic 8 times
 
+# error messages name torch_npu's parameters, not the Python API's
+_RMS = {"eps": "epsilon"}
+_NSA = {"x": "input", "dout": "grad", "block_size": "compress_block_size", "stride": "compress_stride",
+        "seq_lens": "actual_seq_len"}
+_FLOYD = {"q": "query_ik", "k1": "key_ij", "v1": "value_ij", "k2": "key_jk", "v2": "value_jk",
+          "mask": "atten_mask", "scale": "scale_value"}
+_FLOYD_GRAD = {"dy": "grad_output", "k1": "k_ij", "v1": "v_ij", "k2": "k_jk", "v2": "v_jk",
+               "out": "attention_out", "mask": "atten_mask", "scale": "scale_value"}
+
 
 def npu_rms_norm(x, gamma, epsilon=1e-6):
     """``(y, rstd)``; rstd float32 with x's shape and the normalized dims set to 1."""
-    return api.rms_norm(x, gamma, epsilon)
+    with renamed_errors(_RMS):
+        return api.rms_norm(x, gamma, epsilon)
 
 
 def npu_rms_norm_backward(dy, x, gamma, rstd):
     """``(dx, dgamma)``; dgamma float32."""
-    return api.rms_norm_grad(dy, x, rstd, gamma)
+    return api.rms_norm_grad(dy, x, rstd, gamma)  # the parameter names are the same
 
 
 def npu_nsa_compress(input, weight, compress_block_size, compress_stride, *, actual_seq_len=None):
     """The compressed keys/values ``[sum n_b, N, D]``; ``actual_seq_len`` = cumulative ends."""
-    return api.nsa_compress(input, weight, compress_block_size, compress_stride, actual_seq_len, "cumsum")
+    with renamed_errors(_NSA):
+        return api.nsa_compress(input, weight, compress_block_size, compress_stride, actual_seq_len, "cumsum")
 
 
 def npu_nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride, *, actual_seq_len=None):
     """``(dinput, dweight)``."""
-    return api.nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride, actual_seq_len,
-                                 "cumsum")
+    with renamed_errors(_NSA):
+        return api.nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride, actual_seq_len,
+                                     "cumsum")
 
 
 def _replicated(stat: torch.Tensor) -> torch.Tensor:
@@ -58,13 +71,15 @@ def _replicated(stat: torch.Tensor) -> torch.Tensor:
 
 def npu_fused_floyd_attention(query_ik, key_ij, value_ij, key_jk, value_jk, *, atten_mask=None, scale_value=1.):
     """``(softmax_max, softmax_sum, attention_out)``, statistics ``[B,H,N,M,8]``."""
-    out, softmax_max, softmax_sum = api.floyd_attention(query_ik, key_ij, value_ij, key_jk, value_jk,
-                                                        atten_mask, scale_value)
+    with renamed_errors(_FLOYD):
+        out, softmax_max, softmax_sum = api.floyd_attention(query_ik, key_ij, value_ij, key_jk, value_jk,
+                                                            atten_mask, scale_value)
     return _replicated(softmax_max), _replicated(softmax_sum), out
 
 
 def npu_fused_floyd_attention_backward(grad_output, q, k_ij, v_ij, k_jk, v_jk, attention_out, softmax_max,
                                        softmax_sum, *, atten_mask=None, scale_value=1.):
     """``(dq, dk_ij, dv_ij, dk_jk, dv_jk)``."""
-    return api.floyd_attention_grad(grad_output, q, k_ij, v_ij, k_jk, v_jk, attention_out, softmax_max,
-                                    softmax_sum, atten_mask, scale_value)
+    with renamed_errors(_FLOYD_GRAD):
+        return api.floyd_attention_grad(grad_output, q, k_ij, v_ij, k_jk, v_jk, attention_out, softmax_max,
+                                        softmax_sum, atten_mask, scale_value)

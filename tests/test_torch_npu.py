@@ -113,4 +113,12 @@ def test_errors_carry_cann_status():
     assert e.value.status == 561002
     with pytest.raises(gradops.AclnnError) as e:
         npu.npu_nsa_compress(rand((32, 2, 16)), rand((16, 2)), 16, 16, actual_seq_len=[30])
-    assert e.value.status == 161002
+    assert e.value.status == 161002 and "actual_seq_len" in str(e.value) and "input.shape[0]" in str(e.value)
+    with pytest.raises(gradops.AclnnError) as e:
+        npu.npu_nsa_compress(rand((32, 2, 16)), rand((8, 2)), 16, 16, actual_seq_len=[32])
+    assert "compress_block_size" in str(e.value) and "block_size " not in str(e.value)
+    q = rand((1, 1, 2, 3, 4))
+    with pytest.raises(gradops.AclnnError) as e:
+        npu.npu_fused_floyd_attention(q, rand((1, 1, 2, 5, 4)), rand((1, 1, 2, 5, 4)), rand((1, 1, 5, 3, 4)),
+                                      rand((1, 1, 5, 3, 4)), atten_mask=torch.zeros(1, 1, 2, 1, 4, dtype=torch.bool))
+    assert e.value.status == 561002 and "atten_mask" in str(e.value)
