@@ -385,3 +385,12 @@ def test_dout_shape_error(good, shape):
 def test_unknown_backend(good):
     with _raises(INVALID, "backend"):
         gradops.nsa_compress(good["x"], good["weight"], 4, 2, good["seq_lens"], backend="bogus")
+
+
+@pytest.mark.parametrize("name", ["x", "weight", "dout"])
+def test_non_tensor_input(good, name):
+    args = dict(good, **{name: good[name].tolist()})
+    calls = [_bwd] if name == "dout" else [_fwd, _bwd]
+    for call in calls:
+        with _raises(INVALID, name, "Tensor"):
+            call(args)
