@@ -1,0 +1,84 @@
+"""LayerNorm in plain PyTorch: the native_layer_norm forward/backward and the AscendC
+LayerNormGrad/LayerNormGradBeta semantics (OPERATORS.md sections 1 and 2).
+
+Arguments are canonical (docs/backends.md): rows ``[M, N]``, statistics ``[M]``.
+Half precision is computed in float32, float64 in float64.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ops._checks import stat_dtype
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    return t.to(stat_dtype(t.dtype))
+
+
+def layer_norm(x, weight, bias, eps):
+    acc = stat_dtype(x.dtype)
+    xf = x.to(acc)
+    mean = xf.mean(dim=1)
+    var = (xf - mean[:, None]).square().mean(dim=1)  # biased variance, two-pass for accuracy
+    rstd = torch.rsqrt(var + eps)
+    y = (xf - mean[:, None]) * rstd[:, None]
+    if weight is not None:
+        y = y * weight.to(acc)
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype), mean, rstd
+
+
+def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
+    acc = stat_dtype(x.dtype)
+    want_dx, want_dw, want_db = output_mask
+    dyf, xf = dy.to(acc), x.to(acc)
+    mean, rstd = mean.to(acc)[:, None], rstd.to(acc)[:, None]
+    xhat = (xf - mean) * rstd
+    dx = dw = db = None
+    if want_dx:
+        g = dyf if weight is None else dyf * weight.to(acc)
+        n = x.shape[1]
+        if n == 0:
+            dxf = g
+        else:
+            dxf = rstd * (g - g.mean(dim=1, keepdim=True) - xhat * (g * xhat).mean(dim=1, keepdim=True))
+        if dx_out is not None:
+            dx = dx_out.copy_(dxf)
+        else:
+            dx = dxf.to(x.dtype)
+    if want_dw:
+        dw = (dyf * xhat).sum(dim=0)
+    if want_db:
+        db = dyf.sum(dim=0)
+    return dx, dw, db
+
+
+def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source):
+    """AscendC LayerNormGrad, literally: the variance (not rstd) comes in, eps is added here,
+    and pd_mean keeps the term CANN computes even though it is analytically zero."""
+    acc = stat_dtype(x.dtype)
+    h = x.shape[1]
+    dyf, xf, gf = dy.to(acc), x.to(acc), gamma.to(acc)
+    r = torch.rsqrt(variance.to(acc)[:, None] + eps)
+    x2 = xf - mean.to(acc)[:, None]
+    x1 = dyf * gf
+    pd_var = (-0.5 * x1 * x2 * r.pow(3)).sum(dim=1, keepdim=True)
+    pd_mean = (-x1 * r).sum(dim=1, keepdim=True) + pd_var * (1.0 / h) * (-2.0 * x2).sum(dim=1, keepdim=True)
+    pd_x = x1 * r + pd_var * (2.0 / h) * x2 + pd_mean / h
+    res_for_gamma = x2 * r
+    if reuse_source:  # CANN's kernel leaves dy*gamma in inputDy and x-mean in inputX
+        dy.copy_(x1)
+        x.copy_(x2)
+    return pd_x.to(x.dtype), res_for_gamma.to(x.dtype)
+
+
+def layer_norm_grad_beta(res_for_gamma, dy, reuse_source):
+    acc = stat_dtype(dy.dtype)
+    dyf = dy.to(acc)
+    prod = dyf * res_for_gamma.to(acc)
+    pd_gamma = prod.sum(dim=0)
+    pd_beta = dyf.sum(dim=0)
+    if reuse_source:  # CANN's kernel leaves dy*resForGamma in resForGamma
+        res_for_gamma.copy_(prod)
+    return pd_gamma.to(dy.dtype), pd_beta.to(dy.dtype)
