@@ -312,5 +312,6 @@ def _backward(dout, x, weight, block_size, stride, cu_seqlens, num_blocks, cfg: 
     _sum_rows_kernel[(triton.cdiv(width, cfg.reduce_block_w),)](
         partials, dweight, partials.shape[0], width,
         BLOCK_P=cfg.reduce_block_p, BLOCK_W=cfg.reduce_block_w, ACC=acc,
+        num_warps=cfg.reduce_num_warps,
     )
     return dx, dweight
