@@ -368,3 +368,78 @@ def test_int64_offsets_cuda(device):
     exact_dx, _ = oracle_backward(gs, xs, weight.cpu(), block_size, stride, local)
     mag_dx, _ = oracle_backward(gs.abs(), xs.abs(), weight.cpu().abs(), block_size, stride, local)
     assert_within(dx[T - tail:].cpu(), exact_dx, mag_dx, 2, "dx tail")
+
+
+# ---------------------------------------------------------------------------------------
+# Compiled code without a GPU: the interpreter never compiles, so type or lowering errors
+# would only show on a GPU. Compile for sm_90 with the bundled ptxas, as the JIT would
+# specialise a contiguous [T, N, 128] bf16 problem, and check the register budget the
+# launch configuration is built on (nsa_config: about 80 registers, no spills).
+
+_COMPILE_SM90 = r"""
+import os, re, subprocess, sys, tempfile
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from gradops.kernels import nsa_compress as K
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+TYPES = {**{n: "*bf16" for n in ("x_ptr", "w_ptr", "out_ptr", "dout_ptr", "dx_ptr")},
+         **{n: "*i64" for n in ("cu_seqlens_ptr", "cu_blocks_ptr", "cu_chunks_ptr")},
+         "part_ptr": "*fp32"}
+UNIT = ("sx_d", "so_d", "sg_d", "sdx_d", "sw_n")
+DIV16 = ("sx_t", "sx_n", "so_c", "so_n", "sg_c", "sg_n", "sdx_t", "sdx_n", "head_dim", "sw_j", "width")
+
+def registers(fn, consts, types=TYPES):
+    sig, attrs = {}, {}
+    consts = dict(consts)
+    for i, n in enumerate(fn.arg_names):
+        if n in UNIT:
+            consts[n] = 1
+        if n in consts:
+            sig[n] = "constexpr"
+            continue
+        sig[n] = types.get(n, "i32")
+        if n in DIV16 or n.endswith("_ptr"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name],
+                           capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
+    return int(m.group(1)), int(m.group(2)), k.asm["ptx"].count("ld.global.v")
+
+f32 = tl.float32
+print("fwd", *registers(K._nsa_compress_fwd_kernel, {"BLOCK_C": 16, "BLOCK_H": 2, "BLOCK_D": 128, "ACC": f32}))
+print("bwd", *registers(K._nsa_compress_bwd_kernel, {"ROWS": 16, "BLOCK_H": 1, "BLOCK_D": 128, "K_PAD": 2, "ACC": f32}))
+print("sum", *registers(K._sum_rows_kernel, {"BLOCK_P": 128, "BLOCK_W": 64, "ACC": f32},
+                        {"part_ptr": "*fp32", "out_ptr": "*bf16"}))
+"""
+
+
+def test_compiles_for_sm90_within_register_budget(device):
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    if device != "cpu":
+        pytest.skip("on a GPU every other test compiles the kernels")
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("triton's bundled ptxas is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    usage = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in done.stdout.splitlines()}
+    for kernel, (regs, stack, vector_loads) in usage.items():
+        assert stack == 0, f"{kernel} spills ({stack} bytes of stack)"
+        assert vector_loads > 0, f"{kernel}: loads are not vectorised"
+    assert usage["bwd"][0] <= 96, f"backward needs {usage['bwd'][0]} registers; nsa_config assumes ~80"
+    assert usage["fwd"][0] <= 96, f"forward needs {usage['fwd'][0]} registers"
