@@ -374,7 +374,7 @@ def test_int64_offsets_cuda(device):
 # Compiled code without a GPU: the interpreter never compiles, so type or lowering errors
 # would only show on a GPU. Compile for sm_90 with the bundled ptxas, as the JIT would
 # specialise a contiguous [T, N, 128] bf16 problem, and check the register budget the
-# launch configuration is built on (nsa_config: about 80 registers, no spills).
+# launch configuration is built on (nsa_config: at most 96 registers, no spills).
 
 _COMPILE_SM90 = r"""
 import os, re, subprocess, sys, tempfile
@@ -413,7 +413,11 @@ def registers(fn, consts, types=TYPES):
 
 f32 = tl.float32
 print("fwd", *registers(K._nsa_compress_fwd_kernel, {"BLOCK_C": 16, "BLOCK_H": 2, "BLOCK_D": 128, "ACC": f32}))
-print("bwd", *registers(K._nsa_compress_bwd_kernel, {"ROWS": 16, "BLOCK_H": 1, "BLOCK_D": 128, "K_PAD": 2, "ACC": f32}))
+print("bwd", *registers(K._nsa_compress_bwd_kernel, {"ROWS": 16, "BLOCK_H": 1, "BLOCK_D": 128, "K_PAD": 2,
+                                                     "DW_IN_TILE": True, "ACC": f32}))
+# ceil(l/s) > BLOCK_D (tiny head dims, stride 1): dweight partial in its own array
+print("bwd_k_array", *registers(K._nsa_compress_bwd_kernel, {"ROWS": 1, "BLOCK_H": 16, "BLOCK_D": 16,
+                                                             "K_PAD": 32, "DW_IN_TILE": False, "ACC": f32}))
 print("sum", *registers(K._sum_rows_kernel, {"BLOCK_P": 128, "BLOCK_W": 64, "ACC": f32},
                         {"part_ptr": "*fp32", "out_ptr": "*bf16"}))
 """
@@ -440,6 +444,6 @@ def test_compiles_for_sm90_within_register_budget(device):
     usage = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in done.stdout.splitlines()}
     for kernel, (regs, stack, vector_loads) in usage.items():
         assert stack == 0, f"{kernel} spills ({stack} bytes of stack)"
-        assert vector_loads > 0, f"{kernel}: loads are not vectorised"
-    assert usage["bwd"][0] <= 96, f"backward needs {usage['bwd'][0]} registers; nsa_config assumes ~80"
+        assert vector_loads > 0 or kernel == "bwd_k_array", f"{kernel}: loads are not vectorised"
+    assert usage["bwd"][0] <= 96, f"backward needs {usage['bwd'][0]} registers; nsa_config assumes <= 96"
     assert usage["fwd"][0] <= 96, f"forward needs {usage['fwd'][0]} registers"

@@ -101,7 +101,7 @@ def _nsa_compress_bwd_kernel(
     groups_per_chunk, covering,
     sg_c, sg_n, sg_d, sx_t, sx_n, sx_d, sw_j, sw_n, sdx_t, sdx_n, sdx_d,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, K_PAD: tl.constexpr,
-    ACC: tl.constexpr,
+    DW_IN_TILE: tl.constexpr, ACC: tl.constexpr,
 ):
     pid_chunk = tl.program_id(0)
     pid_rest = tl.program_id(1)
@@ -133,9 +133,15 @@ def _nsa_compress_bwd_kernel(
     hd_g = h[:, None] * sg_n + d[None, :] * sg_d
     hd_dx = h[:, None] * sdx_n + d[None, :] * sdx_d
     kk = tl.arange(0, K_PAD)
+    d_local = tl.arange(0, BLOCK_D)
 
-    # dweight partial, indexed [k, r, head] for dweight[k*stride + r, head].
-    dw = tl.zeros([K_PAD, ROWS, BLOCK_H], dtype=ACC)
+    # dweight partial dweight[k*stride + r, head]. Kept in the layout of the x tile, with
+    # the head-dim index standing for k (when ceil(l/s) fits in BLOCK_D), so that adding
+    # a group's products needs no register shuffle; else as its own [k, r, head] array.
+    if DW_IN_TILE:
+        dw = tl.zeros([ROWS, BLOCK_H, BLOCK_D], dtype=ACC)
+    else:
+        dw = tl.zeros([K_PAD, ROWS, BLOCK_H], dtype=ACC)
     for g in range(g_begin, g_end):
         p = g * stride + r  # positions in the sequence
         row_ok = r_ok & (p < seq_len)
@@ -155,24 +161,35 @@ def _nsa_compress_bwd_kernel(
             w_ok = row_ok & (j < block_size)
             wv = tl.load(w_ptr + (j[:, None] * sw_j + h[None, :] * sw_n),
                          mask=w_ok[:, None] & h_ok[None, :], other=0.0).to(ACC)
-            gv = tl.load(dout_ptr + ((first_block + g - k) * sg_c + hd_g), mask=hd_ok,
-                         other=0.0).to(ACC)
-            dx += wv[:, :, None] * gv[None, :, :]
-            part = tl.sum(xv * gv[None, :, :], axis=2)
+            # The block's dOut row, loaded once per row of the tile (same address: L1
+            # broadcast) so that it arrives in the tile's layout, without a shuffle.
+            g_off = (first_block + g - k) * sg_c + r * 0
+            gv = tl.load(dout_ptr + (g_off[:, None, None] + hd_g[None, :, :]),
+                         mask=(r >= 0)[:, None, None] & hd_ok[None, :, :], other=0.0).to(ACC)
+            dx += wv[:, :, None] * gv
+            part = tl.sum(xv * gv, axis=2)
             part = tl.where(w_ok[:, None], part, 0.0)
-            dw += tl.where((kk == k)[:, None, None], part[None, :, :], 0.0)
+            if DW_IN_TILE:
+                dw += tl.where((d_local == k)[None, None, :], part[:, :, None], 0.0)
+            else:
+                dw += tl.where((kk == k)[:, None, None], part[None, :, :], 0.0)
         dx_mask = row_ok[:, None, None] & hd_ok[None, :, :]
         tl.store(dx_ptr + (t[:, None, None] * sdx_t + hd_dx[None, :, :]),
                  dx.to(dx_ptr.dtype.element_ty), mask=dx_mask)
 
     # Every (j, head) of this program's rows is written, zeros included, so the
     # reduction needs no zero-filled workspace.
-    j_all = kk[:, None] * stride + r[None, :]
-    part_ok = (kk[:, None] < covering) & r_ok[None, :] & (j_all < block_size)
-    part_row = chunk * d_tiles + pid_d
-    part_ptrs = part_ptr + (part_row * block_size * num_heads + j_all[:, :, None] * num_heads
-                            + h[None, None, :])
-    tl.store(part_ptrs, dw, mask=part_ok[:, :, None] & h_ok[None, None, :])
+    part_base = part_ptr + (chunk * d_tiles + pid_d) * block_size * num_heads
+    if DW_IN_TILE:
+        j_all = d_local[None, None, :] * stride + r[:, None, None]
+        part_ok = ((d_local < covering)[None, None, :] & r_ok[:, None, None] & (j_all < block_size)
+                   & h_ok[None, :, None])
+        tl.store(part_base + (j_all * num_heads + h[None, :, None]), dw, mask=part_ok)
+    else:
+        j_all = kk[:, None] * stride + r[None, :]
+        part_ok = (kk[:, None] < covering) & r_ok[None, :] & (j_all < block_size)
+        tl.store(part_base + (j_all[:, :, None] * num_heads + h[None, None, :]), dw,
+                 mask=part_ok[:, :, None] & h_ok[None, None, :])
 
 
 @triton.jit
@@ -305,7 +322,7 @@ def _backward(dout, x, weight, block_size, stride, cu_seqlens, num_blocks, cfg: 
         dout.stride(0), dout.stride(1), dout.stride(2), x.stride(0), x.stride(1), x.stride(2),
         weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1), dx.stride(2),
         ROWS=cfg.rows, BLOCK_H=cfg.block_h, BLOCK_D=cfg.block_d, K_PAD=next_pow2(covering),
-        ACC=acc, num_warps=cfg.num_warps,
+        DW_IN_TILE=covering <= cfg.block_d, ACC=acc, num_warps=cfg.num_warps,
     )
     dweight = torch.empty((block_size, num_heads), dtype=x.dtype, device=device)
     width = block_size * num_heads
