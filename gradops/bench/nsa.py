@@ -18,7 +18,7 @@ import random
 import sys
 from typing import Callable, Dict, List, Optional
 
-from .harness import OURS, Record, Run, progress
+from .harness import OURS, Run, progress
 
 # HBM bandwidth of the GPUs PERFORMANCE.md sets goals on, GB/s (nominal, not a copy).
 HBM_PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0}
