@@ -23,6 +23,7 @@ reproducible for a given shape and launch configuration.
 """
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Sequence
 
 import torch
@@ -238,6 +239,14 @@ class _SeqTables:
         self.cu_chunks = packed[2] if chunk_tokens is not None else None
 
 
+@functools.lru_cache(maxsize=64)
+def _seq_tables(cu_seqlens: tuple, block_size: int, stride: int, device: torch.device,
+                chunk_tokens: Optional[int] = None) -> _SeqTables:
+    """The tables of one packing, built once: a training step calls every layer's forward
+    and backward with the same cu_seqlens, and each build costs a host-to-device copy."""
+    return _SeqTables(cu_seqlens, block_size, stride, device, chunk_tokens)
+
+
 def _check_num_blocks(tables: _SeqTables, num_blocks: int, op: str):
     if tables.num_blocks != num_blocks:
         raise AclnnError(ACLNN_ERR_INNER, f"{op}: num_blocks is {num_blocks}, but cu_seqlens gives "
@@ -262,7 +271,7 @@ def _forward(x, weight, block_size, stride, cu_seqlens, num_blocks, cfg: Forward
     out = torch.empty((num_blocks, num_heads, head_dim), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    tables = _SeqTables(cu_seqlens, block_size, stride, x.device)
+    tables = _seq_tables(tuple(cu_seqlens), block_size, stride, x.device)
     _check_num_blocks(tables, num_blocks, "nsa_compress")
     x = _last_dim_contiguous(x)
     grid = (triton.cdiv(num_blocks, cfg.block_c),
@@ -300,8 +309,8 @@ def _backward(dout, x, weight, block_size, stride, cu_seqlens, num_blocks, cfg: 
         # Nothing is covered by any block (or there is nothing to cover).
         return (torch.zeros((num_tokens, num_heads, head_dim), dtype=x.dtype, device=device),
                 torch.zeros((block_size, num_heads), dtype=x.dtype, device=device))
-    tables = _SeqTables(cu_seqlens, block_size, stride, device,
-                        chunk_tokens=cfg.groups_per_chunk * stride)
+    tables = _seq_tables(tuple(cu_seqlens), block_size, stride, device,
+                         chunk_tokens=cfg.groups_per_chunk * stride)
     _check_num_blocks(tables, num_blocks, "nsa_compress_grad")
     x = _last_dim_contiguous(x)
     dout = _last_dim_contiguous(dout)
