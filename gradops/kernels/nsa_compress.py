@@ -80,7 +80,10 @@ def _nsa_compress_fwd_kernel(
     h_ok = h < num_heads
     mask = c_ok[:, None, None] & h_ok[None, :, None] & (d < head_dim)[None, None, :]
 
-    x_ptrs = x_ptr + (start[:, None, None] * sx_t + h[None, :, None] * sx_n + d[None, None, :] * sx_d)
+    # Head and head-dim offsets in int64 too: a heads-major view has a head stride of T*D.
+    h64 = h.to(tl.int64)
+    d64 = d.to(tl.int64)
+    x_ptrs = x_ptr + (start[:, None, None] * sx_t + h64[None, :, None] * sx_n + d64[None, None, :] * sx_d)
     w_ptrs = w_ptr + h * sw_n
     acc = tl.zeros([BLOCK_C, BLOCK_H, BLOCK_D], dtype=ACC)
     for _ in range(block_size):
@@ -90,7 +93,7 @@ def _nsa_compress_fwd_kernel(
         x_ptrs += sx_t
         w_ptrs += sw_j
 
-    out_ptrs = out_ptr + (c[:, None, None] * so_c + h[None, :, None] * so_n + d[None, None, :] * so_d)
+    out_ptrs = out_ptr + (c[:, None, None] * so_c + h64[None, :, None] * so_n + d64[None, None, :] * so_d)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -130,9 +133,12 @@ def _nsa_compress_bwd_kernel(
     r_ok = r < stride
     h_ok = h < num_heads
     hd_ok = h_ok[:, None] & (d < head_dim)[None, :]
-    hd_x = h[:, None] * sx_n + d[None, :] * sx_d
-    hd_g = h[:, None] * sg_n + d[None, :] * sg_d
-    hd_dx = h[:, None] * sdx_n + d[None, :] * sdx_d
+    # Head and head-dim offsets in int64 too: a heads-major view has a head stride of T*D.
+    h64 = h.to(tl.int64)
+    d64 = d.to(tl.int64)
+    hd_x = h64[:, None] * sx_n + d64[None, :] * sx_d
+    hd_g = h64[:, None] * sg_n + d64[None, :] * sg_d
+    hd_dx = h64[:, None] * sdx_n + d64[None, :] * sdx_d
     kk = tl.arange(0, K_PAD)
     d_local = tl.arange(0, BLOCK_D)
 
