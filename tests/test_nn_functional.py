@@ -294,6 +294,30 @@ def test_custom_op_registrations_pass_opcheck():
     ins = leaves(*floyd_inputs(dtype=torch.float32))
     mask = torch.rand(1, 1, 3, 1, 5) < 0.3
     torch.library.opcheck(torch.ops.gradops.floyd_attention.default, (*ins, mask, 0.5, None))
+    torch.library.opcheck(torch.ops.gradops.nsa_compress_seqlens_tensor.default,
+                          (xs, ws, 4, 2, torch.tensor([5, 12]), "cumsum", None))
+
+
+def test_backward_op_registrations_pass_opcheck():
+    """The backward ops (called by the autograd formulas, and traced into compiled backward
+    graphs) have consistent fake implementations too. Inputs do not require grad: these ops
+    deliberately have no derivative."""
+    x, w, b, dy = torch.randn(3, 8), torch.randn(8), torch.randn(8), torch.randn(3, 8)
+    _, mean, rstd = torch.ops.gradops.layer_norm(x, [8], w, b, 1e-5, None)
+    torch.library.opcheck(torch.ops.gradops.layer_norm_backward.default,
+                          (dy, x, [8], mean, rstd, w, b, [True, False, True], None))
+    _, rstd = torch.ops.gradops.rms_norm(x, w, 1e-6, None)
+    torch.library.opcheck(torch.ops.gradops.rms_norm_backward.default, (dy, x, rstd, w, None))
+    xs, ws = torch.randn(12, 2, 4), torch.randn(4, 2)
+    dout = torch.randn_like(F.nsa_compress(xs, ws, 4, 2, [5, 12]))
+    for seq_lens, op in (([5, 12], torch.ops.gradops.nsa_compress_backward.default),
+                         (torch.tensor([5, 12]), torch.ops.gradops.nsa_compress_seqlens_tensor_backward.default)):
+        torch.library.opcheck(op, (dout, xs, ws, 4, 2, seq_lens, "cumsum", None))
+    ins = floyd_inputs(dtype=torch.float32)
+    mask = torch.rand(1, 1, 3, 1, 5) < 0.3
+    out, smax, ssum = torch.ops.gradops.floyd_attention(*ins, mask, 0.5, None)
+    torch.library.opcheck(torch.ops.gradops.floyd_attention_backward.default,
+                          (torch.randn_like(out), *ins, out, smax, ssum, mask, 0.5, None))
 
 
 # ---------------------------------------------------------------- autocast policy
