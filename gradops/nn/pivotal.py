@@ -48,8 +48,8 @@ from .functional import floyd_attention
 
 __all__ = ["pivotal_attention", "TILE_ELEMENTS", "FUSED_MIN_INF"]
 
-# Scores per tile of the chunked path (float32: 16 MiB per score-sized temporary).
-TILE_ELEMENTS = 1 << 22
+# Scores per tile of the chunked path (float32: 8 MiB per score-sized temporary).
+TILE_ELEMENTS = 1 << 21
 # Below this mask magnitude a masked pivot may keep a visible share of the softmax, which the
 # fused operator (exact exclusion) would not reproduce: take the literal chunked path.
 FUSED_MIN_INF = 1e4
