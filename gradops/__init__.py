@@ -22,7 +22,7 @@ from .errors import (
     AclnnError,
 )
 
-from . import nn  # noqa: E402  (after the API: nn builds on it)
+from . import aclnn, ascendc, nn, torch_npu  # noqa: E402  (after the API: they build on it)
 from .nn.pivotal import pivotal_attention  # noqa: E402
 
 __version__ = "0.1.0"
@@ -47,4 +47,7 @@ __all__ = [
     "floyd_attention_grad",
     "pivotal_attention",
     "nn",
+    "aclnn",
+    "ascendc",
+    "torch_npu",
 ]
