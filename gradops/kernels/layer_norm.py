@@ -137,8 +137,8 @@ def _ln_bwd_fused_kernel(DY, X, W, Mean, Rstd, DX, DW_P, DB_P,
     cmask = cols < N
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
-    acc_dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-    acc_db = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
+    acc_db = tl.zeros([BLOCK_N], dtype=ACC)
     for tile in range(pid, num_tiles, tl.num_programs(0)):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -160,13 +160,13 @@ def _ln_bwd_fused_kernel(DY, X, W, Mean, Rstd, DX, DW_P, DB_P,
             dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
             tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if WANT_DW:
-            acc_dw += dy * xhat
+            acc_dw += tl.sum(dy * xhat, axis=0)
         if WANT_DB:
-            acc_db += dy
+            acc_db += tl.sum(dy, axis=0)
     if WANT_DW:
-        tl.store(DW_P + pid.to(tl.int64) * stride_p + cols, tl.sum(acc_dw, axis=0), mask=cmask)
+        tl.store(DW_P + pid.to(tl.int64) * stride_p + cols, acc_dw, mask=cmask)
     if WANT_DB:
-        tl.store(DB_P + pid.to(tl.int64) * stride_p + cols, tl.sum(acc_db, axis=0), mask=cmask)
+        tl.store(DB_P + pid.to(tl.int64) * stride_p + cols, acc_db, mask=cmask)
 
 
 @triton.jit
@@ -210,8 +210,8 @@ def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DX, DW_P, DB_P,
     cmask = cols < N
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
-    acc_dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-    acc_db = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
+    acc_db = tl.zeros([BLOCK_N], dtype=ACC)
     for tile in range(rg, num_row_tiles, tl.num_programs(1)):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -232,13 +232,13 @@ def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DX, DW_P, DB_P,
             dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
             tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if WANT_DW:
-            acc_dw += dy * xhat
+            acc_dw += tl.sum(dy * xhat, axis=0)
         if WANT_DB:
-            acc_db += dy
+            acc_db += tl.sum(dy, axis=0)
     if WANT_DW:
-        tl.store(DW_P + rg.to(tl.int64) * stride_p + cols, tl.sum(acc_dw, axis=0), mask=cmask)
+        tl.store(DW_P + rg.to(tl.int64) * stride_p + cols, acc_dw, mask=cmask)
     if WANT_DB:
-        tl.store(DB_P + rg.to(tl.int64) * stride_p + cols, tl.sum(acc_db, axis=0), mask=cmask)
+        tl.store(DB_P + rg.to(tl.int64) * stride_p + cols, acc_db, mask=cmask)
 
 
 def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
@@ -464,8 +464,8 @@ def _ln_grad_beta_kernel(RES, DY, PG_P, PB_P, M, N, stride_res, stride_dy, strid
     rg = tl.program_id(1)
     cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-    acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    acc_g = tl.zeros([BLOCK_N], dtype=ACC)
+    acc_b = tl.zeros([BLOCK_N], dtype=ACC)
     for tile in range(rg, num_row_tiles, tl.num_programs(1)):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & cmask[None, :]
@@ -473,12 +473,12 @@ def _ln_grad_beta_kernel(RES, DY, PG_P, PB_P, M, N, stride_res, stride_dy, strid
         res_ptr = RES + rows64[:, None] * stride_res + cols[None, :]
         dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
         prod = dy * tl.load(res_ptr, mask=mask, other=0.0).to(ACC)
-        acc_g += prod
-        acc_b += dy
+        acc_g += tl.sum(prod, axis=0)
+        acc_b += tl.sum(dy, axis=0)
         if REUSE:  # CANN leaves dy*resForGamma in resForGamma
             tl.store(res_ptr, prod.to(RES.dtype.element_ty), mask=mask)
-    tl.store(PG_P + rg.to(tl.int64) * stride_p + cols, tl.sum(acc_g, axis=0), mask=cmask)
-    tl.store(PB_P + rg.to(tl.int64) * stride_p + cols, tl.sum(acc_b, axis=0), mask=cmask)
+    tl.store(PG_P + rg.to(tl.int64) * stride_p + cols, acc_g, mask=cmask)
+    tl.store(PB_P + rg.to(tl.int64) * stride_p + cols, acc_b, mask=cmask)
 
 
 def layer_norm_grad_beta(res_for_gamma, dy, reuse_source):

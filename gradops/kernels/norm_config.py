@@ -25,17 +25,17 @@ from functools import lru_cache
 
 import torch
 
-# Widest row kept whole in registers on a GPU. 8192 float32 values per tensor over 512
-# threads (16 warps) is 16 registers per thread per live tensor; the backward keeps about
-# six such tensors live (x, dy, w, two accumulators, a temporary), ~100 registers, under
-# the 128 a thread gets when 512 threads share an SM's 64K registers. 16K would spill.
+# Widest row kept whole in registers on a GPU: one row is one register tile (below).
 GPU_MAX_FUSED_N = 8192
-# Elements per register tile on a GPU: enough bytes in flight per program to hide memory
-# latency (4096 bf16 x 2 inputs = 16 KB) with two programs per SM.
-GPU_TILE_ELEMS = 4096
-# Persistent backward programs per SM: two resident programs give the scheduler a second
-# stream of loads while one waits on its reductions.
-GPU_PROGRAMS_PER_SM = 2
+# Elements per register tile on a GPU. A tile of 8192 elements over 16 warps is 16 values
+# per thread per live tensor: ptxas (sm_90) gives the LayerNorm backward 128 registers and
+# no spills at 8192 x 1 and narrower-row shapes alike, and 16384 spills. 8192 bf16 values
+# of x and dy are 32 KB of loads in flight per SM, about what Little's law asks for
+# (3.35 TB/s x ~0.7 us / 132 SMs ~ 18 KB).
+GPU_TILE_ELEMS = 8192
+# Persistent backward programs per SM: at 128 registers x 512 threads one program fills an
+# SM's 64K registers, so a second one could only run after the first (a wasted partial row).
+GPU_PROGRAMS_PER_SM = 1
 # Column block of the split-row kernels and of the partial-sum reduction.
 GPU_SPLIT_BLOCK_N = 2048
 
@@ -121,7 +121,7 @@ def fused_config(m: int, n: int, device, *, persistent: bool) -> FusedConfig:
     tile = GPU_TILE_ELEMS if gpu else CPU_TILE_ELEMS
     # Narrow rows are stacked so that every tile carries about `tile` elements; never more
     # rows than there are (the tail tile is masked).
-    block_m = max(1, min(tile // block_n, next_pow2(max(m, 1)), 64))
+    block_m = max(1, min(tile // block_n, next_pow2(max(m, 1)), 128))
     num_warps = _warps_for(block_m * block_n) if gpu else 1
     num_tiles = -(-m // block_m)
     if persistent:
