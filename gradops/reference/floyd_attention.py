@@ -38,7 +38,8 @@ def _scores(q, k1, k2, mask, scale, n0, n1, m0, m1):
 
 
 def floyd_attention(q, k1, v1, k2, v2, mask, scale):
-    acc = stat_dtype(q.dtype)
+    dtype = q.dtype
+    acc = stat_dtype(dtype)
     q, k1, v1, k2, v2 = (t.to(acc) for t in (q, k1, v1, k2, v2))
     b, h, n, m, d = q.shape
     kk = k1.shape[3]
@@ -55,7 +56,7 @@ def floyd_attention(q, k1, v1, k2, v2, mask, scale):
         out[:, :, n0:n1, m0:m1] = y / l[..., None]
         smax[:, :, n0:n1, m0:m1] = mx
         ssum[:, :, n0:n1, m0:m1] = l
-    return out, smax, ssum
+    return out.to(dtype), smax, ssum
 
 
 def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask, scale):

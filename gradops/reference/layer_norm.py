@@ -35,22 +35,17 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
     dyf, xf = dy.to(acc), x.to(acc)
     mean, rstd = mean.to(acc)[:, None], rstd.to(acc)[:, None]
     xhat = (xf - mean) * rstd
-    dx = dw = db = None
+    # weight grads first: with in_place, dx_out is dy's own memory
+    dw = (dyf * xhat).sum(dim=0) if want_dw else None
+    db = dyf.sum(dim=0) if want_db else None
+    dx = None
     if want_dx:
         g = dyf if weight is None else dyf * weight.to(acc)
-        n = x.shape[1]
-        if n == 0:
+        if x.shape[1] == 0:
             dxf = g
         else:
             dxf = rstd * (g - g.mean(dim=1, keepdim=True) - xhat * (g * xhat).mean(dim=1, keepdim=True))
-        if dx_out is not None:
-            dx = dx_out.copy_(dxf)
-        else:
-            dx = dxf.to(x.dtype)
-    if want_dw:
-        dw = (dyf * xhat).sum(dim=0)
-    if want_db:
-        db = dyf.sum(dim=0)
+        dx = dx_out.copy_(dxf) if dx_out is not None else dxf.to(x.dtype)
     return dx, dw, db
 
 

@@ -1,0 +1,45 @@
+"""gradops: fast, exact backward operators for transformer training (LayerNorm, RMSNorm,
+DeepSeek NSA compression, FloydNet pivotal attention), with CANN-compatible APIs."""
+from .api import (
+    floyd_attention,
+    floyd_attention_grad,
+    layer_norm,
+    layer_norm_backward,
+    layer_norm_grad,
+    layer_norm_grad_beta,
+    nsa_compress,
+    nsa_compress_grad,
+    rms_norm,
+    rms_norm_grad,
+)
+from .errors import (
+    ACLNN_ERR_INNER,
+    ACLNN_ERR_INNER_TILING_ERROR,
+    ACLNN_ERR_PARAM_INVALID,
+    ACLNN_ERR_PARAM_NULLPTR,
+    ACLNN_ERR_RUNTIME_ERROR,
+    ACLNN_SUCCESS,
+    AclnnError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AclnnError",
+    "ACLNN_SUCCESS",
+    "ACLNN_ERR_PARAM_NULLPTR",
+    "ACLNN_ERR_PARAM_INVALID",
+    "ACLNN_ERR_RUNTIME_ERROR",
+    "ACLNN_ERR_INNER",
+    "ACLNN_ERR_INNER_TILING_ERROR",
+    "layer_norm",
+    "layer_norm_backward",
+    "layer_norm_grad",
+    "layer_norm_grad_beta",
+    "rms_norm",
+    "rms_norm_grad",
+    "nsa_compress",
+    "nsa_compress_grad",
+    "floyd_attention",
+    "floyd_attention_grad",
+]

@@ -1,0 +1,82 @@
+"""Shape canonicalisation shared by the norm families: leading rows x normalised columns."""
+from __future__ import annotations
+
+import math
+from typing import Sequence, Tuple
+
+import torch
+
+from ._checks import fail, invalid, ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR
+
+
+def as_int_tuple(op: str, name: str, value) -> Tuple[int, ...]:
+    """An int, a sequence of ints or a torch.Size -> tuple of ints (None -> 161001)."""
+    if value is None:
+        fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected a sequence of ints")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, torch.Tensor):
+        if value.dim() > 1 or value.is_floating_point():
+            invalid(op, f"{name} is a tensor of shape {tuple(value.shape)}, expected a 1-D integer sequence")
+        value = value.reshape(-1).tolist()
+    try:
+        items = tuple(value)
+    except TypeError:
+        invalid(op, f"{name} is {value!r}, expected a sequence of ints")
+    for v in items:
+        if isinstance(v, bool) or not isinstance(v, int):
+            invalid(op, f"{name} is {value!r}, expected a sequence of ints")
+    return items
+
+
+def check_trailing(op: str, name: str, x: torch.Tensor, x_name: str, shape: Tuple[int, ...],
+                   status: int = ACLNN_ERR_PARAM_INVALID, verb: str = "is"):
+    """``shape`` (of ``name``) must equal the trailing dims of ``x``."""
+    n = len(shape)
+    if n < 1 or n > x.dim():
+        fail(op, status, f"{name} {verb} {tuple(shape)} ({n} dims), expected 1..{x.dim()} dims: "
+                         f"the trailing dims of {x_name} {tuple(x.shape)}")
+    trailing = tuple(x.shape[x.dim() - n:])
+    if tuple(shape) != trailing:
+        fail(op, status, f"{name} {verb} {tuple(shape)}, expected {x_name}.shape[-{n}:] == {trailing}")
+
+
+def rows_cols(x: torch.Tensor, n_norm: int) -> Tuple[int, int]:
+    lead = x.shape[: x.dim() - n_norm]
+    return math.prod(lead), math.prod(x.shape[x.dim() - n_norm:])
+
+
+def check_stat(op: str, name: str, t: torch.Tensor, x: torch.Tensor, n_norm: int, x_name: str = "x",
+               status: int = ACLNN_ERR_PARAM_INVALID):
+    """A per-row statistic: shape ``x.shape[:-n]`` or its keepdim form ``x.shape[:-n] + (1,)*n``."""
+    lead = tuple(x.shape[: x.dim() - n_norm])
+    allowed = (lead, lead + (1,) * n_norm)
+    if tuple(t.shape) not in allowed:
+        fail(op, status, f"{name} has shape {tuple(t.shape)}, expected {x_name}.shape[:-{n_norm}] == {lead} "
+                         f"or its keepdim form {allowed[1]}")
+
+
+def rows_view(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``t`` as ``[rows, cols]``: a view when the strides allow, else a copy."""
+    return t.reshape(rows, cols)
+
+
+def as_bool_triple(op: str, name: str, value) -> Tuple[bool, bool, bool]:
+    if value is None:
+        fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected 3 bools")
+    try:
+        items = tuple(value)
+    except TypeError:
+        invalid(op, f"{name} is {value!r}, expected a sequence of 3 bools")
+    if len(items) != 3:
+        invalid(op, f"{name} has length {len(items)}, expected length 3 (gradInput, gradWeight, gradBias)")
+    for v in items:
+        if not isinstance(v, (bool, int)) or isinstance(v, int) and v not in (0, 1):
+            invalid(op, f"{name} is {value!r}, expected 3 bools")
+    return tuple(bool(v) for v in items)
+
+
+def aliases(view: torch.Tensor, t: torch.Tensor) -> bool:
+    """True when ``view`` (a reshape of ``t``) shares ``t``'s memory rather than being a copy,
+    so that writing into it writes into ``t``."""
+    return view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()

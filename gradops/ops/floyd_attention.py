@@ -1,0 +1,113 @@
+"""Floyd (pivotal) attention: ``floyd_attention`` / ``floyd_attention_grad``
+(aclnnFusedFloydAttention / aclnnFusedFloydAttentionGrad, OPERATORS.md section 5).
+CANN checks Floyd's shapes (the mask's and the statistics' included) at tiling: 561002;
+dtypes (the mask's included) are 161002."""
+from __future__ import annotations
+
+import torch
+
+from .._backend import implementation
+from ._checks import (
+    FLOAT_DTYPES,
+    TILING,
+    check_dtype,
+    check_float_attr,
+    check_rank,
+    check_same_device,
+    check_same_dtype,
+    check_shape,
+    fail,
+    require_tensor,
+    stat_dtype,
+)
+from ._prepared import Prepared
+
+FAMILY = "floyd_attention"
+MASK_DTYPES = (torch.bool, torch.uint8)
+STAT_REPLICAS = 8  # CANN stores each softmax statistic 8 times: [B,H,N,M,8]
+
+
+def _check_qkv(op, q, k1, v1, k2, v2):
+    names = (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2))
+    for name, t in names:
+        require_tensor(op, name, t)
+    check_dtype(op, "q", q, FLOAT_DTYPES)
+    for name, t in names[1:]:
+        check_same_dtype(op, name, t, "q", q)
+    for name, t in names:
+        check_rank(op, name, t, 5, 5, status=TILING)
+    b, h, n, m, d = q.shape
+    kk = k1.shape[3]
+    check_shape(op, "k1", k1, (b, h, n, kk, d), "(B, H, N, K, D) of q", status=TILING)
+    check_shape(op, "v1", v1, k1.shape, "k1.shape", status=TILING)
+    check_shape(op, "k2", k2, (b, h, kk, m, d), "(B, H, K, M, D) with K of k1", status=TILING)
+    check_shape(op, "v2", v2, k2.shape, "k2.shape", status=TILING)
+    if kk < 1 and b * h * n * m > 0:
+        fail(op, TILING, f"k1 has K = {kk} pivots, expected K >= 1 (a softmax over no pivots is undefined)")
+    return b, h, n, m, kk, d
+
+
+def _check_mask(op, mask, b, n, kk):
+    if mask is None:
+        return None
+    require_tensor(op, "mask", mask)
+    check_dtype(op, "mask", mask, MASK_DTYPES)
+    check_shape(op, "mask", mask, (b, 1, n, 1, kk), "(B, 1, N, 1, K)", status=TILING)
+    return mask
+
+
+def _as_bool_mask(mask):
+    return None if mask is None else (mask if mask.dtype == torch.bool else mask != 0)
+
+
+def prepare_floyd_attention(q, k1, v1, k2, v2, mask=None, scale=1.0, *, backend=None,
+                            op="floyd_attention") -> Prepared:
+    b, h, n, m, kk, d = _check_qkv(op, q, k1, v1, k2, v2)
+    _check_mask(op, mask, b, n, kk)
+    scale = check_float_attr(op, "scale", scale)
+    check_same_device(op, [("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2), ("mask", mask)])
+    impl = implementation(op, FAMILY, backend, q.device)
+
+    def run():
+        return impl.floyd_attention(q, k1, v1, k2, v2, _as_bool_mask(mask), scale)
+
+    acc = stat_dtype(q.dtype)
+    outputs = ((tuple(q.shape), q.dtype), ((b, h, n, m), acc), ((b, h, n, m), acc))
+    return Prepared(op, q.device, impl, outputs, run)
+
+
+def compact_stat(op, name, t, b, h, n, m, dtype):
+    """Softmax statistic given compact ``[B,H,N,M]`` or CANN's ``[B,H,N,M,8]`` -> compact view."""
+    require_tensor(op, name, t)
+    check_dtype(op, name, t, (dtype,))
+    if tuple(t.shape) == (b, h, n, m):
+        return t
+    if tuple(t.shape) == (b, h, n, m, STAT_REPLICAS):
+        return t[..., 0]
+    fail(op, TILING, f"{name} has shape {tuple(t.shape)}, expected compact (B, H, N, M) == {(b, h, n, m)} "
+                     f"or CANN's {(b, h, n, m, STAT_REPLICAS)}")
+
+
+def prepare_floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask=None,
+                                 scale=1.0, *, backend=None, op="floyd_attention_grad") -> Prepared:
+    require_tensor(op, "dy", dy)
+    b, h, n, m, kk, d = _check_qkv(op, q, k1, v1, k2, v2)
+    require_tensor(op, "out", out)
+    check_same_dtype(op, "dy", dy, "q", q)
+    check_same_dtype(op, "out", out, "q", q)
+    check_shape(op, "dy", dy, q.shape, "q.shape", status=TILING)
+    check_shape(op, "out", out, q.shape, "q.shape", status=TILING)
+    acc = stat_dtype(q.dtype)
+    smax = compact_stat(op, "softmax_max", softmax_max, b, h, n, m, acc)
+    ssum = compact_stat(op, "softmax_sum", softmax_sum, b, h, n, m, acc)
+    _check_mask(op, mask, b, n, kk)
+    scale = check_float_attr(op, "scale", scale)
+    check_same_device(op, [("dy", dy), ("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2),
+                           ("out", out), ("softmax_max", smax), ("softmax_sum", ssum), ("mask", mask)])
+    impl = implementation(op, FAMILY, backend, q.device)
+
+    def run():
+        return impl.floyd_attention_grad(dy, q, k1, v1, k2, v2, out, smax, ssum, _as_bool_mask(mask), scale)
+
+    outputs = tuple((tuple(t.shape), q.dtype) for t in (q, k1, v1, k2, v2))
+    return Prepared(op, q.device, impl, outputs, run)

@@ -1,0 +1,200 @@
+"""LayerNorm: ``layer_norm`` / ``layer_norm_backward`` (aclnnLayerNorm / aclnnLayerNormBackward,
+PyTorch's native_layer_norm) and the AscendC-semantics ``layer_norm_grad`` /
+``layer_norm_grad_beta`` (OPERATORS.md sections 1 and 2). Every LayerNorm rule is 161001
+(a None) or 161002: CANN checks them in its op API, none at tiling."""
+from __future__ import annotations
+
+import torch
+
+from .._backend import implementation
+from ._checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_float_attr,
+    check_same_device,
+    check_same_dtype,
+    check_shape,
+    invalid,
+    require_tensor,
+    stat_dtype,
+)
+from ._prepared import Prepared
+from ._shapes import aliases, as_bool_triple, as_int_tuple, check_stat, check_trailing, rows_cols
+
+FAMILY = "layer_norm"
+
+
+def param_dtypes(x_dtype: torch.dtype):
+    """Dtypes a weight/bias may have beside activations of ``x_dtype``: the same, or float32
+    master weights beside half-precision activations."""
+    return (x_dtype,) if x_dtype in (torch.float32, torch.float64) else (x_dtype, torch.float32)
+
+
+def _check_affine(op, name, t, x, normalized_shape):
+    if t is None:
+        return None
+    require_tensor(op, name, t)
+    check_dtype(op, name, t, param_dtypes(x.dtype))
+    check_shape(op, name, t, normalized_shape, "normalized_shape")
+    return t
+
+
+def prepare_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, backend=None,
+                       op="layer_norm") -> Prepared:
+    require_tensor(op, "x", x)
+    normalized_shape = as_int_tuple(op, "normalized_shape", normalized_shape)
+    check_dtype(op, "x", x, FLOAT_DTYPES)
+    check_trailing(op, "normalized_shape", x, "x", normalized_shape)
+    _check_affine(op, "weight", weight, x, normalized_shape)
+    _check_affine(op, "bias", bias, x, normalized_shape)
+    eps = check_float_attr(op, "eps", eps)
+    check_same_device(op, [("x", x), ("weight", weight), ("bias", bias)])
+    impl = implementation(op, FAMILY, backend, x.device)
+    rows, cols = rows_cols(x, len(normalized_shape))
+    stat_shape = tuple(x.shape[: x.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)
+    acc = stat_dtype(x.dtype)
+
+    def run():
+        y, mean, rstd = impl.layer_norm(
+            x.reshape(rows, cols),
+            None if weight is None else weight.reshape(cols),
+            None if bias is None else bias.reshape(cols),
+            eps,
+        )
+        return y.reshape(x.shape), mean.reshape(stat_shape), rstd.reshape(stat_shape)
+
+    outputs = ((tuple(x.shape), x.dtype), (stat_shape, acc), (stat_shape, acc))
+    return Prepared(op, x.device, impl, outputs, run)
+
+
+def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None, bias=None,
+                                output_mask=(True, True, True), *, in_place=False, backend=None,
+                                op="layer_norm_backward") -> Prepared:
+    for name, t in (("dy", dy), ("x", x)):
+        require_tensor(op, name, t)
+    normalized_shape = as_int_tuple(op, "normalized_shape", normalized_shape)
+    require_tensor(op, "mean", mean)
+    require_tensor(op, "rstd", rstd)
+    output_mask = as_bool_triple(op, "output_mask", output_mask)
+    check_dtype(op, "x", x, FLOAT_DTYPES)
+    check_same_dtype(op, "dy", dy, "x", x)
+    acc = stat_dtype(x.dtype)
+    check_dtype(op, "mean", mean, (acc,))
+    check_dtype(op, "rstd", rstd, (acc,))
+    check_shape(op, "dy", dy, x.shape, "x.shape")
+    check_trailing(op, "normalized_shape", x, "x", normalized_shape)
+    n_norm = len(normalized_shape)
+    check_stat(op, "mean", mean, x, n_norm)
+    check_shape(op, "rstd", rstd, mean.shape, "mean.shape")
+    _check_affine(op, "weight", weight, x, normalized_shape)
+    _check_affine(op, "bias", bias, x, normalized_shape)  # checked like CANN, unused by the math
+    if in_place and not output_mask[0]:
+        invalid(op, "in_place is True but output_mask[0] is False, expected the input gradient to be "
+                    "computed when it is to be written into dy")
+    check_same_device(op, [("dy", dy), ("x", x), ("mean", mean), ("rstd", rstd), ("weight", weight),
+                           ("bias", bias)])
+    impl = implementation(op, FAMILY, backend, x.device)
+    rows, cols = rows_cols(x, n_norm)
+    grad_dtype = weight.dtype if weight is not None else acc
+
+    def run():
+        dy2 = dy.reshape(rows, cols)
+        # in_place: write dx straight into dy when dy can be viewed as rows, else copy back below
+        dx_out = dy2 if in_place and aliases(dy2, dy) else None
+        dx, dw, db = impl.layer_norm_backward(
+            dy2, x.reshape(rows, cols), mean.reshape(rows), rstd.reshape(rows),
+            None if weight is None else weight.reshape(cols), output_mask, dx_out=dx_out)
+        if dx is not None:
+            if in_place:
+                if dx_out is None:
+                    dy.copy_(dx.reshape(dy.shape))
+                dx = dy
+            else:
+                dx = dx.reshape(x.shape)
+        if dw is not None:
+            dw = dw.to(grad_dtype).reshape(normalized_shape)
+        if db is not None:
+            db = db.to(grad_dtype).reshape(normalized_shape)
+        return dx, dw, db
+
+    outputs = (
+        (tuple(x.shape), x.dtype) if output_mask[0] else None,
+        (normalized_shape, grad_dtype) if output_mask[1] else None,
+        (normalized_shape, grad_dtype) if output_mask[2] else None,
+    )
+    return Prepared(op, x.device, impl, outputs, run)
+
+
+def _check_ascendc_rows(op, x, dy, h_name="x"):
+    """x/dy ``[..., H]`` of one float dtype (AscendC T; float64 too in the Python API)."""
+    check_dtype(op, "x", x, FLOAT_DTYPES)
+    check_same_dtype(op, "dy", dy, "x", x)
+    check_shape(op, "dy", dy, x.shape, "x.shape")
+    if x.dim() < 1:
+        invalid(op, f"x has 0 dims, expected [..., H]")
+
+
+def _check_reuse(op, reuse_source, dtype):
+    if not isinstance(reuse_source, bool):
+        invalid(op, f"reuse_source is {reuse_source!r}, expected a bool")
+    if reuse_source and dtype not in (torch.float32, torch.float64):
+        invalid(op, f"reuse_source is True with dtype {str(dtype).replace('torch.', '')}, expected "
+                    f"reuse_source only for float inputs (CANN's isReuseSource rule)")
+
+
+def prepare_layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source=False, *, backend=None,
+                            op="layer_norm_grad") -> Prepared:
+    for name, t in (("dy", dy), ("x", x), ("variance", variance), ("mean", mean), ("gamma", gamma)):
+        require_tensor(op, name, t)
+    eps = check_float_attr(op, "eps", eps)
+    _check_ascendc_rows(op, x, dy)
+    for name, t in (("variance", variance), ("mean", mean), ("gamma", gamma)):
+        check_same_dtype(op, name, t, "x", x)
+    check_stat(op, "variance", variance, x, 1)
+    check_stat(op, "mean", mean, x, 1)
+    check_shape(op, "gamma", gamma, x.shape[-1:], "x.shape[-1:]")
+    _check_reuse(op, reuse_source, x.dtype)
+    check_same_device(op, [("dy", dy), ("x", x), ("variance", variance), ("mean", mean), ("gamma", gamma)])
+    impl = implementation(op, FAMILY, backend, x.device)
+    rows, cols = rows_cols(x, 1)
+    if x.dtype == torch.float16:
+        eps = float(torch.tensor(eps, dtype=torch.float16))  # CANN's epsilon has type T
+
+    def run():
+        dy2, x2 = dy.reshape(rows, cols), x.reshape(rows, cols)
+        pd_x, res = impl.layer_norm_grad(dy2, x2, variance.reshape(rows), mean.reshape(rows), gamma,
+                                         eps, reuse_source)
+        if reuse_source:  # the overwrite must land in the caller's tensors even if they were copied
+            if not aliases(dy2, dy):
+                dy.copy_(dy2.reshape(dy.shape))
+            if not aliases(x2, x):
+                x.copy_(x2.reshape(x.shape))
+        return pd_x.reshape(x.shape), res.reshape(x.shape)
+
+    outputs = ((tuple(x.shape), x.dtype), (tuple(x.shape), x.dtype))
+    return Prepared(op, x.device, impl, outputs, run)
+
+
+def prepare_layer_norm_grad_beta(res_for_gamma, dy, reuse_source=False, *, backend=None,
+                                 op="layer_norm_grad_beta") -> Prepared:
+    require_tensor(op, "res_for_gamma", res_for_gamma)
+    require_tensor(op, "dy", dy)
+    check_dtype(op, "dy", dy, FLOAT_DTYPES)
+    check_same_dtype(op, "res_for_gamma", res_for_gamma, "dy", dy)
+    check_shape(op, "res_for_gamma", res_for_gamma, dy.shape, "dy.shape")
+    if dy.dim() < 1:
+        invalid(op, "dy has 0 dims, expected [..., H]")
+    _check_reuse(op, reuse_source, dy.dtype)
+    check_same_device(op, [("res_for_gamma", res_for_gamma), ("dy", dy)])
+    impl = implementation(op, FAMILY, backend, dy.device)
+    rows, cols = rows_cols(dy, 1)
+
+    def run():
+        res2 = res_for_gamma.reshape(rows, cols)
+        pd_gamma, pd_beta = impl.layer_norm_grad_beta(res2, dy.reshape(rows, cols), reuse_source)
+        if reuse_source and not aliases(res2, res_for_gamma):
+            res_for_gamma.copy_(res2.reshape(res_for_gamma.shape))
+        return pd_gamma, pd_beta
+
+    outputs = (((dy.shape[-1],), dy.dtype), ((dy.shape[-1],), dy.dtype))
+    return Prepared(op, dy.device, impl, outputs, run)

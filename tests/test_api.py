@@ -1,0 +1,60 @@
+"""The package surface: exports, status codes, backend choice."""
+import pytest
+import torch
+
+import gradops
+from gradops import _backend
+from gradops.errors import ACLNN_ERR_PARAM_INVALID as INVALID
+
+from helpers import raises_status, rand
+
+
+def test_status_constants_and_error_type():
+    assert gradops.ACLNN_SUCCESS == 0
+    assert gradops.ACLNN_ERR_PARAM_NULLPTR == 161001
+    assert gradops.ACLNN_ERR_PARAM_INVALID == 161002
+    assert gradops.ACLNN_ERR_RUNTIME_ERROR == 361001
+    assert gradops.ACLNN_ERR_INNER == 561000
+    assert gradops.ACLNN_ERR_INNER_TILING_ERROR == 561002
+    err = gradops.AclnnError(161002, "op: x is bad")
+    assert isinstance(err, ValueError) and err.status == 161002 and "161002" in str(err)
+
+
+def test_unknown_backend_is_rejected_by_name():
+    x = rand((2, 4))
+    with raises_status(INVALID, "backend", "'cuda'"):
+        gradops.rms_norm(x, torch.ones(4), backend="cuda")
+
+
+def test_reference_backend_is_the_cpu_default():
+    impl = _backend.implementation("op", "rms_norm", None, torch.device("cpu"))
+    assert impl.__name__ == "gradops.reference.rms_norm"
+    assert _backend.implementation("op", "rms_norm", "auto", torch.device("cpu")) is impl
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setattr(_backend, "has_triton_kernels", lambda family: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with raises_status(INVALID, "backend='triton'", "TRITON_INTERPRET=1"):
+        _backend.implementation("rms_norm", "rms_norm", "triton", torch.device("cpu"))
+
+
+def test_triton_without_kernels_is_rejected(monkeypatch):
+    monkeypatch.setattr(_backend, "has_triton_kernels", lambda family: False)
+    with raises_status(INVALID, "backend='triton'"):
+        _backend.implementation("op", "floyd_attention", "triton", torch.device("cpu"))
+    # and "auto" quietly falls back to the reference on CUDA too
+    impl = _backend.implementation("op", "floyd_attention", "auto", torch.device("cuda"))
+    assert impl.__name__ == "gradops.reference.floyd_attention"
+
+
+def test_prepare_validates_without_running():
+    from gradops.ops.rms_norm import prepare_rms_norm_grad
+
+    x, dy, g = rand((3, 8)), rand((3, 8)), rand((8,))
+    _, rstd = gradops.rms_norm(x, g)
+    plan = prepare_rms_norm_grad(dy, x, rstd, g)
+    assert plan.outputs == (((3, 8), torch.float32), ((8,), torch.float32))
+    assert plan.backend_name == "reference" and plan.device == torch.device("cpu")
+    dx, dgamma = plan.run()
+    assert dx.shape == (3, 8)

@@ -1,0 +1,339 @@
+"""LayerNorm (aclnnLayerNorm/aclnnLayerNormBackward semantics) and the AscendC LayerNormGrad /
+LayerNormGradBeta semantics, reference backend, against float64 oracles."""
+import pytest
+import torch
+
+import gradops
+from gradops import oracles
+from gradops.errors import ACLNN_ERR_PARAM_INVALID as INVALID, ACLNN_ERR_PARAM_NULLPTR as NULLPTR
+
+from helpers import DTYPES, assert_close, raises_status, rand
+
+SHAPES = [((1, 3), 1), ((4, 64), 1), ((3, 5, 33), 1), ((2, 3, 4, 5), 2), ((7, 1000), 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,n_norm", SHAPES)
+def test_forward_and_backward_match_aten_float64(shape, n_norm, dtype, device):
+    ns = shape[len(shape) - n_norm:]
+    x, dy = rand(shape, dtype, device), rand(shape, dtype, device)
+    w, b = rand(ns, dtype, device), rand(ns, dtype, device)
+    y, mean, rstd = gradops.layer_norm(x, ns, w, b, backend="reference")
+    ey, emean, erstd = oracles.layer_norm(x, ns, w, b)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    assert y.dtype == dtype and mean.dtype == acc and rstd.dtype == acc
+    assert mean.shape == emean.shape  # keepdim, as torch.native_layer_norm
+    assert_close(y, ey, dtype, what="y")
+    assert_close(mean, emean, dtype, what="mean")
+    assert_close(rstd, erstd, dtype, what="rstd")
+    dx, dw, db = gradops.layer_norm_backward(dy, x, ns, mean, rstd, w, b, backend="reference")
+    edx, edw, edb = oracles.layer_norm_backward(dy, x, ns, w)
+    assert dx.dtype == dtype and dw.dtype == dtype and db.dtype == dtype
+    for name, a, e in (("dx", dx, edx), ("dw", dw, edw), ("db", db, edb)):
+        assert_close(a, e, dtype, what=name)
+    # a second, independent oracle: autograd through the forward formula
+    adx, adw = oracles.layer_norm_autograd(dy, x, n_norm, w)
+    assert_close(dx, adx, dtype, what="dx vs autograd")
+    assert_close(dw, adw, dtype, what="dw vs autograd")
+
+
+def test_width_one_normalises_to_zero_exactly():
+    """With one element per row x-hat is 0: dx and dw are exactly zero, db = dy summed."""
+    x, dy, w = rand((5, 1)), rand((5, 1)), rand((1,))
+    y, mean, rstd = gradops.layer_norm(x, [1], w, w)
+    assert torch.equal(y, w.expand(5, 1))
+    dx, dw, db = gradops.layer_norm_backward(dy, x, [1], mean, rstd, w)
+    assert torch.equal(dx, torch.zeros(5, 1)) and torch.equal(dw, torch.zeros(1))
+    assert torch.allclose(db, dy.sum(0))
+
+
+def test_float64_is_exact_to_1e_10_on_random_shapes():
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(10):
+        rows = int(torch.randint(1, 20, (1,), generator=gen))
+        cols = int(torch.randint(1, 300, (1,), generator=gen))
+        x, dy = rand((rows, cols), torch.float64), rand((rows, cols), torch.float64)
+        w = rand((cols,), torch.float64)
+        _, mean, rstd = gradops.layer_norm(x, [cols], w)
+        got = gradops.layer_norm_backward(dy, x, [cols], mean, rstd, w)
+        want = oracles.layer_norm_backward(dy, x, [cols], w)
+        for a, e in zip(got, want):
+            assert_close(a, e, tol=1e-10)
+
+
+class _LayerNormFn(torch.autograd.Function):
+    """Forward and backward both by gradops, so gradcheck checks the library's backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        y, mean, rstd = gradops.layer_norm(x, x.shape[-1:], w, b)
+        ctx.save_for_backward(x, mean, rstd, w, b)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, mean, rstd, w, b = ctx.saved_tensors
+        return gradops.layer_norm_backward(dy.contiguous(), x, x.shape[-1:], mean, rstd, w, b)
+
+
+def test_gradcheck_finite_differences():
+    x = rand((3, 6), torch.float64).requires_grad_()
+    w = rand((6,), torch.float64).requires_grad_()
+    b = rand((6,), torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(_LayerNormFn.apply, (x, w, b))
+
+
+def test_weight_none_returns_float32_dw_db_as_if_ones(device):
+    x, dy = rand((5, 12), torch.bfloat16, device), rand((5, 12), torch.bfloat16, device)
+    _, mean, rstd = gradops.layer_norm(x, [12])
+    dx, dw, db = gradops.layer_norm_backward(dy, x, [12], mean, rstd)
+    assert dw.dtype == torch.float32 and db.dtype == torch.float32
+    edx, edw, edb = oracles.layer_norm_backward(dy, x, [12], None)
+    assert_close(dx, edx, torch.bfloat16)
+    assert_close(dw, edw, torch.float32, tol=1e-5)  # accumulated in float32 from bf16 inputs
+    assert_close(db, edb, torch.float32, tol=1e-5)
+    _, _, rstd64 = gradops.layer_norm(x.double(), [12])
+    assert gradops.layer_norm_backward(dy.double(), x.double(), [12], rstd64 * 0, rstd64)[1].dtype == torch.float64
+
+
+def test_float32_weight_with_half_activations():
+    x, dy = rand((4, 16), torch.float16), rand((4, 16), torch.float16)
+    w = rand((16,), torch.float32)
+    y, mean, rstd = gradops.layer_norm(x, [16], w, w)
+    assert y.dtype == torch.float16
+    dx, dw, db = gradops.layer_norm_backward(dy, x, [16], mean, rstd, w)
+    assert dx.dtype == torch.float16 and dw.dtype == torch.float32 and db.dtype == torch.float32
+    edx, edw, _ = oracles.layer_norm_backward(dy, x, [16], w)
+    assert_close(dx, edx, torch.float16)
+    assert_close(dw, edw, tol=1e-5)
+
+
+@pytest.mark.parametrize("mask", [(True, False, False), (False, True, False), (False, False, True),
+                                  (False, False, False), (True, True, False)])
+def test_output_mask_returns_none_for_masked_outputs(mask):
+    x, dy, w = rand((3, 8)), rand((3, 8)), rand((8,))
+    _, mean, rstd = gradops.layer_norm(x, [8], w)
+    got = gradops.layer_norm_backward(dy, x, [8], mean, rstd, w, None, mask)
+    full = gradops.layer_norm_backward(dy, x, [8], mean, rstd, w)
+    for keep, g, f in zip(mask, got, full):
+        if keep:
+            assert torch.equal(g, f)
+        else:
+            assert g is None
+
+
+def test_statistics_accepted_keepdim_or_not():
+    x, dy = rand((2, 3, 8)), rand((2, 3, 8))
+    _, mean, rstd = gradops.layer_norm(x, [8])
+    a = gradops.layer_norm_backward(dy, x, [8], mean, rstd)
+    b = gradops.layer_norm_backward(dy, x, [8], mean.reshape(2, 3), rstd.reshape(2, 3))
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+
+
+def test_in_place_writes_dx_into_dy():
+    x, dy = rand((4, 10)), rand((4, 10))
+    _, mean, rstd = gradops.layer_norm(x, [10])
+    expected = gradops.layer_norm_backward(dy, x, [10], mean, rstd)
+    buf = dy.clone()
+    dx, dw, db = gradops.layer_norm_backward(buf, x, [10], mean, rstd, in_place=True)
+    assert dx is buf
+    assert torch.equal(buf, expected[0]) and torch.equal(dw, expected[1])
+    # a dy that cannot be viewed as rows still receives dx
+    big = rand((10, 8)).t()  # [8, 10], non-contiguous rows
+    dyn = big[:4]
+    want = gradops.layer_norm_backward(dyn.contiguous(), x, [10], mean, rstd)[0]
+    dxn = gradops.layer_norm_backward(dyn, x, [10], mean, rstd, in_place=True)[0]
+    assert dxn is dyn and torch.allclose(dyn, want, rtol=0, atol=1e-6)
+
+
+def test_empty_leading_dims_give_zero_weight_grads():
+    x = torch.empty(0, 7)
+    _, mean, rstd = gradops.layer_norm(x, [7])
+    assert mean.shape == (0, 1)
+    dx, dw, db = gradops.layer_norm_backward(torch.empty(0, 7), x, [7], mean, rstd, torch.ones(7))
+    assert dx.shape == (0, 7) and torch.equal(dw, torch.zeros(7)) and torch.equal(db, torch.zeros(7))
+
+
+def test_non_contiguous_inputs():
+    base_x, base_dy = rand((8, 6, 4)), rand((8, 6, 4))
+    x, dy = base_x.transpose(0, 1)[:, ::2], base_dy.transpose(0, 1)[:, ::2]  # [6, 4, 4]
+    w = rand((8,))[::2]
+    assert not x.is_contiguous() and not w.is_contiguous()
+    y, mean, rstd = gradops.layer_norm(x, [4], w)
+    ey, _, _ = oracles.layer_norm(x, [4], w)
+    assert_close(y, ey, torch.float32)
+    got = gradops.layer_norm_backward(dy, x, [4], mean, rstd, w)
+    for a, e in zip(got, oracles.layer_norm_backward(dy, x, [4], w)):
+        assert_close(a, e, torch.float32)
+
+
+def test_nan_propagates_to_its_row_only():
+    x, dy = rand((4, 8)), rand((4, 8))
+    x[2, 3] = float("nan")
+    y, mean, rstd = gradops.layer_norm(x, [8])
+    dx, dw, db = gradops.layer_norm_backward(dy, x, [8], mean, rstd, torch.ones(8))
+    assert torch.isnan(y[2]).all() and not torch.isnan(y[[0, 1, 3]]).any()
+    assert torch.isnan(dx[2]).all() and not torch.isnan(dx[[0, 1, 3]]).any()
+    assert torch.isnan(dw).all() and not torch.isnan(db).any()
+
+
+def test_inputs_are_not_modified():
+    x, dy, w = rand((3, 8)), rand((3, 8)), rand((8,))
+    _, mean, rstd = gradops.layer_norm(x, [8], w)
+    copies = [t.clone() for t in (x, dy, w, mean, rstd)]
+    gradops.layer_norm_backward(dy, x, [8], mean, rstd, w)
+    for a, b in zip((x, dy, w, mean, rstd), copies):
+        assert torch.equal(a, b)
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+def _args():
+    x, dy, w = rand((3, 8)), rand((3, 8)), rand((8,))
+    _, mean, rstd = gradops.layer_norm(x, [8], w)
+    return dict(dy=dy, x=x, normalized_shape=[8], mean=mean, rstd=rstd, weight=w, bias=None)
+
+
+@pytest.mark.parametrize("name", ["dy", "x", "normalized_shape", "mean", "rstd", "output_mask"])
+def test_none_required_argument_is_161001(name):
+    args = _args()
+    args[name] = None
+    with raises_status(NULLPTR, name):
+        gradops.layer_norm_backward(**args)
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(dy=rand((3, 8), torch.float16)), ("dy", "dtype")),
+    (dict(x=rand((3, 8), torch.int32) if False else torch.ones(3, 8, dtype=torch.int32)), ("x", "dtype")),
+    (dict(mean=torch.zeros(3, 1, dtype=torch.float16)), ("mean", "dtype")),
+    (dict(rstd=torch.zeros(3, 1, dtype=torch.float64)), ("rstd", "dtype")),
+    (dict(weight=rand((8,), torch.float16)), ("weight", "dtype")),
+    (dict(dy=rand((3, 9))), ("dy", "shape")),
+    (dict(normalized_shape=[7]), ("normalized_shape",)),
+    (dict(normalized_shape=[2, 3, 8]), ("normalized_shape",)),
+    (dict(mean=torch.zeros(4)), ("mean", "shape")),
+    (dict(rstd=torch.zeros(3)), ("rstd", "shape")),
+    (dict(weight=rand((7,))), ("weight", "shape")),
+    (dict(bias=rand((9,))), ("bias", "shape")),
+    (dict(output_mask=(True, True)), ("output_mask", "length 3")),
+    (dict(normalized_shape=8.0), ("normalized_shape",)),
+])
+def test_invalid_arguments_are_161002(change, words):
+    args = _args()
+    args.update(change)
+    with raises_status(INVALID, *words):
+        gradops.layer_norm_backward(**args)
+
+
+def test_forward_errors():
+    x = rand((3, 8))
+    with raises_status(NULLPTR, "x"):
+        gradops.layer_norm(None, [8])
+    with raises_status(INVALID, "weight", "dtype"):
+        gradops.layer_norm(x, [8], rand((8,), torch.float64))
+    with raises_status(INVALID, "bias", "shape"):
+        gradops.layer_norm(x, [8], None, rand((4,)))
+    with raises_status(INVALID, "eps"):
+        gradops.layer_norm(x, [8], eps="small")
+
+
+def test_failed_in_place_call_writes_nothing():
+    args = _args()
+    args["weight"] = rand((7,))
+    before = args["dy"].clone()
+    with raises_status(INVALID, "weight"):
+        gradops.layer_norm_backward(**args, in_place=True)
+    assert torch.equal(args["dy"], before)
+
+
+# ---- AscendC LayerNormGrad / LayerNormGradBeta semantics -----------------------------------
+
+def test_layer_norm_grad_worked_example_from_cann_docs():
+    x = torch.arange(64, dtype=torch.float32).reshape(1, 8, 8)
+    dy = x.clone()
+    mean = (3.5 + 8 * torch.arange(8, dtype=torch.float32)).reshape(1, 8)
+    variance = torch.full((1, 8), 5.25)
+    gamma = torch.arange(8, dtype=torch.float32)
+    pd_x, res = gradops.layer_norm_grad(dy, x, variance, mean, gamma, 1e-4)
+    assert res[0, 0, 0].item() == pytest.approx(-1.5275106, rel=1e-6)
+    expected = torch.tensor([3.0548172, 0.4362857, -1.3093826, -2.182187])
+    assert torch.allclose(pd_x[0, 0, :4], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_layer_norm_grad_beta_worked_example_from_cann_docs():
+    dy = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    pd_gamma, pd_beta = gradops.layer_norm_grad_beta(dy.clone(), dy)
+    assert pd_gamma[0].item() == 8960 and pd_beta[0].item() == 224
+    assert pd_gamma.dtype == torch.float32 and pd_gamma.shape == (8,)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_grad_equals_layer_norm_dx_with_true_statistics(dtype):
+    x, dy = rand((2, 5, 24), dtype), rand((2, 5, 24), dtype)
+    gamma = rand((24,), dtype)
+    xd = x.double()
+    mean, var = xd.mean(-1), xd.var(-1, unbiased=False)
+    eps = float(torch.tensor(1e-5, dtype=dtype))
+    pd_x, res = gradops.layer_norm_grad(dy, x, var.to(dtype), mean.to(dtype), gamma, eps)
+    assert pd_x.dtype == dtype and res.dtype == dtype
+    edx, _ = oracles.layer_norm_autograd(dy, x, 1, gamma, eps=eps)
+    assert_close(pd_x, edx, dtype)
+    assert_close(res, (xd - mean[..., None]) / torch.sqrt(var[..., None] + eps), dtype)
+    pd_gamma, pd_beta = gradops.layer_norm_grad_beta(res, dy)
+    rows_dy = dy.reshape(-1, 24).double()
+    assert_close(pd_gamma, (rows_dy * res.reshape(-1, 24).double()).sum(0), dtype)
+    assert_close(pd_beta, rows_dy.sum(0), dtype)
+
+
+def test_layer_norm_grad_literal_pd_mean_term():
+    """The pd_mean term CANN keeps (sum(-2 x2) / H) matters when mean is not x's mean."""
+    x, dy, gamma = rand((3, 8), torch.float64), rand((3, 8), torch.float64), rand((8,), torch.float64)
+    mean, var, eps = x.mean(-1) + 0.5, x.var(-1, unbiased=False), 1e-5
+    pd_x, _ = gradops.layer_norm_grad(dy, x, var, mean, gamma, eps)
+    r = 1 / torch.sqrt(var[:, None] + eps)
+    x2, x1 = x - mean[:, None], dy * gamma
+    pd_var = (-0.5 * x1 * x2 * r ** 3).sum(-1, keepdim=True)
+    pd_mean = (-x1 * r).sum(-1, keepdim=True) + pd_var * (-2 * x2).sum(-1, keepdim=True) / 8
+    expected = x1 * r + pd_var * 2 / 8 * x2 + pd_mean / 8
+    assert_close(pd_x, expected, tol=1e-12)
+
+
+def test_reuse_source_overwrites_like_cann():
+    x, dy = rand((2, 3, 16)), rand((2, 3, 16))
+    gamma = rand((16,))
+    mean, var = x.mean(-1), x.var(-1, unbiased=False)
+    want = gradops.layer_norm_grad(dy, x, var, mean, gamma, 1e-5)
+    xr, dyr = x.clone(), dy.clone()
+    got = gradops.layer_norm_grad(dyr, xr, var, mean, gamma, 1e-5, reuse_source=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.allclose(dyr, dy * gamma) and torch.allclose(xr, x - mean[..., None])
+    res = want[1].clone()
+    pg, pb = gradops.layer_norm_grad_beta(res, dy, reuse_source=True)
+    assert torch.allclose(res, dy * want[1])
+    assert torch.equal(pg, gradops.layer_norm_grad_beta(want[1], dy)[0])
+
+
+def test_reuse_source_with_half_is_161002():
+    x = rand((2, 8), torch.float16)
+    with raises_status(INVALID, "reuse_source"):
+        gradops.layer_norm_grad(x, x, x[:, 0], x[:, 0], x[0], 1e-5, reuse_source=True)
+    with raises_status(INVALID, "reuse_source"):
+        gradops.layer_norm_grad_beta(x, x, reuse_source=True)
+
+
+def test_layer_norm_grad_errors():
+    x = rand((2, 3, 8))
+    v, m, g = torch.ones(2, 3), torch.zeros(2, 3), torch.ones(8)
+    with raises_status(NULLPTR, "variance"):
+        gradops.layer_norm_grad(x, x, None, m, g, 1e-5)
+    with raises_status(INVALID, "gamma", "dtype"):
+        gradops.layer_norm_grad(x, x, v, m, g.half(), 1e-5)
+    with raises_status(INVALID, "gamma", "shape"):
+        gradops.layer_norm_grad(x, x, v, m, torch.ones(7), 1e-5)
+    with raises_status(INVALID, "mean", "shape"):
+        gradops.layer_norm_grad(x, x, v, torch.zeros(6), g, 1e-5)
+    with raises_status(INVALID, "res_for_gamma", "shape"):
+        gradops.layer_norm_grad_beta(x[:, :2], x)
+    with raises_status(NULLPTR, "dy"):
+        gradops.layer_norm_grad_beta(x, None)
