@@ -45,7 +45,7 @@ GPU_SPLIT_BLOCK_N = 2048
 CPU_MAX_FUSED_N = 1024
 CPU_TILE_ELEMS = 1024
 CPU_PROGRAMS = 3
-CPU_SPLIT_BLOCK_N = 256
+CPU_SPLIT_BLOCK_N = 64
 
 # Tests may set this to force the split-row path at small widths (None = the default).
 MAX_FUSED_N_OVERRIDE = None
@@ -142,7 +142,7 @@ def split_config(m: int, n: int, device) -> SplitConfig:
     col_blocks = -(-n // block_n)
     # Enough (row group x column block) programs to fill every SM a few times over, but no
     # more row groups than row tiles: each row group writes one float32 partial row.
-    target = sm_count(device) * (4 if gpu else 1)
+    target = sm_count(device) * 4
     row_tiles = -(-m // block_m)
     row_groups = max(1, min(row_tiles, -(-target // col_blocks)))
     row_num_warps = _warps_for(block_n) if gpu else 1
