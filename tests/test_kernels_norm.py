@@ -552,3 +552,21 @@ def test_kernels_compile_for_sm90_without_register_spills():
             pytest.skip(f"ptxas cannot assemble this PTX: {out.stderr[:200]}")
         spills = [int(v) for v in re.findall(r"(\d+) bytes spill stores", out.stderr)]
         assert spills and sum(spills) == 0, f"{fn.__name__} {consts}: {out.stderr}"
+
+
+# ------------------------------------------------------------------ the benchmark
+def test_bench_norm_runs_and_writes_json(tmp_path):
+    import json
+
+    from gradops.bench import norm as bench_norm
+
+    rc = bench_norm.main(["--quick", "--device", "cpu", "--ops", "rms_bwd", "ln_bwd", "--dtypes", "fp32",
+                          "--widths", "64", "--numel", "4096", "--peers", "autograd", "aten",
+                          "--reps", "2", "--warmup", "1", "--out", str(tmp_path), "--tag", "t", "--no-plot"])
+    assert rc == 0
+    data = json.loads((tmp_path / "t.json").read_text())
+    impls = {(r["op"], r["impl"]) for r in data["records"] if not r["error"]}
+    assert {("rms_bwd", "gradops"), ("rms_bwd", "torch autograd"), ("ln_bwd", "gradops"),
+            ("ln_bwd", "aten bwd")} <= impls
+    ours = next(r for r in data["records"] if r["op"] == "ln_bwd" and r["impl"] == "gradops")
+    assert ours["bytes"] == 3 * 64 * 64 * 4 + 2 * 64 * 4  # PERFORMANCE.md: 3*M*N*e + 2*N*w_e

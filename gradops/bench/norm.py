@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     path = result.write_json(os.path.join(args.out, stem + ".json"))
     print(f"wrote {path}")
     if not args.no_plot:
-        png = result.plot(os.path.join(args.out, stem + ".png"), x_key="N", group_keys=("op", "dtype"))
+        png = result.plot(os.path.join(args.out, stem + ".png"), x_key="N", group_keys=("op", "dtype"), panels=True)
         print(f"wrote {png}" if png else "no plot (matplotlib is not installed)")
     failed = [r for r in result.records if r.impl == OURS and r.error]
     for r in failed:
