@@ -382,9 +382,10 @@ def _ln_grad_cols_kernel(DY, X, Var, Mean, Gamma, S, PDX, RES, M, H,
                          stride_dy, stride_x, stride_pdx, stride_res, eps,
                          REUSE: tl.constexpr, ACC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Wide rows: elementwise once the row sums are known, one tile per program.
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Wide rows: elementwise once the row sums are known, one tile per program. Row tiles
+    # on grid axis 0 (up to 2**31 - 1; axis 1 stops at 65535), column blocks on axis 1.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < H
     mask = rmask[:, None] & cmask[None, :]
@@ -442,7 +443,7 @@ def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source):
         _ln_grad_row_sums_kernel[(r,)](
             dy_rows, x_rows, mean, gamma, sums, h, row_stride(dy_rows), row_stride(x_rows),
             ACC=acc, BLOCK_N=cfg.block_n, num_warps=cfg.row_num_warps)
-        _ln_grad_cols_kernel[(cfg.col_blocks, -(-r // cfg.block_m))](
+        _ln_grad_cols_kernel[(-(-r // cfg.block_m), cfg.col_blocks)](
             dy_rows, x_rows, variance, mean, gamma, sums, pd_x, res, r, h,
             row_stride(dy_rows), row_stride(x_rows), row_stride(pd_x), row_stride(res), eps,
             REUSE=reuse, ACC=acc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
