@@ -484,6 +484,17 @@ def test_offsets_past_two_to_the_31(device):
     del base
 
 
+# ------------------------------------------------------------------ GPU width sweep
+@pytest.mark.skipif(os.environ.get("GRADOPS_TEST_DEVICE", "cpu") != "cuda", reason="GPU sizes")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("n", [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144])
+def test_gpu_width_sweep(n, dtype, device):
+    # issue 4's widths, compiled: both paths at their real tile sizes, with a tail tile
+    check_layer_norm(5, n, dtype, device)
+    check_rms_norm(5, n, dtype, device)
+    check_rms_norm(max(3, 2**22 // n) + 1, n, dtype, device)
+
+
 # ------------------------------------------------------------------ sm_90 code generation
 def _ptxas():
     path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

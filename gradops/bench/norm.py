@@ -166,6 +166,22 @@ def implementations(op: str, x, dy, w, b, backend: str, peers, device: str) -> D
     return impls
 
 
+def check_against_reference(ours: Callable, reference: Callable, dtype: torch.dtype) -> float:
+    """Largest relative error of our outputs against the reference backend's on this case (a
+    sanity check at benchmark sizes; the tests are the real check). Raises when it exceeds
+    the input dtype's tolerance; the caller records that as the case's error."""
+    from ..oracles import TOLERANCE, rel_error
+
+    worst = 0.0
+    for got, want in zip(ours(), reference()):
+        if got is None or want is None:
+            continue
+        worst = max(worst, rel_error(got, want))
+    if not worst <= TOLERANCE[dtype]:
+        raise AssertionError(f"gradops differs from the reference: relative error {worst:.3e}")
+    return worst
+
+
 def _cases(args, device: str):
     gpu = device.startswith("cuda")
     widths = args.widths or (QUICK_WIDTHS if args.quick else (GPU_WIDTHS if gpu else QUICK_WIDTHS))
@@ -206,7 +222,13 @@ def run(args) -> Run:
             result.add(harness.Record(op, case, OURS, [], nbytes, error=f"{type(e).__name__}: {e}"[:300]))
             continue
         for name, fn in impls.items():
-            result.time(op, case, name, fn, bytes=nbytes, **measure_kw)
+            rec = result.time(op, case, name, fn, bytes=nbytes, **measure_kw)
+            if args.check and name == OURS and not rec.error:
+                try:
+                    rec.extra["rel_error_vs_reference"] = check_against_reference(
+                        fn, implementations(op, x, dy, w, b, "reference", set(), device)[OURS], dtype)
+                except Exception as e:
+                    rec.error = f"{type(e).__name__}: {e}"[:300]
         del x, dy, w, b, impls
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -236,6 +258,8 @@ def parse_args(argv):
     p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="folder for JSON and PNG")
     p.add_argument("--tag", default=None, help="file name stem (default: norm-<device>-<date>)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--check", action="store_true",
+                   help="also compare our outputs with the reference backend's on every case")
     p.add_argument("--interpret", action="store_true", help=argparse.SUPPRESS)  # handled by gradops.cli
     args = p.parse_args(argv)
     if args.peers is None:
