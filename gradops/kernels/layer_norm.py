@@ -125,7 +125,7 @@ def layer_norm(x, weight, bias, eps):
 # -------------------------------------------------------------------------- backward
 @triton.jit
 def _ln_bwd_fused_kernel(DY, X, W, Mean, Rstd, DX, DW_P, DB_P,
-                         M, N, stride_dy, stride_x, stride_dx, stride_p, num_tiles,
+                         M, N, stride_dy, stride_x, stride_dx, stride_p, tiles_per_program, num_programs,
                          HAS_W: tl.constexpr, WANT_DX: tl.constexpr, WANT_DW: tl.constexpr,
                          WANT_DB: tl.constexpr, ACC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -139,8 +139,9 @@ def _ln_bwd_fused_kernel(DY, X, W, Mean, Rstd, DX, DW_P, DB_P,
         w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
     acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
     acc_db = tl.zeros([BLOCK_N], dtype=ACC)
-    for tile in range(pid, num_tiles, tl.num_programs(0)):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    # (a plain trip count, not range(pid, num_tiles, step): Triton 3.6's interpreter needs it)
+    for i in range(0, tiles_per_program):
+        rows = (pid + i * num_programs) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
         rmask = rows < M
         mask = rmask[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
@@ -197,7 +198,7 @@ def _ln_bwd_row_sums_kernel(DY, X, W, Mean, Rstd, C1, C2, N, stride_dy, stride_x
 
 @triton.jit
 def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DX, DW_P, DB_P,
-                        M, N, stride_dy, stride_x, stride_dx, stride_p, num_row_tiles,
+                        M, N, stride_dy, stride_x, stride_dx, stride_p, tiles_per_group, num_row_groups,
                         HAS_W: tl.constexpr, WANT_DX: tl.constexpr, WANT_DW: tl.constexpr,
                         WANT_DB: tl.constexpr, ACC: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -212,8 +213,8 @@ def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DX, DW_P, DB_P,
         w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
     acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
     acc_db = tl.zeros([BLOCK_N], dtype=ACC)
-    for tile in range(rg, num_row_tiles, tl.num_programs(1)):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    for i in range(0, tiles_per_group):
+        rows = (rg + i * num_row_groups) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
         rmask = rows < M
         mask = rmask[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
@@ -281,7 +282,8 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
     if norm_config.is_fused(n, device):
         _ln_bwd_fused_kernel[(cfg.grid,)](
             dy_rows, x_rows, w, mean, rstd, dx_buf, dw_p, db_p,
-            m, n, row_stride(dy_rows), row_stride(x_rows), row_stride(dx_buf), stride_p, cfg.num_tiles,
+            m, n, row_stride(dy_rows), row_stride(x_rows), row_stride(dx_buf), stride_p,
+            cfg.tiles_per_program, cfg.grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
     else:
         c1 = c2 = mean  # unused unless dx is wanted
@@ -292,10 +294,10 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
                 dy_rows, x_rows, w, mean, rstd, c1, c2, n, row_stride(dy_rows), row_stride(x_rows),
                 HAS_W=weight is not None, ACC=flags["ACC"], BLOCK_N=cfg.block_n,
                 num_warps=cfg.row_num_warps)
-        num_row_tiles = -(-m // cfg.block_m)
         _ln_bwd_cols_kernel[(cfg.col_blocks, cfg.row_groups)](
             dy_rows, x_rows, w, mean, rstd, c1, c2, dx_buf, dw_p, db_p,
-            m, n, row_stride(dy_rows), row_stride(x_rows), row_stride(dx_buf), stride_p, num_row_tiles,
+            m, n, row_stride(dy_rows), row_stride(x_rows), row_stride(dx_buf), stride_p,
+            cfg.tiles_per_group, cfg.row_groups,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
 
     if want_dx:
@@ -443,7 +445,7 @@ def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source):
         _ln_grad_row_sums_kernel[(r,)](
             dy_rows, x_rows, mean, gamma, sums, h, row_stride(dy_rows), row_stride(x_rows),
             ACC=acc, BLOCK_N=cfg.block_n, num_warps=cfg.row_num_warps)
-        _ln_grad_cols_kernel[(-(-r // cfg.block_m), cfg.col_blocks)](
+        _ln_grad_cols_kernel[(cfg.row_tiles, cfg.col_blocks)](
             dy_rows, x_rows, variance, mean, gamma, sums, pd_x, res, r, h,
             row_stride(dy_rows), row_stride(x_rows), row_stride(pd_x), row_stride(res), eps,
             REUSE=reuse, ACC=acc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
@@ -456,7 +458,8 @@ def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source):
 
 
 @triton.jit
-def _ln_grad_beta_kernel(RES, DY, PG_P, PB_P, M, N, stride_res, stride_dy, stride_p, num_row_tiles,
+def _ln_grad_beta_kernel(RES, DY, PG_P, PB_P, M, N, stride_res, stride_dy, stride_p,
+                         tiles_per_group, num_row_groups,
                          REUSE: tl.constexpr, ACC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Column sums only: program (column block, row group) accumulates its columns over its
@@ -467,8 +470,8 @@ def _ln_grad_beta_kernel(RES, DY, PG_P, PB_P, M, N, stride_res, stride_dy, strid
     cmask = cols < N
     acc_g = tl.zeros([BLOCK_N], dtype=ACC)
     acc_b = tl.zeros([BLOCK_N], dtype=ACC)
-    for tile in range(rg, num_row_tiles, tl.num_programs(1)):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    for i in range(0, tiles_per_group):
+        rows = (rg + i * num_row_groups) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
         mask = (rows < M)[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
         res_ptr = RES + rows64[:, None] * stride_res + cols[None, :]
@@ -494,8 +497,8 @@ def layer_norm_grad_beta(res_for_gamma, dy, reuse_source):
     partial = torch.empty((cfg.row_groups, 2 * h), dtype=acc, device=device)
     _ln_grad_beta_kernel[(cfg.col_blocks, cfg.row_groups)](
         res_rows, dy_rows, partial, partial[:, h:], r, h, row_stride(res_rows), row_stride(dy_rows),
-        partial.stride(0), -(-r // cfg.block_m), REUSE=bool(reuse_source), ACC=tl_acc(dy.dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+        partial.stride(0), cfg.tiles_per_group, cfg.row_groups,
+        REUSE=bool(reuse_source), ACC=tl_acc(dy.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
     if reuse_source and res_copied:
         res_for_gamma.copy_(res_rows)
     sums = sum_partial_rows(partial, acc).to(dy.dtype)

@@ -90,6 +90,7 @@ class FusedConfig:
     num_warps: int
     num_tiles: int
     grid: int  # programs; the backward's persistent grid, or one program per tile
+    tiles_per_program: int  # loop trip count of a persistent program (last ones mask the tail)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,8 @@ class SplitConfig:
     num_warps: int
     col_blocks: int
     row_groups: int     # programs along the rows in the column-tiled kernels
+    row_tiles: int      # tiles of block_m rows
+    tiles_per_group: int  # loop trip count of a row group (the last ones mask the tail)
     row_num_warps: int  # warps of the one-row-per-program kernels (row statistics)
 
 
@@ -129,7 +132,7 @@ def fused_config(m: int, n: int, device, *, persistent: bool) -> FusedConfig:
         grid = max(1, min(num_tiles, programs))
     else:
         grid = max(1, num_tiles)
-    return FusedConfig(block_m, block_n, num_warps, num_tiles, grid)
+    return FusedConfig(block_m, block_n, num_warps, num_tiles, grid, -(-num_tiles // grid))
 
 
 def split_config(m: int, n: int, device) -> SplitConfig:
@@ -146,7 +149,8 @@ def split_config(m: int, n: int, device) -> SplitConfig:
     row_tiles = -(-m // block_m)
     row_groups = max(1, min(row_tiles, -(-target // col_blocks)))
     row_num_warps = _warps_for(block_n) if gpu else 1
-    return SplitConfig(block_n, block_m, num_warps, col_blocks, row_groups, row_num_warps)
+    return SplitConfig(block_n, block_m, num_warps, col_blocks, row_groups, row_tiles,
+                       -(-row_tiles // row_groups), row_num_warps)
 
 
 def reduce_config(rows: int, n: int, device) -> ReduceConfig:

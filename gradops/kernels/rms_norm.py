@@ -90,7 +90,7 @@ def rms_norm(x, gamma, eps):
 # -------------------------------------------------------------------------- backward
 @triton.jit
 def _rms_bwd_fused_kernel(DY, X, W, Rstd, DX, DW_P, M, N, stride_dy, stride_x, stride_dx, stride_p,
-                          num_tiles, HAS_W: tl.constexpr, ACC: tl.constexpr,
+                          tiles_per_program, num_programs, HAS_W: tl.constexpr, ACC: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Persistent: program p takes row tiles p, p + P, ...; x and dy are read once, dx is
     # written once, dgamma accumulates in registers and leaves as partial row DW_P[p, :].
@@ -100,8 +100,9 @@ def _rms_bwd_fused_kernel(DY, X, W, Rstd, DX, DW_P, M, N, stride_dy, stride_x, s
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
     acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
-    for tile in range(pid, num_tiles, tl.num_programs(0)):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    # (a plain trip count, not range(pid, num_tiles, step): Triton 3.6's interpreter needs it)
+    for i in range(0, tiles_per_program):
+        rows = (pid + i * num_programs) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
         rmask = rows < M
         mask = rmask[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
@@ -140,7 +141,7 @@ def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x,
 
 @triton.jit
 def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DX, DW_P, M, N, stride_dy, stride_x, stride_dx, stride_p,
-                         num_row_tiles, HAS_W: tl.constexpr, ACC: tl.constexpr,
+                         tiles_per_group, num_row_groups, HAS_W: tl.constexpr, ACC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Wide rows, step 2: program (column block, row group) writes dx for its tiles and keeps
     # dgamma for its columns in registers: one partial row per row group.
@@ -151,8 +152,8 @@ def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DX, DW_P, M, N, stride_dy, stride_x,
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
     acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
-    for tile in range(rg, num_row_tiles, tl.num_programs(1)):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    for i in range(0, tiles_per_group):
+        rows = (rg + i * num_row_groups) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
         rmask = rows < M
         mask = rmask[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
@@ -187,7 +188,8 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None):
         partial = torch.empty((cfg.grid, n), dtype=acc, device=device)
         _rms_bwd_fused_kernel[(cfg.grid,)](
             dy_rows, x_rows, w, rstd, dx_buf, partial, m, n,
-            row_stride(dy_rows), row_stride(x_rows), row_stride(dx_buf), partial.stride(0), cfg.num_tiles,
+            row_stride(dy_rows), row_stride(x_rows), row_stride(dx_buf), partial.stride(0),
+            cfg.tiles_per_program, cfg.grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
     else:
         cfg = norm_config.split_config(m, n, device)
@@ -199,7 +201,7 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None):
         _rms_bwd_cols_kernel[(cfg.col_blocks, cfg.row_groups)](
             dy_rows, x_rows, w, rstd, c, dx_buf, partial, m, n,
             row_stride(dy_rows), row_stride(x_rows), row_stride(dx_buf), partial.stride(0),
-            -(-m // cfg.block_m),
+            cfg.tiles_per_group, cfg.row_groups,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
     dx = dx_out.copy_(dx_buf) if copy_back else dx_buf
     return dx, sum_partial_rows(partial, acc)
