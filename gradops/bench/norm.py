@@ -83,7 +83,17 @@ def _autograd_backward(forward: Callable, inputs: List[torch.Tensor], dy: torch.
 
 
 def _compiled(fn: Callable) -> Optional[Callable]:
+    """``fn`` compiled for static shapes. Every case is a new shape of the same function, and
+    past Dynamo's recompile limit (8 by default) it would silently run eager code under the
+    name torch.compile: the limits are raised for the sweep."""
     try:
+        import torch._dynamo.config as dynamo_config
+
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(getattr(dynamo_config, name), 1024))
+        if hasattr(dynamo_config, "accumulated_recompile_limit"):
+            dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
         return torch.compile(fn, dynamic=False)
     except Exception:
         return None
