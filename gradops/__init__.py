@@ -22,6 +22,9 @@ from .errors import (
     AclnnError,
 )
 
+from . import aclnn, ascendc, nn, torch_npu  # noqa: E402  (after the API: they build on it)
+from .nn.pivotal import pivotal_attention  # noqa: E402
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -42,4 +45,9 @@ __all__ = [
     "nsa_compress_grad",
     "floyd_attention",
     "floyd_attention_grad",
+    "pivotal_attention",
+    "nn",
+    "aclnn",
+    "ascendc",
+    "torch_npu",
 ]

@@ -219,9 +219,11 @@ class Run:
             json.dump(data, f, indent=1, default=str)
         return path
 
-    def plot(self, path: str, x_key: str, metric: str = "gbps", group_keys=("op", "dtype")) -> Optional[str]:
+    def plot(self, path: str, x_key: str, metric: str = "gbps", group_keys=("op", "dtype"),
+             panels: bool = False) -> Optional[str]:
         """PNG of ``metric`` against ``case[x_key]``, one line per (group, impl); None without
-        matplotlib."""
+        matplotlib. ``panels=True`` draws one panel per group (lines per impl) instead of
+        putting every group on one axis."""
         try:
             import matplotlib
 
@@ -229,25 +231,38 @@ class Run:
             import matplotlib.pyplot as plt
         except ImportError:
             return None
-        series: Dict[str, list] = {}
+        series: Dict[tuple, list] = {}
         for r in self.records:
             y = getattr(r, metric)
             if y is None or x_key not in r.case:
                 continue
             group = " ".join(str(r.case.get(k, getattr(r, k, ""))) for k in group_keys)
-            series.setdefault(f"{group} {r.impl}", []).append((r.case[x_key], y))
+            series.setdefault((group, r.impl), []).append((r.case[x_key], y))
         if not series:
             return None
-        fig, ax = plt.subplots(figsize=(9, 5))
-        for label, pts in sorted(series.items()):
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel(x_key)
-        ax.set_ylabel({"gbps": "GB/s", "tflops": "TFLOP/s"}.get(metric, metric))
-        ax.set_title(f"{self.name} on {self.meta.get('device_name')}")
-        ax.legend(fontsize=7)
-        ax.grid(True, alpha=0.3)
+        groups = sorted({g for g, _ in series}) if panels else [None]
+        cols = min(2, len(groups))
+        rows = -(-len(groups) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(9 if cols == 1 else 13, 5 if rows == 1 else 3.6 * rows),
+                                 squeeze=False)
+        for ax, group in zip(axes.flat, groups):
+            for (g, impl), pts in sorted(series.items()):
+                if group is not None and g != group:
+                    continue
+                pts.sort()
+                label = impl if group is not None else f"{g} {impl}"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(x_key)
+            ax.set_ylabel({"gbps": "GB/s", "tflops": "TFLOP/s"}.get(metric, metric))
+            ax.set_title(group if group is not None else f"{self.name} on {self.meta.get('device_name')}",
+                         fontsize=9)
+            ax.legend(fontsize=7)
+            ax.grid(True, alpha=0.3)
+        for ax in list(axes.flat)[len(groups):]:
+            ax.set_visible(False)
+        if panels:
+            fig.suptitle(f"{self.name} on {self.meta.get('device_name')}")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)

@@ -80,3 +80,18 @@ def aliases(view: torch.Tensor, t: torch.Tensor) -> bool:
     """True when ``view`` (a reshape of ``t``) shares ``t``'s memory rather than being a copy,
     so that writing into it writes into ``t``."""
     return view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+
+
+def in_place_rows(dy: torch.Tensor, dy_rows: torch.Tensor, in_place: bool):
+    """Where a backward writes dx: dy's own rows when ``in_place`` and they alias dy, else None
+    (a fresh tensor; :func:`finish_dx` then copies it into dy)."""
+    return dy_rows if in_place and aliases(dy_rows, dy) else None
+
+
+def finish_dx(dx: torch.Tensor, dy: torch.Tensor, dx_out, in_place: bool, shape) -> torch.Tensor:
+    """The dx a backward returns: ``dy`` itself when ``in_place``, else dx in ``shape``."""
+    if not in_place:
+        return dx.reshape(shape)
+    if dx_out is None:
+        dy.copy_(dx.reshape(dy.shape))
+    return dy

@@ -19,7 +19,16 @@ from ._checks import (
     stat_dtype,
 )
 from ._prepared import Prepared
-from ._shapes import aliases, as_bool_triple, as_int_tuple, check_stat, check_trailing, rows_cols
+from ._shapes import (
+    aliases,
+    as_bool_triple,
+    as_int_tuple,
+    check_stat,
+    check_trailing,
+    finish_dx,
+    in_place_rows,
+    rows_cols,
+)
 
 FAMILY = "layer_norm"
 
@@ -88,6 +97,8 @@ def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None
     check_shape(op, "rstd", rstd, mean.shape, "mean.shape")
     _check_affine(op, "weight", weight, x, normalized_shape)
     _check_affine(op, "bias", bias, x, normalized_shape)  # checked like CANN, unused by the math
+    if not isinstance(in_place, bool):
+        invalid(op, f"in_place is {in_place!r}, expected a bool")
     if in_place and not output_mask[0]:
         invalid(op, "in_place is True but output_mask[0] is False, expected the input gradient to be "
                     "computed when it is to be written into dy")
@@ -99,18 +110,12 @@ def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None
 
     def run():
         dy2 = dy.reshape(rows, cols)
-        # in_place: write dx straight into dy when dy can be viewed as rows, else copy back below
-        dx_out = dy2 if in_place and aliases(dy2, dy) else None
+        dx_out = in_place_rows(dy, dy2, in_place)
         dx, dw, db = impl.layer_norm_backward(
             dy2, x.reshape(rows, cols), mean.reshape(rows), rstd.reshape(rows),
             None if weight is None else weight.reshape(cols), output_mask, dx_out=dx_out)
         if dx is not None:
-            if in_place:
-                if dx_out is None:
-                    dy.copy_(dx.reshape(dy.shape))
-                dx = dy
-            else:
-                dx = dx.reshape(x.shape)
+            dx = finish_dx(dx, dy, dx_out, in_place, x.shape)
         if dw is not None:
             dw = dw.to(grad_dtype).reshape(normalized_shape)
         if db is not None:

@@ -18,7 +18,7 @@ from ._checks import (
     stat_dtype,
 )
 from ._prepared import Prepared
-from ._shapes import aliases, check_stat, check_trailing, rows_cols
+from ._shapes import check_stat, check_trailing, finish_dx, in_place_rows, rows_cols
 
 FAMILY = "rms_norm"
 
@@ -79,17 +79,10 @@ def prepare_rms_norm_grad(dy, x, rstd, gamma, *, in_place=False, backend=None,
 
     def run():
         dy2 = dy.reshape(rows, cols)
-        # in_place: write dx straight into dy when dy can be viewed as rows, else copy back below
-        dx_out = dy2 if in_place and aliases(dy2, dy) else None
+        dx_out = in_place_rows(dy, dy2, in_place)
         dx, dgamma = impl.rms_norm_grad(dy2, x.reshape(rows, cols), rstd.reshape(rows),
                                         gamma.reshape(cols), dx_out=dx_out)
-        if in_place:
-            if dx_out is None:
-                dy.copy_(dx.reshape(dy.shape))
-            dx = dy
-        else:
-            dx = dx.reshape(x.shape)
-        return dx, dgamma.reshape(gamma.shape)
+        return finish_dx(dx, dy, dx_out, in_place, x.shape), dgamma.reshape(gamma.shape)
 
     outputs = ((tuple(x.shape), x.dtype), (tuple(gamma.shape), stat_dtype(x.dtype)))
     return Prepared(op, x.device, impl, outputs, run)

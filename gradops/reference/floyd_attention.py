@@ -4,37 +4,62 @@
 ``Y[n,m] = sum_k P[n,m,k] (V1[n,k] + V2[k,m])``. The whole score tensor ``[B,H,N,M,K]`` is
 cubic, so both passes walk tiles of (n, m) whose score block stays under
 ``CHUNK_ELEMENTS``; every gradient is either local to a tile (dQ) or a sum over tiles
-(dK1/dV1 over m, dK2/dV2 over n), so one walk suffices for the backward too.
+(dK1/dV1 over m, dK2/dV2 over n), so one walk suffices for the backward too. The walk is
+m-tile by m-tile, so the pivot-major copies of K2/V2 (and their gradients) are one m-slice at
+a time: extra memory is a few tiles, independent of N*M*K.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ..ops._checks import stat_dtype
 
 FLT_MAX = 3.4028234663852886e38  # CANN fills masked scores with -FLT_MAX in every dtype
-CHUNK_ELEMENTS = 1 << 21  # score elements per tile: 8 MiB in float32
+CHUNK_ELEMENTS = 1 << 20  # score elements per tile: 4 MiB in float32
 
 
-def tiles(b, h, n, m, k, budget=CHUNK_ELEMENTS):
-    """(n0, n1, m0, m1) tiles covering N x M with at most ~budget scores each."""
-    per_m = max(1, b * h * k)
-    cm = m if per_m * m <= budget else max(1, budget // per_m)
-    cn = max(1, budget // (per_m * cm))
-    for n0 in range(0, n, cn):
-        for m0 in range(0, m, cm):
-            yield n0, min(n, n0 + cn), m0, min(m, m0 + cm)
+def tiles(b, h, n, m, k, budget=None):
+    """``(m0, m1, [(n0, n1), ...])``: m-tiles, each with the n-tiles that cover N, such that
+    a tile holds at most ~budget scores.
+
+    Tiles are as square as N and M allow: the backward contracts over m inside a tile (dK1,
+    dV1) and over n (dK2, dV2), and a thin tile would make one of those contractions short.
+    """
+    if b * h * n * m == 0:  # nothing to compute (and no pivot axis to reduce when K = 0 too)
+        return
+    budget = CHUNK_ELEMENTS if budget is None else budget
+    pairs = max(1, budget // max(1, b * h * k))  # (n, m) pairs per tile
+    cm = min(m, max(1, math.isqrt(pairs)))
+    cn = min(n, max(1, pairs // cm))
+    if cn == n:  # N is short: give the rest of the budget to M
+        cm = min(m, max(1, pairs // cn))
+    n_tiles = [(n0, min(n, n0 + cn)) for n0 in range(0, n, cn)]
+    for m0 in range(0, m, cm):
+        yield m0, min(m, m0 + cm), n_tiles
 
 
-def _scores(q, k1, k2, mask, scale, n0, n1, m0, m1):
-    """Scores of one tile ``[B,H,cn,cm,K]``, masked ones set to -FLT_MAX."""
-    qc = q[:, :, n0:n1, m0:m1]
-    s = torch.einsum("bhnmd,bhnkd->bhnmk", qc, k1[:, :, n0:n1])
-    s += torch.einsum("bhnmd,bhkmd->bhnmk", qc, k2[:, :, :, m0:m1])
+def _pivot_major(t):
+    """An m-slice of K2/V2 ``[B,H,K,cm,D]`` -> ``[B,H,cm,K,D]`` (contiguous): the K2/V2
+    products are batched over m, so with m leading they are plain batched matmuls."""
+    return t.permute(0, 1, 3, 2, 4).contiguous()
+
+
+def _scores(qc, k1c, k2c, maskc, scale):
+    """Scores of one tile ``[B,H,cn,cm,K]``: qc ``[B,H,cn,cm,D]``, k1c ``[B,H,cn,K,D]``,
+    k2c ``[B,H,cm,K,D]`` (pivot-major); masked scores are -FLT_MAX."""
+    s = torch.matmul(qc, k1c.transpose(-1, -2))
+    s += torch.matmul(qc.transpose(2, 3), k2c.transpose(-1, -2)).transpose(2, 3)
     s *= scale
-    if mask is not None:
-        s.masked_fill_(mask[:, :, n0:n1], -FLT_MAX)
+    if maskc is not None:
+        s.masked_fill_(maskc, -FLT_MAX)
     return s
+
+
+def _pv(p, v1c, v2c):
+    """``sum_k P[n,m,k] (V1[n,k] + V2[k,m])`` for one tile; v2c pivot-major."""
+    return torch.matmul(p, v1c) + torch.matmul(p.transpose(2, 3), v2c).transpose(2, 3)
 
 
 def floyd_attention(q, k1, v1, k2, v2, mask, scale):
@@ -46,16 +71,18 @@ def floyd_attention(q, k1, v1, k2, v2, mask, scale):
     out = torch.empty((b, h, n, m, v1.shape[-1]), dtype=acc, device=q.device)
     smax = torch.empty((b, h, n, m), dtype=acc, device=q.device)
     ssum = torch.empty((b, h, n, m), dtype=acc, device=q.device)
-    for n0, n1, m0, m1 in tiles(b, h, n, m, kk):
-        s = _scores(q, k1, k2, mask, scale, n0, n1, m0, m1)
-        mx = s.amax(dim=-1)
-        p = torch.exp(s - mx[..., None])
-        l = p.sum(dim=-1)
-        y = torch.einsum("bhnmk,bhnkd->bhnmd", p, v1[:, :, n0:n1])
-        y += torch.einsum("bhnmk,bhkmd->bhnmd", p, v2[:, :, :, m0:m1])
-        out[:, :, n0:n1, m0:m1] = y / l[..., None]
-        smax[:, :, n0:n1, m0:m1] = mx
-        ssum[:, :, n0:n1, m0:m1] = l
+    for m0, m1, n_tiles in tiles(b, h, n, m, kk):
+        mt = slice(m0, m1)
+        k2m, v2m = _pivot_major(k2[:, :, :, mt]), _pivot_major(v2[:, :, :, mt])
+        for n0, n1 in n_tiles:
+            nt = slice(n0, n1)
+            s = _scores(q[:, :, nt, mt], k1[:, :, nt], k2m, None if mask is None else mask[:, :, nt], scale)
+            mx = s.amax(dim=-1)
+            p = torch.exp(s - mx[..., None])
+            l = p.sum(dim=-1)
+            out[:, :, nt, mt] = _pv(p, v1[:, :, nt], v2m) / l[..., None]
+            smax[:, :, nt, mt] = mx
+            ssum[:, :, nt, mt] = l
     return out.to(dtype), smax, ssum
 
 
@@ -66,24 +93,36 @@ def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, m
     smax, ssum = softmax_max.to(acc), softmax_sum.to(acc)
     b, h, n, m, d = q.shape
     kk = k1.shape[3]
-    dr = (dy * out).sum(dim=-1)  # Dr[n,m] = rowsum(dY * Y)
-    dq = torch.empty_like(q)
-    dk1, dv1 = torch.zeros_like(k1), torch.zeros_like(v1)
-    dk2, dv2 = torch.zeros_like(k2), torch.zeros_like(v2)
-    for n0, n1, m0, m1 in tiles(b, h, n, m, kk):
-        nt, mt = slice(n0, n1), slice(m0, m1)
-        s = _scores(q, k1, k2, mask, scale, n0, n1, m0, m1)
-        p = torch.exp(s - smax[:, :, nt, mt, None]) / ssum[:, :, nt, mt, None]
-        qc, dyc = q[:, :, nt, mt], dy[:, :, nt, mt]
-        dp = torch.einsum("bhnmd,bhnkd->bhnmk", dyc, v1[:, :, nt])
-        dp += torch.einsum("bhnmd,bhkmd->bhnmk", dyc, v2[:, :, :, mt])
-        ds = p * (dp - dr[:, :, nt, mt, None]) * scale
-        if mask is not None:
-            ds.masked_fill_(mask[:, :, nt], 0.0)  # a masked score is a constant: no gradient
-        dq[:, :, nt, mt] = (torch.einsum("bhnmk,bhnkd->bhnmd", ds, k1[:, :, nt])
-                            + torch.einsum("bhnmk,bhkmd->bhnmd", ds, k2[:, :, :, mt]))
-        dk1[:, :, nt] += torch.einsum("bhnmk,bhnmd->bhnkd", ds, qc)
-        dv1[:, :, nt] += torch.einsum("bhnmk,bhnmd->bhnkd", p, dyc)
-        dk2[:, :, :, mt] += torch.einsum("bhnmk,bhnmd->bhkmd", ds, qc)
-        dv2[:, :, :, mt] += torch.einsum("bhnmk,bhnmd->bhkmd", p, dyc)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk1 = torch.zeros(k1.shape, dtype=acc, device=q.device)
+    dv1 = torch.zeros(v1.shape, dtype=acc, device=q.device)
+    dk2 = torch.zeros(k2.shape, dtype=acc, device=q.device)
+    dv2 = torch.zeros(v2.shape, dtype=acc, device=q.device)
+    for m0, m1, n_tiles in tiles(b, h, n, m, kk):
+        mt = slice(m0, m1)
+        k2m, v2m = _pivot_major(k2[:, :, :, mt]), _pivot_major(v2[:, :, :, mt])
+        dk2m, dv2m = torch.zeros_like(k2m), torch.zeros_like(v2m)  # pivot-major, summed over n
+        for n0, n1 in n_tiles:
+            nt = slice(n0, n1)
+            qc, dyc = q[:, :, nt, mt], dy[:, :, nt, mt]
+            k1c, v1c = k1[:, :, nt], v1[:, :, nt]
+            maskc = None if mask is None else mask[:, :, nt]
+            p = torch.exp(_scores(qc, k1c, k2m, maskc, scale) - smax[:, :, nt, mt, None])
+            p /= ssum[:, :, nt, mt, None]
+            dr = (dyc * out[:, :, nt, mt]).sum(dim=-1, keepdim=True)  # Dr = rowsum(dY * Y)
+            dp = torch.matmul(dyc, v1c.transpose(-1, -2))
+            dp += torch.matmul(dyc.transpose(2, 3), v2m.transpose(-1, -2)).transpose(2, 3)
+            ds = p * (dp - dr) * scale
+            del dp
+            if maskc is not None:
+                ds.masked_fill_(maskc, 0.0)  # a masked score is a constant: no gradient
+            # the K2/V2 products are batched over m: lay ds and p out m-major once, use twice
+            ds_m, p_m = ds.transpose(2, 3).contiguous(), p.transpose(2, 3).contiguous()  # [B,H,cm,cn,K]
+            dq[:, :, nt, mt] = torch.matmul(ds, k1c) + torch.matmul(ds_m, k2m).transpose(2, 3)
+            dk1[:, :, nt] += torch.matmul(ds.transpose(-1, -2), qc)  # sum over m
+            dv1[:, :, nt] += torch.matmul(p.transpose(-1, -2), dyc)
+            dk2m += torch.matmul(ds_m.transpose(-1, -2), qc.transpose(2, 3))  # sum over n
+            dv2m += torch.matmul(p_m.transpose(-1, -2), dyc.transpose(2, 3))
+        dk2[:, :, :, mt] = dk2m.permute(0, 1, 3, 2, 4)
+        dv2[:, :, :, mt] = dv2m.permute(0, 1, 3, 2, 4)
     return tuple(t.to(dtype) for t in (dq, dk1, dv1, dk2, dv2))

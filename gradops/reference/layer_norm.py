@@ -34,18 +34,21 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
     want_dx, want_dw, want_db = output_mask
     dyf, xf = dy.to(acc), x.to(acc)
     mean, rstd = mean.to(acc)[:, None], rstd.to(acc)[:, None]
-    xhat = (xf - mean) * rstd
+    n = x.shape[1]
+    xhat = (xf - mean).mul_(rstd)
+    prod = torch.empty_like(xhat)  # one scratch row block for the two products (fewer CPU page faults)
     # weight grads first: with in_place, dx_out is dy's own memory
-    dw = (dyf * xhat).sum(dim=0) if want_dw else None
+    dw = torch.mul(dyf, xhat, out=prod).sum(dim=0) if want_dw else None
     db = dyf.sum(dim=0) if want_db else None
     dx = None
     if want_dx:
-        g = dyf if weight is None else dyf * weight.to(acc)
-        if x.shape[1] == 0:
-            dxf = g
-        else:
-            dxf = rstd * (g - g.mean(dim=1, keepdim=True) - xhat * (g * xhat).mean(dim=1, keepdim=True))
-        dx = dx_out.copy_(dxf) if dx_out is not None else dxf.to(x.dtype)
+        g = dyf * weight.to(acc) if weight is not None else dyf.clone()
+        if n:
+            # dx = rstd * (g - mean_n(g) - xhat * mean_n(g * xhat)), in place on g's buffer
+            c2 = torch.mul(g, xhat, out=prod).mean(dim=1, keepdim=True)
+            c1 = g.mean(dim=1, keepdim=True)
+            g.sub_(c1).sub_(xhat.mul_(c2)).mul_(rstd)
+        dx = dx_out.copy_(g) if dx_out is not None else g.to(x.dtype)
     return dx, dw, db
 
 

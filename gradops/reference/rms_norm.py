@@ -19,11 +19,14 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None):
     acc = stat_dtype(x.dtype)
     dyf, xf = dy.to(acc), x.to(acc)
     rstd = rstd.to(acc)[:, None]
+    n = x.shape[1]
+    xhat = xf * rstd
+    # dgamma first: with in_place, dx_out is dy's own memory
+    dgamma = (dyf * xhat).sum(dim=0)
     g = dyf * gamma.to(acc)
-    dgamma = (dyf * xf * rstd).sum(dim=0)
-    if x.shape[1] == 0:
-        dxf = g
-    else:
-        dxf = rstd * g - rstd.pow(3) * xf * (g * xf).mean(dim=1, keepdim=True)
-    dx = dx_out.copy_(dxf) if dx_out is not None else dxf.to(x.dtype)
+    if n:
+        # dx = rstd * g - rstd^3 * x * mean_n(g * x) = rstd * (g - xhat * mean_n(g * xhat)), in place
+        c = (g * xhat).mean(dim=1, keepdim=True)
+        g.sub_(xhat.mul_(c)).mul_(rstd)
+    dx = dx_out.copy_(g) if dx_out is not None else g.to(x.dtype)
     return dx, dgamma

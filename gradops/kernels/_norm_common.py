@@ -1,0 +1,73 @@
+"""Pieces shared by the LayerNorm and RMSNorm kernels: row views, accumulator dtypes, and
+the deterministic reduction of float partial rows."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops._checks import stat_dtype
+from . import norm_config
+
+
+def tl_acc(dtype: torch.dtype):
+    """Triton accumulator dtype for inputs of ``dtype`` (float64 stays float64)."""
+    return tl.float64 if stat_dtype(dtype) == torch.float64 else tl.float32
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim is contiguous (any row stride is passed to the
+    kernel), else a contiguous copy: the kernels vectorise along a row."""
+    if t.shape[-1] <= 1 or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
+def row_stride(t: torch.Tensor) -> int:
+    # A single row's stride is never used to move, but must be a valid int.
+    return t.stride(0) if t.shape[0] > 1 else max(t.shape[1], 1)
+
+
+def vector(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D per-row or per-column vector (mean, rstd, weight) as a unit-stride tensor."""
+    return t if t.stride(0) == 1 or t.numel() <= 1 else t.contiguous()
+
+
+def dx_target(dx_out, like: torch.Tensor):
+    """Where a kernel writes dx: ``dx_out`` when the kernel can write it directly (last dim
+    contiguous), else a fresh buffer that is copied into ``dx_out`` afterwards."""
+    if dx_out is not None and (dx_out.shape[-1] <= 1 or dx_out.stride(-1) == 1):
+        return dx_out, False
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device), dx_out is not None
+
+
+@triton.jit
+def _sum_rows_kernel(P, OUT, R, N, stride_p,
+                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One program per column block sums R partial rows in a fixed order (row blocks in
+    # sequence, then one tree reduction): no atomics, so every run gives the same bits.
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=P.dtype.element_ty)
+    for r0 in range(0, R, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        mask = (rows < R)[:, None] & cmask[None, :]
+        acc += tl.load(P + rows.to(tl.int64)[:, None] * stride_p + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=cmask)
+
+
+def sum_partial_rows(partial: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Column sums of a contiguous ``[R, N]`` partial buffer, as a fresh ``[N]`` tensor."""
+    r, n = partial.shape
+    if r == 1 and partial.dtype == out_dtype:
+        return partial[0]  # one program wrote the whole sum: no second launch (small calls)
+    out = torch.empty(n, dtype=out_dtype, device=partial.device)
+    if n == 0:
+        return out
+    if r == 0:
+        return out.zero_()
+    cfg = norm_config.reduce_config(r, n, partial.device)
+    _sum_rows_kernel[(cfg.grid,)](partial, out, r, n, partial.stride(0),
+                                  BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+    return out

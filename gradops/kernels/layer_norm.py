@@ -1,0 +1,505 @@
+"""LayerNorm in Triton: the fused forward, the one-pass backward with deterministic
+dweight/dbias partial sums, and the AscendC LayerNormGrad / LayerNormGradBeta semantics.
+
+Same functions and canonical arguments as ``gradops.reference.layer_norm`` (see
+docs/backends.md); the reference is the specification of every result. How the kernels
+are organised (persistent grid, partial rows, wide rows) is in docs/kernels-norm.md; every
+launch parameter comes from ``norm_config``.
+
+Conventions shared by all kernels below: rows are addressed as ``row * stride + col``
+with the row index widened to int64 first (so a tensor may pass 2**31 elements); masked
+lanes load 0 and are forced back to 0 after any shift, so they never leak into a sum;
+ACC is the accumulator dtype (float32, float64 for float64 inputs).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops._checks import stat_dtype
+from . import norm_config
+from ._norm_common import as_rows, dx_target, row_stride, sum_partial_rows, tl_acc, vector
+
+
+# --------------------------------------------------------------------------- forward
+@triton.jit
+def _ln_fwd_fused_kernel(X, Y, W, B, Mean, Rstd, M, N, stride_x, stride_y, eps,
+                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One tile of BLOCK_M whole rows per program: x is read once, y written once.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+    mean = tl.sum(x, axis=1) / N
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    var = tl.sum(xc * xc, axis=1) / N  # two-pass (in registers): no cancellation
+    rstd = 1.0 / tl.sqrt(var + eps)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(ACC)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(ACC)[None, :]
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Mean + rows, mean.to(Mean.dtype.element_ty), mask=rmask)
+    tl.store(Rstd + rows, rstd.to(Rstd.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _ln_fwd_wide_kernel(X, Y, W, B, Mean, Rstd, N, stride_x, stride_y, eps,
+                        HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    # One row per program, too wide for registers. Pass 1 merges exact per-block mean and
+    # sum of squared deviations (Chan et al.'s pairwise update, as accurate as two-pass);
+    # pass 2 re-reads the row, which the program has just touched (L2), and writes y.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    offs = tl.arange(0, BLOCK_N)
+    count = tl.zeros([1], dtype=ACC)
+    mean = tl.zeros([1], dtype=ACC)
+    m2 = tl.zeros([1], dtype=ACC)
+    for c0 in range(0, N, BLOCK_N):
+        cols = c0 + offs
+        cmask = cols < N
+        x = tl.load(x_row + cols, mask=cmask, other=0.0).to(ACC)
+        n_b = tl.minimum(N - c0, BLOCK_N).to(ACC)
+        mean_b = tl.sum(x, axis=0) / n_b
+        d = tl.where(cmask, x - mean_b, 0.0)
+        m2_b = tl.sum(d * d, axis=0)
+        total = count + n_b
+        delta = mean_b - mean
+        mean = mean + delta * (n_b / total)
+        m2 = m2 + m2_b + delta * delta * (count * n_b / total)
+        count = total
+    var = m2 / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    y_row = Y + row * stride_y
+    for c0 in range(0, N, BLOCK_N):
+        cols = c0 + offs
+        cmask = cols < N
+        x = tl.load(x_row + cols, mask=cmask, other=0.0).to(ACC)
+        y = (x - mean) * rstd
+        if HAS_W:
+            y = y * tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
+        if HAS_B:
+            y = y + tl.load(B + cols, mask=cmask, other=0.0).to(ACC)
+        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=cmask)
+    one = tl.arange(0, 1)
+    tl.store(Mean + row + one, mean.to(Mean.dtype.element_ty))
+    tl.store(Rstd + row + one, rstd.to(Rstd.dtype.element_ty))
+
+
+def layer_norm(x, weight, bias, eps):
+    m, n = x.shape
+    acc = stat_dtype(x.dtype)
+    x = as_rows(x)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    mean = torch.empty(m, dtype=acc, device=x.device)
+    rstd = torch.empty(m, dtype=acc, device=x.device)
+    if m == 0 or n == 0:
+        # Statistics of an empty row follow the reference: mean nan, variance nan.
+        if m and not n:
+            mean.fill_(float("nan"))
+            rstd.fill_(float("nan"))
+        return y, mean, rstd
+    w = vector(weight) if weight is not None else x
+    b = vector(bias) if bias is not None else x
+    common = dict(HAS_W=weight is not None, HAS_B=bias is not None, ACC=tl_acc(x.dtype))
+    if norm_config.is_fused(n, x.device):
+        cfg = norm_config.fused_config(m, n, x.device, persistent=False)
+        _ln_fwd_fused_kernel[(cfg.grid,)](
+            x, y, w, b, mean, rstd, m, n, row_stride(x), row_stride(y), eps,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **common)
+    else:
+        cfg = norm_config.split_config(m, n, x.device)
+        _ln_fwd_wide_kernel[(m,)](
+            x, y, w, b, mean, rstd, n, row_stride(x), row_stride(y), eps,
+            BLOCK_N=cfg.block_n, num_warps=cfg.row_num_warps, **common)
+    return y, mean, rstd
+
+
+# -------------------------------------------------------------------------- backward
+@triton.jit
+def _ln_bwd_fused_kernel(DY, X, W, Mean, Rstd, DX, DW_P, DB_P,
+                         M, N, stride_dy, stride_x, stride_dx, stride_p, tiles_per_program, num_programs,
+                         HAS_W: tl.constexpr, WANT_DX: tl.constexpr, WANT_DW: tl.constexpr,
+                         WANT_DB: tl.constexpr, ACC: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Persistent: program p takes row tiles p, p + P, p + 2P, ... Each element of x and dy
+    # is read once; dx is written once; dw/db accumulate in registers across all the
+    # program's tiles and leave as one float partial row per program (DW_P[p, :]).
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
+    acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
+    acc_db = tl.zeros([BLOCK_N], dtype=ACC)
+    # (a plain trip count, not range(pid, num_tiles, step): Triton 3.6's interpreter needs it)
+    for i in range(0, tiles_per_program):
+        rows = (pid + i * num_programs) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        # dy is read in full before dx is stored: dx may be written into dy's memory.
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+        mean = tl.load(Mean + rows, mask=rmask, other=0.0).to(ACC)
+        rstd = tl.load(Rstd + rows, mask=rmask, other=0.0).to(ACC)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if WANT_DX:
+            if HAS_W:
+                g = dy * w[None, :]
+            else:
+                g = dy
+            c1 = tl.sum(xhat * g, axis=1) / N
+            c2 = tl.sum(g, axis=1) / N
+            dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if WANT_DW:
+            acc_dw += tl.sum(dy * xhat, axis=0)
+        if WANT_DB:
+            acc_db += tl.sum(dy, axis=0)
+    if WANT_DW:
+        tl.store(DW_P + pid.to(tl.int64) * stride_p + cols, acc_dw, mask=cmask)
+    if WANT_DB:
+        tl.store(DB_P + pid.to(tl.int64) * stride_p + cols, acc_db, mask=cmask)
+
+
+@triton.jit
+def _ln_bwd_row_sums_kernel(DY, X, W, Mean, Rstd, C1, C2, N, stride_dy, stride_x,
+                            HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Wide rows, step 1: the two row reductions dx needs, c1 = mean(xhat*g), c2 = mean(g).
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    mean = tl.load(Mean + row).to(ACC)
+    rstd = tl.load(Rstd + row).to(ACC)
+    s1 = tl.zeros([BLOCK_N], dtype=ACC)
+    s2 = tl.zeros([BLOCK_N], dtype=ACC)
+    for c0 in range(0, N, BLOCK_N):
+        cols = c0 + offs
+        cmask = cols < N
+        dy = tl.load(DY + row * stride_dy + cols, mask=cmask, other=0.0).to(ACC)
+        x = tl.load(X + row * stride_x + cols, mask=cmask, other=0.0).to(ACC)
+        xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
+        if HAS_W:
+            g = dy * tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
+        else:
+            g = dy
+        s1 += xhat * g
+        s2 += g
+    tl.store(C1 + row, tl.sum(s1, axis=0) / N)
+    tl.store(C2 + row, tl.sum(s2, axis=0) / N)
+
+
+@triton.jit
+def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DX, DW_P, DB_P,
+                        M, N, stride_dy, stride_x, stride_dx, stride_p, tiles_per_group, num_row_groups,
+                        HAS_W: tl.constexpr, WANT_DX: tl.constexpr, WANT_DW: tl.constexpr,
+                        WANT_DB: tl.constexpr, ACC: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Wide rows, step 2: program (column block, row group) owns BLOCK_N columns of every
+    # num_row_groups-th row tile. With the row reductions known it writes dx for its tiles
+    # and keeps dw/db for its columns in registers: one partial row per row group.
+    cb = tl.program_id(0)
+    rg = tl.program_id(1)
+    cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
+    acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
+    acc_db = tl.zeros([BLOCK_N], dtype=ACC)
+    for i in range(0, tiles_per_group):
+        rows = (rg + i * num_row_groups) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+        mean = tl.load(Mean + rows, mask=rmask, other=0.0).to(ACC)
+        rstd = tl.load(Rstd + rows, mask=rmask, other=0.0).to(ACC)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if WANT_DX:
+            c1 = tl.load(C1 + rows, mask=rmask, other=0.0)
+            c2 = tl.load(C2 + rows, mask=rmask, other=0.0)
+            if HAS_W:
+                g = dy * w[None, :]
+            else:
+                g = dy
+            dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if WANT_DW:
+            acc_dw += tl.sum(dy * xhat, axis=0)
+        if WANT_DB:
+            acc_db += tl.sum(dy, axis=0)
+    if WANT_DW:
+        tl.store(DW_P + rg.to(tl.int64) * stride_p + cols, acc_dw, mask=cmask)
+    if WANT_DB:
+        tl.store(DB_P + rg.to(tl.int64) * stride_p + cols, acc_db, mask=cmask)
+
+
+def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
+    want_dx, want_dw, want_db = (bool(v) for v in output_mask)
+    m, n = x.shape
+    acc = stat_dtype(x.dtype)
+    device = x.device
+    dx = dw = db = None
+    if m == 0 or n == 0:
+        if want_dx:
+            dx = dx_out if dx_out is not None else torch.empty((m, n), dtype=x.dtype, device=device)
+        if want_dw:
+            dw = torch.zeros(n, dtype=acc, device=device)
+        if want_db:
+            db = torch.zeros(n, dtype=acc, device=device)
+        return dx, dw, db
+    if not (want_dx or want_dw or want_db):
+        return None, None, None
+
+    dy_rows, x_rows = as_rows(dy), as_rows(x)
+    mean, rstd = vector(mean), vector(rstd)
+    w = vector(weight) if weight is not None else x_rows
+    dx_buf, copy_back = dx_target(dx_out, x) if want_dx else (x_rows, False)
+    flags = dict(HAS_W=weight is not None, WANT_DX=want_dx, WANT_DW=want_dw, WANT_DB=want_db,
+                 ACC=tl_acc(x.dtype))
+
+    if norm_config.is_fused(n, device):
+        cfg = norm_config.fused_config(m, n, device, persistent=True)
+        partial_rows = cfg.grid
+    else:
+        cfg = norm_config.split_config(m, n, device)
+        partial_rows = cfg.row_groups
+    # dw and db partials side by side in one buffer, summed by one reduction launch.
+    n_partials = int(want_dw) + int(want_db)
+    partial = torch.empty((partial_rows, n_partials * n) if n_partials else (1, 1), dtype=acc, device=device)
+    dw_p = partial
+    db_p = partial[:, n:] if want_dw else partial
+    stride_p = partial.stride(0)
+
+    if norm_config.is_fused(n, device):
+        _ln_bwd_fused_kernel[(cfg.grid,)](
+            dy_rows, x_rows, w, mean, rstd, dx_buf, dw_p, db_p,
+            m, n, row_stride(dy_rows), row_stride(x_rows), row_stride(dx_buf), stride_p,
+            cfg.tiles_per_program, cfg.grid,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+    else:
+        c1 = c2 = mean  # unused unless dx is wanted
+        if want_dx:
+            c1 = torch.empty(m, dtype=acc, device=device)
+            c2 = torch.empty(m, dtype=acc, device=device)
+            _ln_bwd_row_sums_kernel[(m,)](
+                dy_rows, x_rows, w, mean, rstd, c1, c2, n, row_stride(dy_rows), row_stride(x_rows),
+                HAS_W=weight is not None, ACC=flags["ACC"], BLOCK_N=cfg.block_n,
+                num_warps=cfg.row_num_warps)
+        _ln_bwd_cols_kernel[(cfg.col_blocks, cfg.row_groups)](
+            dy_rows, x_rows, w, mean, rstd, c1, c2, dx_buf, dw_p, db_p,
+            m, n, row_stride(dy_rows), row_stride(x_rows), row_stride(dx_buf), stride_p,
+            cfg.tiles_per_group, cfg.row_groups,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+
+    if want_dx:
+        dx = dx_out.copy_(dx_buf) if copy_back else dx_buf
+    if n_partials:
+        sums = sum_partial_rows(partial, acc)
+        dw = sums[:n] if want_dw else None
+        db = (sums[n:] if want_dw else sums) if want_db else None
+    return dx, dw, db
+
+
+# ------------------------------------------------------- AscendC LayerNormGrad(Beta)
+@triton.jit
+def _ascendc_row_factors(var, s_x1x2, s_x1, s_x2, eps, H):
+    # CANN's formula, literally (OPERATORS.md section 2), given the three row sums
+    # sum(x1*x2), sum(x1), sum(x2); pd_mean keeps the analytically-zero term.
+    r = 1.0 / tl.sqrt(var + eps)
+    r3 = r * r * r
+    pd_var = -0.5 * r3 * s_x1x2
+    # 1/H and 2/H in the accumulator dtype (a Python-float constant would be float32).
+    inv_h = 1.0 / (tl.zeros_like(var) + H)
+    pd_mean = -r * s_x1 + pd_var * inv_h * (-2.0 * s_x2)
+    return r, pd_var, pd_mean, inv_h
+
+
+@triton.jit
+def _ln_grad_fused_kernel(DY, X, Var, Mean, Gamma, PDX, RES, M, H,
+                          stride_dy, stride_x, stride_pdx, stride_res, eps,
+                          REUSE: tl.constexpr, ACC: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < H
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    dy_ptr = DY + rows64[:, None] * stride_dy + cols[None, :]
+    x_ptr = X + rows64[:, None] * stride_x + cols[None, :]
+    dy = tl.load(dy_ptr, mask=mask, other=0.0).to(ACC)
+    x = tl.load(x_ptr, mask=mask, other=0.0).to(ACC)
+    gamma = tl.load(Gamma + cols, mask=cmask, other=0.0).to(ACC)
+    var = tl.load(Var + rows, mask=rmask, other=1.0).to(ACC)
+    mean = tl.load(Mean + rows, mask=rmask, other=0.0).to(ACC)
+    x2 = tl.where(mask, x - mean[:, None], 0.0)
+    x1 = dy * gamma[None, :]
+    r, pd_var, pd_mean, inv_h = _ascendc_row_factors(var, tl.sum(x1 * x2, axis=1), tl.sum(x1, axis=1),
+                                              tl.sum(x2, axis=1), eps, H)
+    pd_x = x1 * r[:, None] + (pd_var * (2.0 * inv_h))[:, None] * x2 + (pd_mean * inv_h)[:, None]
+    tl.store(PDX + rows64[:, None] * stride_pdx + cols[None, :], pd_x.to(PDX.dtype.element_ty), mask=mask)
+    tl.store(RES + rows64[:, None] * stride_res + cols[None, :], (x2 * r[:, None]).to(RES.dtype.element_ty),
+             mask=mask)
+    if REUSE:  # CANN leaves dy*gamma in inputDy and x-mean in inputX
+        tl.store(dy_ptr, x1.to(DY.dtype.element_ty), mask=mask)
+        tl.store(x_ptr, x2.to(X.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ln_grad_row_sums_kernel(DY, X, Mean, Gamma, S, H, stride_dy, stride_x,
+                             ACC: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Wide rows: S[row] = (sum(x1*x2), sum(x1), sum(x2)).
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    mean = tl.load(Mean + row).to(ACC)
+    s12 = tl.zeros([BLOCK_N], dtype=ACC)
+    s1 = tl.zeros([BLOCK_N], dtype=ACC)
+    s2 = tl.zeros([BLOCK_N], dtype=ACC)
+    for c0 in range(0, H, BLOCK_N):
+        cols = c0 + offs
+        cmask = cols < H
+        dy = tl.load(DY + row * stride_dy + cols, mask=cmask, other=0.0).to(ACC)
+        x = tl.load(X + row * stride_x + cols, mask=cmask, other=0.0).to(ACC)
+        x1 = dy * tl.load(Gamma + cols, mask=cmask, other=0.0).to(ACC)
+        x2 = tl.where(cmask, x - mean, 0.0)
+        s12 += x1 * x2
+        s1 += x1
+        s2 += x2
+    tl.store(S + row * 3, tl.sum(s12, axis=0))
+    tl.store(S + row * 3 + 1, tl.sum(s1, axis=0))
+    tl.store(S + row * 3 + 2, tl.sum(s2, axis=0))
+
+
+@triton.jit
+def _ln_grad_cols_kernel(DY, X, Var, Mean, Gamma, S, PDX, RES, M, H,
+                         stride_dy, stride_x, stride_pdx, stride_res, eps,
+                         REUSE: tl.constexpr, ACC: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Wide rows: elementwise once the row sums are known, one tile per program. Row tiles
+    # on grid axis 0 (up to 2**31 - 1; axis 1 stops at 65535), column blocks on axis 1.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < H
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    dy_ptr = DY + rows64[:, None] * stride_dy + cols[None, :]
+    x_ptr = X + rows64[:, None] * stride_x + cols[None, :]
+    dy = tl.load(dy_ptr, mask=mask, other=0.0).to(ACC)
+    x = tl.load(x_ptr, mask=mask, other=0.0).to(ACC)
+    gamma = tl.load(Gamma + cols, mask=cmask, other=0.0).to(ACC)
+    var = tl.load(Var + rows, mask=rmask, other=1.0).to(ACC)
+    mean = tl.load(Mean + rows, mask=rmask, other=0.0).to(ACC)
+    s12 = tl.load(S + rows64 * 3, mask=rmask, other=0.0)
+    s1 = tl.load(S + rows64 * 3 + 1, mask=rmask, other=0.0)
+    s2 = tl.load(S + rows64 * 3 + 2, mask=rmask, other=0.0)
+    x2 = x - mean[:, None]
+    x1 = dy * gamma[None, :]
+    r, pd_var, pd_mean, inv_h = _ascendc_row_factors(var, s12, s1, s2, eps, H)
+    pd_x = x1 * r[:, None] + (pd_var * (2.0 * inv_h))[:, None] * x2 + (pd_mean * inv_h)[:, None]
+    tl.store(PDX + rows64[:, None] * stride_pdx + cols[None, :], pd_x.to(PDX.dtype.element_ty), mask=mask)
+    tl.store(RES + rows64[:, None] * stride_res + cols[None, :], (x2 * r[:, None]).to(RES.dtype.element_ty),
+             mask=mask)
+    if REUSE:
+        tl.store(dy_ptr, x1.to(DY.dtype.element_ty), mask=mask)
+        tl.store(x_ptr, x2.to(X.dtype.element_ty), mask=mask)
+
+
+def _writable_rows(t: torch.Tensor):
+    """Rows the kernel may overwrite in place (reuse_source), plus whether the result must
+    be copied back because ``t`` itself could not be used."""
+    rows = as_rows(t)
+    return rows, rows is not t
+
+
+def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source):
+    r, h = x.shape
+    device = x.device
+    pd_x = torch.empty((r, h), dtype=x.dtype, device=device)
+    res = torch.empty((r, h), dtype=x.dtype, device=device)
+    if r == 0 or h == 0:
+        return pd_x, res
+    dy_rows, dy_copied = _writable_rows(dy)
+    x_rows, x_copied = _writable_rows(x)
+    variance, mean, gamma = vector(variance), vector(mean), vector(gamma)
+    reuse = bool(reuse_source)
+    acc = tl_acc(x.dtype)
+    if norm_config.is_fused(h, device):
+        cfg = norm_config.fused_config(r, h, device, persistent=False)
+        _ln_grad_fused_kernel[(cfg.grid,)](
+            dy_rows, x_rows, variance, mean, gamma, pd_x, res, r, h,
+            row_stride(dy_rows), row_stride(x_rows), row_stride(pd_x), row_stride(res), eps,
+            REUSE=reuse, ACC=acc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+    else:
+        cfg = norm_config.split_config(r, h, device)
+        sums = torch.empty((r, 3), dtype=stat_dtype(x.dtype), device=device)
+        _ln_grad_row_sums_kernel[(r,)](
+            dy_rows, x_rows, mean, gamma, sums, h, row_stride(dy_rows), row_stride(x_rows),
+            ACC=acc, BLOCK_N=cfg.block_n, num_warps=cfg.row_num_warps)
+        _ln_grad_cols_kernel[(cfg.row_tiles, cfg.col_blocks)](
+            dy_rows, x_rows, variance, mean, gamma, sums, pd_x, res, r, h,
+            row_stride(dy_rows), row_stride(x_rows), row_stride(pd_x), row_stride(res), eps,
+            REUSE=reuse, ACC=acc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+    if reuse:
+        if dy_copied:
+            dy.copy_(dy_rows)
+        if x_copied:
+            x.copy_(x_rows)
+    return pd_x, res
+
+
+@triton.jit
+def _ln_grad_beta_kernel(RES, DY, PG_P, PB_P, M, N, stride_res, stride_dy, stride_p,
+                         tiles_per_group, num_row_groups,
+                         REUSE: tl.constexpr, ACC: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Column sums only: program (column block, row group) accumulates its columns over its
+    # row tiles in registers and writes one partial row.
+    cb = tl.program_id(0)
+    rg = tl.program_id(1)
+    cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    acc_g = tl.zeros([BLOCK_N], dtype=ACC)
+    acc_b = tl.zeros([BLOCK_N], dtype=ACC)
+    for i in range(0, tiles_per_group):
+        rows = (rg + i * num_row_groups) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
+        mask = (rows < M)[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        res_ptr = RES + rows64[:, None] * stride_res + cols[None, :]
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        prod = dy * tl.load(res_ptr, mask=mask, other=0.0).to(ACC)
+        acc_g += tl.sum(prod, axis=0)
+        acc_b += tl.sum(dy, axis=0)
+        if REUSE:  # CANN leaves dy*resForGamma in resForGamma
+            tl.store(res_ptr, prod.to(RES.dtype.element_ty), mask=mask)
+    tl.store(PG_P + rg.to(tl.int64) * stride_p + cols, acc_g, mask=cmask)
+    tl.store(PB_P + rg.to(tl.int64) * stride_p + cols, acc_b, mask=cmask)
+
+
+def layer_norm_grad_beta(res_for_gamma, dy, reuse_source):
+    r, h = dy.shape
+    device = dy.device
+    acc = stat_dtype(dy.dtype)
+    if r == 0 or h == 0:
+        return torch.zeros(h, dtype=dy.dtype, device=device), torch.zeros(h, dtype=dy.dtype, device=device)
+    res_rows, res_copied = _writable_rows(res_for_gamma)
+    dy_rows = as_rows(dy)
+    cfg = norm_config.split_config(r, h, device)
+    partial = torch.empty((cfg.row_groups, 2 * h), dtype=acc, device=device)
+    _ln_grad_beta_kernel[(cfg.col_blocks, cfg.row_groups)](
+        res_rows, dy_rows, partial, partial[:, h:], r, h, row_stride(res_rows), row_stride(dy_rows),
+        partial.stride(0), cfg.tiles_per_group, cfg.row_groups,
+        REUSE=bool(reuse_source), ACC=tl_acc(dy.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+    if reuse_source and res_copied:
+        res_for_gamma.copy_(res_rows)
+    sums = sum_partial_rows(partial, acc).to(dy.dtype)
+    return sums[:h], sums[h:]

@@ -1,0 +1,207 @@
+"""RMSNorm in Triton: the fused forward and the one-pass backward with a deterministic
+dgamma (per-program float partial rows summed by a second small kernel, no atomics).
+
+Same functions and canonical arguments as ``gradops.reference.rms_norm`` (see
+docs/backends.md). The organisation mirrors ``gradops.kernels.layer_norm`` (and
+docs/kernels-norm.md): whole rows in registers up to ``norm_config.max_fused_n``, column
+blocks beyond; int64 row offsets; masked lanes load 0; ACC is float32 (float64 for
+float64 inputs).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops._checks import stat_dtype
+from . import norm_config
+from ._norm_common import as_rows, dx_target, row_stride, sum_partial_rows, tl_acc, vector
+
+
+# --------------------------------------------------------------------------- forward
+@triton.jit
+def _rms_fwd_fused_kernel(X, Y, W, Rstd, M, N, stride_x, stride_y, eps,
+                          HAS_W: tl.constexpr, ACC: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    y = x * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(ACC)[None, :]
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Rstd + rows, rstd.to(Rstd.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _rms_fwd_wide_kernel(X, Y, W, Rstd, N, stride_x, stride_y, eps,
+                         HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One row per program: pass 1 sums squares, pass 2 re-reads the row (just touched by
+    # this program, so mostly from L2) and writes y.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    x_row = X + row * stride_x
+    ss = tl.zeros([BLOCK_N], dtype=ACC)
+    for c0 in range(0, N, BLOCK_N):
+        cols = c0 + offs
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(ACC)
+        ss += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / N + eps)
+    y_row = Y + row * stride_y
+    for c0 in range(0, N, BLOCK_N):
+        cols = c0 + offs
+        cmask = cols < N
+        y = tl.load(x_row + cols, mask=cmask, other=0.0).to(ACC) * rstd
+        if HAS_W:
+            y = y * tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
+        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=cmask)
+    tl.store(Rstd + row, rstd.to(Rstd.dtype.element_ty))
+
+
+def rms_norm(x, gamma, eps):
+    m, n = x.shape
+    x = as_rows(x)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(m, dtype=stat_dtype(x.dtype), device=x.device)
+    if m == 0:
+        return y, rstd
+    if n == 0:
+        return y, rstd.fill_(float("nan"))  # the mean of an empty row, as in the reference
+    w = vector(gamma) if gamma is not None else x
+    common = dict(HAS_W=gamma is not None, ACC=tl_acc(x.dtype))
+    if norm_config.is_fused(n, x.device):
+        cfg = norm_config.fused_config(m, n, x.device, persistent=False)
+        _rms_fwd_fused_kernel[(cfg.grid,)](
+            x, y, w, rstd, m, n, row_stride(x), row_stride(y), eps,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **common)
+    else:
+        cfg = norm_config.split_config(m, n, x.device)
+        _rms_fwd_wide_kernel[(m,)](
+            x, y, w, rstd, n, row_stride(x), row_stride(y), eps,
+            BLOCK_N=cfg.block_n, num_warps=cfg.row_num_warps, **common)
+    return y, rstd
+
+
+# -------------------------------------------------------------------------- backward
+@triton.jit
+def _rms_bwd_fused_kernel(DY, X, W, Rstd, DX, DW_P, M, N, stride_dy, stride_x, stride_dx, stride_p,
+                          tiles_per_program, num_programs, HAS_W: tl.constexpr, ACC: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Persistent: program p takes row tiles p, p + P, ...; x and dy are read once, dx is
+    # written once, dgamma accumulates in registers and leaves as partial row DW_P[p, :].
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
+    acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
+    # (a plain trip count, not range(pid, num_tiles, step): Triton 3.6's interpreter needs it)
+    for i in range(0, tiles_per_program):
+        rows = (pid + i * num_programs) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        # dy is read in full before dx is stored: dx may be written into dy's memory.
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+        rstd = tl.load(Rstd + rows, mask=rmask, other=0.0).to(ACC)
+        if HAS_W:
+            g = dy * w[None, :]
+        else:
+            g = dy
+        c = tl.sum(g * x, axis=1) / N
+        dx = rstd[:, None] * g - (rstd * rstd * rstd * c)[:, None] * x
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        acc_dw += tl.sum(dy * x * rstd[:, None], axis=0)
+    tl.store(DW_P + pid.to(tl.int64) * stride_p + cols, acc_dw, mask=cmask)
+
+
+@triton.jit
+def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x,
+                             HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Wide rows, step 1: c = mean(dy * gamma * x) per row.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    s = tl.zeros([BLOCK_N], dtype=ACC)
+    for c0 in range(0, N, BLOCK_N):
+        cols = c0 + offs
+        cmask = cols < N
+        dy = tl.load(DY + row * stride_dy + cols, mask=cmask, other=0.0).to(ACC)
+        x = tl.load(X + row * stride_x + cols, mask=cmask, other=0.0).to(ACC)
+        if HAS_W:
+            dy = dy * tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
+        s += dy * x
+    tl.store(C + row, tl.sum(s, axis=0) / N)
+
+
+@triton.jit
+def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DX, DW_P, M, N, stride_dy, stride_x, stride_dx, stride_p,
+                         tiles_per_group, num_row_groups, HAS_W: tl.constexpr, ACC: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Wide rows, step 2: program (column block, row group) writes dx for its tiles and keeps
+    # dgamma for its columns in registers: one partial row per row group.
+    cb = tl.program_id(0)
+    rg = tl.program_id(1)
+    cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
+    acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
+    for i in range(0, tiles_per_group):
+        rows = (rg + i * num_row_groups) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+        rstd = tl.load(Rstd + rows, mask=rmask, other=0.0).to(ACC)
+        c = tl.load(C + rows, mask=rmask, other=0.0)
+        if HAS_W:
+            g = dy * w[None, :]
+        else:
+            g = dy
+        dx = rstd[:, None] * g - (rstd * rstd * rstd * c)[:, None] * x
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        acc_dw += tl.sum(dy * x * rstd[:, None], axis=0)
+    tl.store(DW_P + rg.to(tl.int64) * stride_p + cols, acc_dw, mask=cmask)
+
+
+def rms_norm_grad(dy, x, rstd, gamma, dx_out=None):
+    m, n = x.shape
+    acc = stat_dtype(x.dtype)
+    device = x.device
+    if m == 0 or n == 0:
+        dx = dx_out if dx_out is not None else torch.empty((m, n), dtype=x.dtype, device=device)
+        return dx, torch.zeros(n, dtype=acc, device=device)
+    dy_rows, x_rows = as_rows(dy), as_rows(x)
+    rstd = vector(rstd)
+    w = vector(gamma) if gamma is not None else x_rows
+    dx_buf, copy_back = dx_target(dx_out, x)
+    flags = dict(HAS_W=gamma is not None, ACC=tl_acc(x.dtype))
+    if norm_config.is_fused(n, device):
+        cfg = norm_config.fused_config(m, n, device, persistent=True)
+        partial = torch.empty((cfg.grid, n), dtype=acc, device=device)
+        _rms_bwd_fused_kernel[(cfg.grid,)](
+            dy_rows, x_rows, w, rstd, dx_buf, partial, m, n,
+            row_stride(dy_rows), row_stride(x_rows), row_stride(dx_buf), partial.stride(0),
+            cfg.tiles_per_program, cfg.grid,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+    else:
+        cfg = norm_config.split_config(m, n, device)
+        c = torch.empty(m, dtype=acc, device=device)
+        _rms_bwd_row_sums_kernel[(m,)](
+            dy_rows, x_rows, w, c, n, row_stride(dy_rows), row_stride(x_rows),
+            BLOCK_N=cfg.block_n, num_warps=cfg.row_num_warps, **flags)
+        partial = torch.empty((cfg.row_groups, n), dtype=acc, device=device)
+        _rms_bwd_cols_kernel[(cfg.col_blocks, cfg.row_groups)](
+            dy_rows, x_rows, w, rstd, c, dx_buf, partial, m, n,
+            row_stride(dy_rows), row_stride(x_rows), row_stride(dx_buf), partial.stride(0),
+            cfg.tiles_per_group, cfg.row_groups,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+    dx = dx_out.copy_(dx_buf) if copy_back else dx_buf
+    return dx, sum_partial_rows(partial, acc)

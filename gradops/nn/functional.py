@@ -1,0 +1,486 @@
+"""Differentiable functionals whose gradients are gradops' backward operators.
+
+Each functional is a ``torch.library`` custom op in the ``gradops`` namespace (forward op +
+backward op), so that
+
+- autograd calls the library's backward operator (``layer_norm_backward``, ``rms_norm_grad``,
+  ``nsa_compress_grad``, ``floyd_attention_grad``), fed with the statistics the forward op
+  saved (mean/rstd, softmax max/sum): gradients are the library's, not PyTorch's
+  re-derivation;
+- ``torch.compile(fullgraph=True)`` traces them without graph breaks: every op has a fake
+  (meta) implementation, and that implementation is the ops layer's own ``prepare_*``
+  (which validates and plans without reading tensor data), so shapes, dtypes and errors
+  are decided in one place for eager and compiled code alike;
+- double backward (gradients of gradients) raises a clear error instead of silently
+  differentiating the wrong thing: the backward operators have no derivative of their own.
+
+Autocast policy (see docs/nn.md): the norms are autocast-neutral (they run in the dtype
+their input arrives in, always computing in float32 inside, as torch does on CPU);
+``nsa_compress`` and ``floyd_attention`` are matmul-like and, like ``torch.matmul`` and
+``scaled_dot_product_attention``, cast their floating inputs to the autocast dtype. Inside
+every op autocast is switched off, so the backend's float32 arithmetic is never silently
+lowered.
+
+This file deliberately avoids ``from __future__ import annotations``: ``custom_op`` reads
+the type hints to build each operator's schema.
+"""
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from ..errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, AclnnError
+from ..ops import floyd_attention as _floyd_ops
+from ..ops import layer_norm as _ln_ops
+from ..ops import nsa_compress as _nsa_ops
+from ..ops import rms_norm as _rms_ops
+from ..ops._checks import stat_dtype
+from ..ops._shapes import as_int_tuple
+
+__all__ = ["layer_norm", "rms_norm", "nsa_compress", "floyd_attention"]
+
+_LIB = torch.library.Library("gradops", "FRAGMENT")
+
+# A masked-out gradient of a backward op: custom ops cannot return None, so an empty tensor
+# stands for "not computed" and the autograd formula maps it back to None.
+_NOT_COMPUTED = (0,)
+
+
+def _fresh(t: Tensor) -> Tensor:
+    # The fake implementations promise contiguous outputs; keep the real ones to that promise
+    # (a no-op for the backends, which return contiguous tensors).
+    return t.contiguous()
+
+
+def _empty_like_spec(spec, like: Tensor) -> Tensor:
+    shape, dtype = spec
+    return like.new_empty(shape, dtype=dtype)
+
+
+def _no_autocast(device_type: str):
+    return torch.autocast(device_type=device_type, enabled=False)
+
+
+def _double_backward_error(name: str, alternative: str):
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"gradops.nn.functional.{name}: double backward (a gradient of a gradient, e.g. "
+            f"torch.autograd.grad(..., create_graph=True) followed by another backward) is not "
+            f"supported: the backward is gradops' fused backward operator, which has no derivative "
+            f"of its own. Use {alternative} where higher-order gradients are needed.")
+    return backward
+
+
+def _register_autocast(op_name: str, cast_to_autocast_dtype: bool):
+    """Autocast kernels for ``gradops::<op_name>`` on CPU and CUDA.
+
+    With ``cast_to_autocast_dtype`` the floating tensor arguments are cast to the active
+    autocast dtype (bf16 or fp16, whichever the user chose) before the op runs; without it
+    they pass unchanged. Either way the op itself then runs with autocast excluded, so the
+    backend's internal float32 math is not lowered by autocast.
+    """
+    op = getattr(torch.ops.gradops, op_name).default
+    for device_type in ("cpu", "cuda"):
+        key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        key = getattr(torch._C.DispatchKey, key_name)
+
+        def kernel(_keyset, *args, _op=op, _device_type=device_type, _key=key):
+            if cast_to_autocast_dtype:
+                dtype = torch.get_autocast_dtype(_device_type)
+                args = tuple(
+                    a.to(dtype) if isinstance(a, Tensor) and a.is_floating_point()
+                    and a.device.type == _device_type else a
+                    for a in args)
+            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_key)):
+                return _op(*args)
+
+        _LIB.impl(op_name, kernel, key_name, with_keyset=True)
+
+
+# --------------------------------------------------------------------------------------------
+# LayerNorm
+# --------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("gradops::layer_norm", mutates_args=())
+def _layer_norm_op(x: Tensor, normalized_shape: List[int], weight: Optional[Tensor],
+                   bias: Optional[Tensor], eps: float, backend: Optional[str]
+                   ) -> Tuple[Tensor, Tensor, Tensor]:
+    with _no_autocast(x.device.type):
+        y, mean, rstd = _ln_ops.prepare_layer_norm(x, normalized_shape, weight, bias, eps,
+                                                   backend=backend).run()
+    return _fresh(y), _fresh(mean), _fresh(rstd)
+
+
+@_layer_norm_op.register_fake
+def _(x, normalized_shape, weight, bias, eps, backend):
+    p = _ln_ops.prepare_layer_norm(x, normalized_shape, weight, bias, eps, backend=backend)
+    return tuple(_empty_like_spec(s, x) for s in p.outputs)
+
+
+@torch.library.custom_op("gradops::layer_norm_backward", mutates_args=())
+def _layer_norm_backward_op(dy: Tensor, x: Tensor, normalized_shape: List[int], mean: Tensor,
+                            rstd: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                            output_mask: List[bool], backend: Optional[str]
+                            ) -> Tuple[Tensor, Tensor, Tensor]:
+    with _no_autocast(x.device.type):
+        grads = _ln_ops.prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight, bias,
+                                                    output_mask, backend=backend).run()
+    return tuple(x.new_empty(_NOT_COMPUTED) if g is None else _fresh(g) for g in grads)
+
+
+@_layer_norm_backward_op.register_fake
+def _(dy, x, normalized_shape, mean, rstd, weight, bias, output_mask, backend):
+    p = _ln_ops.prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight, bias,
+                                            output_mask, backend=backend)
+    return tuple(x.new_empty(_NOT_COMPUTED) if s is None else _empty_like_spec(s, x) for s in p.outputs)
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, normalized_shape, weight, bias, eps, backend = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.normalized_shape = normalized_shape
+    ctx.backend = backend
+
+
+def _layer_norm_backward(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    need_x, _, need_w, need_b = ctx.needs_input_grad[:4]
+    mask = [bool(need_x), bool(need_w and weight is not None), bool(need_b and bias is not None)]
+    if not any(mask):
+        return None, None, None, None, None, None
+    if dy is None:
+        dy = torch.zeros_like(x)
+    dx, dw, db = torch.ops.gradops.layer_norm_backward(dy, x, ctx.normalized_shape, mean, rstd, weight,
+                                                       bias, mask, ctx.backend)
+    # bias is accepted by the backward operator only for its shape check; db = sum(dy) needs no bias
+    return (dx if mask[0] else None, None, dw if mask[1] else None, db if mask[2] else None, None, None)
+
+
+torch.library.register_autograd("gradops::layer_norm", _layer_norm_backward, setup_context=_layer_norm_setup)
+torch.library.register_autograd("gradops::layer_norm_backward",
+                                _double_backward_error("layer_norm", "torch.nn.functional.layer_norm"))
+
+
+def _normalized_shape(op: str, normalized_shape) -> List[int]:
+    return list(as_int_tuple(op, "normalized_shape", normalized_shape))
+
+
+def layer_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
+               weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5, *,
+               backend: Optional[str] = None) -> Tensor:
+    """``torch.nn.functional.layer_norm`` with gradops' forward and backward operators.
+
+    Same arguments and defaults as torch's; ``backend`` (keyword only) picks the gradops
+    backend (None/"auto", "reference", "triton"). Half-precision inputs compute in float32.
+    A float32 weight/bias beside bf16/fp16 input is accepted (master weights); their
+    gradients come back in their own dtype.
+    """
+    shape = _normalized_shape("layer_norm", normalized_shape)
+    y, _, _ = torch.ops.gradops.layer_norm(input, shape, weight, bias, float(eps), backend)
+    return y
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm
+# --------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("gradops::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, gamma: Tensor, eps: float, backend: Optional[str]) -> Tuple[Tensor, Tensor]:
+    with _no_autocast(x.device.type):
+        y, rstd = _rms_ops.prepare_rms_norm(x, gamma, eps, backend=backend).run()
+    return _fresh(y), _fresh(rstd)
+
+
+@_rms_norm_op.register_fake
+def _(x, gamma, eps, backend):
+    p = _rms_ops.prepare_rms_norm(x, gamma, eps, backend=backend)
+    return tuple(_empty_like_spec(s, x) for s in p.outputs)
+
+
+@torch.library.custom_op("gradops::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor,
+                          backend: Optional[str]) -> Tuple[Tensor, Tensor]:
+    with _no_autocast(x.device.type):
+        dx, dgamma = _rms_ops.prepare_rms_norm_grad(dy, x, rstd, gamma, backend=backend).run()
+    return _fresh(dx), _fresh(dgamma)
+
+
+@_rms_norm_backward_op.register_fake
+def _(dy, x, rstd, gamma, backend):
+    p = _rms_ops.prepare_rms_norm_grad(dy, x, rstd, gamma, backend=backend)
+    return tuple(_empty_like_spec(s, x) for s in p.outputs)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, gamma, eps, backend = inputs
+    _, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(x, gamma, rstd)
+    ctx.backend = backend
+
+
+def _rms_norm_backward(ctx, dy, _drstd):
+    x, gamma, rstd = ctx.saved_tensors
+    if not any(ctx.needs_input_grad[:2]):
+        return None, None, None, None
+    if dy is None:
+        dy = torch.zeros_like(x)
+    dx, dgamma = torch.ops.gradops.rms_norm_backward(dy, x, rstd, gamma, ctx.backend)
+    # the operator accumulates dgamma in float32; the parameter's gradient has its own dtype
+    return dx, dgamma.to(gamma.dtype), None, None
+
+
+torch.library.register_autograd("gradops::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
+torch.library.register_autograd("gradops::rms_norm_backward",
+                                _double_backward_error("rms_norm", "torch.nn.functional.rms_norm"))
+
+
+def rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
+             weight: Optional[Tensor] = None, eps: Optional[float] = None, *,
+             backend: Optional[str] = None) -> Tensor:
+    """``torch.nn.functional.rms_norm`` with gradops' forward and backward operators.
+
+    ``eps=None`` means ``torch.finfo(input.dtype).eps``, as in torch. ``weight=None``
+    normalises without a scale (a constant ones gamma, which receives no gradient).
+    """
+    op = "rms_norm"
+    shape = tuple(_normalized_shape(op, normalized_shape))
+    if not isinstance(input, Tensor):
+        raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: input is a {type(input).__name__}, expected a torch.Tensor")
+    if eps is None:
+        eps = torch.finfo(input.dtype).eps if input.is_floating_point() else 0.0
+    if weight is None:
+        # float32 gamma beside half input is in CANN's dtype table; float32/float64 input keep their own
+        gamma_dtype = stat_dtype(input.dtype) if input.is_floating_point() else torch.float32
+        weight = torch.ones(shape, dtype=gamma_dtype, device=input.device)
+    elif tuple(weight.shape) != shape:
+        raise AclnnError(ACLNN_ERR_INNER_TILING_ERROR,
+                         f"{op}: weight has shape {tuple(weight.shape)}, expected normalized_shape == {shape}")
+    y, _ = torch.ops.gradops.rms_norm(input, weight, float(eps), backend)
+    return y
+
+
+# --------------------------------------------------------------------------------------------
+# NSA compression
+# --------------------------------------------------------------------------------------------
+
+def _nsa_forward(x, weight, block_size, stride, seq_lens, seq_lens_type, backend):
+    with _no_autocast(x.device.type):
+        out = _nsa_ops.prepare_nsa_compress(x, weight, block_size, stride, seq_lens, seq_lens_type,
+                                            backend=backend).run()
+    return _fresh(out)
+
+
+def _nsa_grad(dout, x, weight, block_size, stride, seq_lens, seq_lens_type, backend):
+    with _no_autocast(x.device.type):
+        dx, dw = _nsa_ops.prepare_nsa_compress_grad(dout, x, weight, block_size, stride, seq_lens,
+                                                    seq_lens_type, backend=backend).run()
+    return _fresh(dx), _fresh(dw)
+
+
+@torch.library.custom_op("gradops::nsa_compress", mutates_args=())
+def _nsa_compress_op(x: Tensor, weight: Tensor, block_size: int, stride: int, seq_lens: List[int],
+                     seq_lens_type: str, backend: Optional[str]) -> Tensor:
+    return _nsa_forward(x, weight, block_size, stride, seq_lens, seq_lens_type, backend)
+
+
+@_nsa_compress_op.register_fake
+def _(x, weight, block_size, stride, seq_lens, seq_lens_type, backend):
+    p = _nsa_ops.prepare_nsa_compress(x, weight, block_size, stride, seq_lens, seq_lens_type, backend=backend)
+    return _empty_like_spec(p.outputs[0], x)
+
+
+@torch.library.custom_op("gradops::nsa_compress_backward", mutates_args=())
+def _nsa_compress_backward_op(dout: Tensor, x: Tensor, weight: Tensor, block_size: int, stride: int,
+                              seq_lens: List[int], seq_lens_type: str, backend: Optional[str]
+                              ) -> Tuple[Tensor, Tensor]:
+    return _nsa_grad(dout, x, weight, block_size, stride, seq_lens, seq_lens_type, backend)
+
+
+@_nsa_compress_backward_op.register_fake
+def _(dout, x, weight, block_size, stride, seq_lens, seq_lens_type, backend):
+    p = _nsa_ops.prepare_nsa_compress_grad(dout, x, weight, block_size, stride, seq_lens, seq_lens_type,
+                                           backend=backend)
+    return tuple(_empty_like_spec(s, x) for s in p.outputs)
+
+
+# The same pair with seq_lens as an integer tensor. The number of compressed blocks then
+# depends on the tensor's values, so the fake implementation gives the output an unbacked
+# (data-dependent) first dimension: torch.compile traces it without a graph break, and the
+# values are read on the host only when the op really runs.
+@torch.library.custom_op("gradops::nsa_compress_seqlens_tensor", mutates_args=())
+def _nsa_compress_t_op(x: Tensor, weight: Tensor, block_size: int, stride: int, seq_lens: Tensor,
+                       seq_lens_type: str, backend: Optional[str]) -> Tensor:
+    return _nsa_forward(x, weight, block_size, stride, _nsa_ops.seq_lens_to_list("nsa_compress", seq_lens),
+                        seq_lens_type, backend)
+
+
+@_nsa_compress_t_op.register_fake
+def _(x, weight, block_size, stride, seq_lens, seq_lens_type, backend):
+    op = "nsa_compress"
+    block_size, stride = _nsa_ops._check_common(op, x, weight, block_size, stride)
+    _nsa_ops.seq_lens_type_code(op, seq_lens_type)
+    if seq_lens.dim() != 1 or seq_lens.is_floating_point() or seq_lens.dtype == torch.bool:
+        raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: seq_lens is a {seq_lens.dtype} tensor of shape "
+                                                  f"{tuple(seq_lens.shape)}, expected a 1-D integer tensor")
+    num_blocks = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty((num_blocks,) + tuple(x.shape[1:]))
+
+
+@torch.library.custom_op("gradops::nsa_compress_seqlens_tensor_backward", mutates_args=())
+def _nsa_compress_t_backward_op(dout: Tensor, x: Tensor, weight: Tensor, block_size: int, stride: int,
+                                seq_lens: Tensor, seq_lens_type: str, backend: Optional[str]
+                                ) -> Tuple[Tensor, Tensor]:
+    return _nsa_grad(dout, x, weight, block_size, stride,
+                     _nsa_ops.seq_lens_to_list("nsa_compress_grad", seq_lens), seq_lens_type, backend)
+
+
+@_nsa_compress_t_backward_op.register_fake
+def _(dout, x, weight, block_size, stride, seq_lens, seq_lens_type, backend):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), \
+        torch.empty_like(weight, memory_format=torch.contiguous_format)
+
+
+def _nsa_setup(ctx, inputs, output):
+    x, weight, block_size, stride, seq_lens, seq_lens_type, backend = inputs
+    if isinstance(seq_lens, Tensor):
+        ctx.save_for_backward(x, weight, seq_lens)
+    else:
+        ctx.save_for_backward(x, weight)
+        ctx.seq_lens = seq_lens
+    ctx.args = (block_size, stride, seq_lens_type, backend)
+
+
+def _nsa_backward(ctx, dout):
+    block_size, stride, seq_lens_type, backend = ctx.args
+    saved = ctx.saved_tensors
+    if len(saved) == 3:
+        x, weight, seq_lens = saved
+        grad_op = torch.ops.gradops.nsa_compress_seqlens_tensor_backward
+    else:
+        (x, weight), seq_lens = saved, ctx.seq_lens
+        grad_op = torch.ops.gradops.nsa_compress_backward
+    need_x, need_w = ctx.needs_input_grad[:2]
+    if not (need_x or need_w):
+        return (None,) * 7
+    dx, dw = grad_op(dout, x, weight, block_size, stride, seq_lens, seq_lens_type, backend)
+    return dx if need_x else None, dw if need_w else None, None, None, None, None, None
+
+
+for _name in ("nsa_compress", "nsa_compress_seqlens_tensor"):
+    torch.library.register_autograd(f"gradops::{_name}", _nsa_backward, setup_context=_nsa_setup)
+    torch.library.register_autograd(f"gradops::{_name}_backward",
+                                    _double_backward_error("nsa_compress", "a plain PyTorch formulation"))
+
+
+def nsa_compress(x: Tensor, weight: Tensor, block_size: int, stride: int,
+                 seq_lens: Union[Sequence[int], Tensor], seq_lens_type: str = "cumsum", *,
+                 backend: Optional[str] = None) -> Tensor:
+    """NSA key/value compression of packed sequences, differentiable in ``x`` and ``weight``.
+
+    ``x [T, N, D]``, ``weight [block_size, N]`` (x's dtype) -> ``[C, N, D]``. ``seq_lens``:
+    cumulative ends (``"cumsum"``) or lengths (``"lengths"``); a list of ints (under
+    torch.compile a list is a compile-time constant: a new list recompiles) or a 1-D integer
+    tensor (read on the host when the op runs; under torch.compile the output's first
+    dimension is then data-dependent, so nothing recompiles).
+    """
+    op = "nsa_compress"
+    code = _nsa_ops.seq_lens_type_code(op, seq_lens_type)
+    type_name = "lengths" if code == 1 else "cumsum"
+    if isinstance(seq_lens, Tensor):
+        return torch.ops.gradops.nsa_compress_seqlens_tensor(x, weight, block_size, stride, seq_lens,
+                                                             type_name, backend)
+    seq_lens = _nsa_ops.seq_lens_to_list(op, seq_lens)
+    return torch.ops.gradops.nsa_compress(x, weight, block_size, stride, seq_lens, type_name, backend)
+
+
+# --------------------------------------------------------------------------------------------
+# Floyd attention
+# --------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("gradops::floyd_attention", mutates_args=())
+def _floyd_op(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, mask: Optional[Tensor],
+              scale: float, backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
+    with _no_autocast(q.device.type):
+        out, smax, ssum = _floyd_ops.prepare_floyd_attention(q, k1, v1, k2, v2, mask, scale,
+                                                             backend=backend).run()
+    return _fresh(out), _fresh(smax), _fresh(ssum)
+
+
+@_floyd_op.register_fake
+def _(q, k1, v1, k2, v2, mask, scale, backend):
+    p = _floyd_ops.prepare_floyd_attention(q, k1, v1, k2, v2, mask, scale, backend=backend)
+    return tuple(_empty_like_spec(s, q) for s in p.outputs)
+
+
+@torch.library.custom_op("gradops::floyd_attention_backward", mutates_args=())
+def _floyd_backward_op(dy: Tensor, q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, out: Tensor,
+                       softmax_max: Tensor, softmax_sum: Tensor, mask: Optional[Tensor], scale: float,
+                       backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    with _no_autocast(q.device.type):
+        grads = _floyd_ops.prepare_floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum,
+                                                        mask, scale, backend=backend).run()
+    return tuple(_fresh(g) for g in grads)
+
+
+@_floyd_backward_op.register_fake
+def _(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask, scale, backend):
+    p = _floyd_ops.prepare_floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask,
+                                                scale, backend=backend)
+    return tuple(_empty_like_spec(s, q) for s in p.outputs)
+
+
+def _floyd_setup(ctx, inputs, output):
+    q, k1, v1, k2, v2, mask, scale, backend = inputs
+    out, smax, ssum = output
+    ctx.mark_non_differentiable(smax, ssum)
+    ctx.save_for_backward(q, k1, v1, k2, v2, out, smax, ssum, mask)
+    ctx.scale = scale
+    ctx.backend = backend
+
+
+def _floyd_backward(ctx, dy, _dmax, _dsum):
+    q, k1, v1, k2, v2, out, smax, ssum, mask = ctx.saved_tensors
+    needs = ctx.needs_input_grad[:5]
+    if not any(needs):
+        return (None,) * 8
+    if dy is None:
+        dy = torch.zeros_like(out)
+    grads = torch.ops.gradops.floyd_attention_backward(dy, q, k1, v1, k2, v2, out, smax, ssum, mask,
+                                                       ctx.scale, ctx.backend)
+    return tuple(g if need else None for g, need in zip(grads, needs)) + (None, None, None)
+
+
+torch.library.register_autograd("gradops::floyd_attention", _floyd_backward, setup_context=_floyd_setup)
+torch.library.register_autograd("gradops::floyd_attention_backward",
+                                _double_backward_error("floyd_attention",
+                                                       "a plain PyTorch einsum formulation"))
+
+
+def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, mask: Optional[Tensor] = None,
+                    scale: float = 1.0, *, backend: Optional[str] = None) -> Tensor:
+    """Floyd (pivotal) attention with gradops' forward and backward operators; returns the
+    output only (the softmax statistics are saved for the backward).
+
+    q ``[B,H,N,M,D]``, k1/v1 ``[B,H,N,K,D]``, k2/v2 ``[B,H,K,M,D]``, mask None or
+    ``[B,1,N,1,K]`` bool/uint8 (True removes the pivot), ``scale`` (CANN's default 1.0).
+    For FloydNet's argument order, default scale and general masks use
+    :func:`gradops.pivotal_attention`.
+    """
+    out, _, _ = torch.ops.gradops.floyd_attention(q, k1, v1, k2, v2, mask, float(scale), backend)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Autocast: norms pass through untouched, matmul-like ops take the autocast dtype.
+# --------------------------------------------------------------------------------------------
+
+for _name, _cast in (("layer_norm", False), ("layer_norm_backward", False),
+                     ("rms_norm", False), ("rms_norm_backward", False),
+                     ("nsa_compress", True), ("nsa_compress_seqlens_tensor", True),
+                     ("nsa_compress_backward", False), ("nsa_compress_seqlens_tensor_backward", False),
+                     ("floyd_attention", True), ("floyd_attention_backward", False)):
+    _register_autocast(_name, _cast)
+del _name, _cast

@@ -1,0 +1,129 @@
+"""Drop-in modules built on :mod:`gradops.nn.functional`.
+
+``LayerNorm`` and ``RMSNorm`` subclass ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` and
+replace only ``forward``: constructor arguments, parameters, initialisation, ``extra_repr``
+and state_dict keys are torch's own, so a torch.nn checkpoint loads into them and back, and
+code that recognises norms with ``isinstance(m, torch.nn.LayerNorm)`` (weight-decay groups,
+FSDP wrapping policies) keeps working.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
+from . import functional as F
+from .pivotal import pivotal_attention
+
+__all__ = ["LayerNorm", "RMSNorm", "NsaCompress", "FloydAttention"]
+
+
+class LayerNorm(nn.LayerNorm):
+    """``torch.nn.LayerNorm`` whose forward and backward are gradops' operators.
+
+    ``LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None,
+    dtype=None)``, exactly torch's.
+    """
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """``torch.nn.RMSNorm`` whose forward and backward are gradops' operators.
+
+    ``RMSNorm(normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None)``,
+    exactly torch's (``eps=None``: the input dtype's machine epsilon).
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+class NsaCompress(nn.Module):
+    """DeepSeek NSA key/value compression with a learnable per-head block weighting.
+
+    ``weight [block_size, num_heads]`` starts as mean pooling (every entry ``1/block_size``),
+    so an untrained layer emits each block's average token. ``forward(x, seq_lens,
+    seq_lens_type="cumsum")`` takes packed sequences ``x [T, num_heads, D]`` and returns
+    ``[C, num_heads, D]``; see :func:`gradops.nn.functional.nsa_compress`. The weight is cast
+    to x's dtype only under autocast (where the op takes the autocast dtype); otherwise it
+    must match x's dtype, as ``nn.Linear``'s does.
+    """
+
+    def __init__(self, block_size: int, stride: int, num_heads: int, device=None, dtype=None):
+        super().__init__()
+        for name, value in (("block_size", block_size), ("stride", stride), ("num_heads", num_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"NsaCompress: {name} is {value!r}, expected an int >= 1")
+        self.block_size = block_size
+        self.stride = stride
+        self.num_heads = num_heads
+        self.weight = nn.Parameter(torch.empty(block_size, num_heads, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(1.0 / self.block_size)
+
+    def forward(self, x: Tensor, seq_lens, seq_lens_type: str = "cumsum") -> Tensor:
+        return F.nsa_compress(x, self.weight, self.block_size, self.stride, seq_lens, seq_lens_type)
+
+    def extra_repr(self) -> str:
+        return f"block_size={self.block_size}, stride={self.stride}, num_heads={self.num_heads}"
+
+
+class FloydAttention(nn.Module):
+    """FloydNet's pivotal attention layer over a pair representation ``x [B, N, N, C]``.
+
+    The layer a FloydNet user writes (the attention part of FloydNet's
+    ``PivotalAttentionBlock``, with the same parameter names, so its ``c_qkv``/``c_proj``
+    weights load directly): ``c_qkv`` projects each pair to ``q_ik, k_ij, k_jk, v_ij, v_jk``
+    per head (chunked in that order), :func:`gradops.pivotal_attention` mixes pairs through
+    every pivot, heads are merged and ``c_proj`` projects back to ``C``.
+
+    ``dropout`` applies to the attention weights and to the output while training (attention
+    dropout takes pivotal_attention's chunked path); ``scale`` defaults to ``1/sqrt(2 D)``
+    with ``D = embed_dim // num_heads``. ``forward(x, attn_mask=None)``: ``attn_mask``
+    broadcastable to ``(B, H, N, N, N)`` (a boolean ``(B, 1, N, 1, N)`` mask stays on the
+    fused path).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, bias: bool = False, dropout: float = 0.0,
+                 scale: Optional[float] = None, device=None, dtype=None):
+        super().__init__()
+        if embed_dim % num_heads != 0:
+            raise AclnnError(ACLNN_ERR_PARAM_INVALID,
+                             f"FloydAttention: embed_dim is {embed_dim}, expected a multiple of num_heads "
+                             f"({num_heads})")
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = float(dropout)
+        self.scale = scale
+        factory = {"device": device, "dtype": dtype}
+        self.c_qkv = nn.Linear(embed_dim, 5 * embed_dim, bias=bias, **factory)
+        self.c_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.dropout_fn = nn.Dropout(self.dropout)
+
+    def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None) -> Tensor:
+        if x.dim() != 4 or x.shape[1] != x.shape[2] or x.shape[3] != self.embed_dim:
+            raise AclnnError(ACLNN_ERR_PARAM_INVALID,
+                             f"FloydAttention: x has shape {tuple(x.shape)}, expected (B, N, N, embed_dim) with "
+                             f"embed_dim == {self.embed_dim}")
+        b, n, _, c = x.shape
+        # [B, N, N, 5C] -> five [B, H, N, N, D] views (permuted, not copied)
+        q_ik, k_ij, k_jk, v_ij, v_jk = (
+            t.view(b, n, n, self.num_heads, self.head_dim).permute(0, 3, 1, 2, 4)
+            for t in self.c_qkv(x).chunk(5, dim=-1))
+        y = pivotal_attention(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask=attn_mask,
+                              dropout=self.dropout if self.training else 0.0, scale=self.scale)
+        y = y.permute(0, 2, 3, 1, 4).reshape(b, n, n, c)
+        return self.dropout_fn(self.c_proj(y))
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, "
+                f"scale={self.scale if self.scale is not None else 1 / math.sqrt(2 * self.head_dim)}")

@@ -1,0 +1,205 @@
+"""``pivotal_attention``: FloydNet's functional API, differentiable, in bounded memory.
+
+Signature and semantics of ``floydnet.pivotal_attention`` (github.com/ocx-lab/FloydNet,
+``src/floydnet/functional.py``), with FloydNet's index names: for each pair (i, k) the
+softmax runs over the pivot j,
+
+    s[b,h,i,k,j] = scale * (q_ik[i,k] . k_ij[i,j] + q_ik[i,k] . k_jk[j,k])
+    s = softmax_cap * tanh(s / softmax_cap)            if softmax_cap > 0
+    s = s.masked_fill(attn_mask, -inf)                 if attn_mask is boolean
+    s = s + attn_mask                                  otherwise (any other dtype is additive)
+    p = softmax_j(s);  p = dropout(p)                  if dropout > 0 (always applied: the
+                                                       caller passes 0.0 in eval, as FloydNet's
+                                                       blocks do)
+    y[i,k] = sum_j p[i,k,j] * (v_ij[i,j] + v_jk[j,k])
+
+``attn_mask`` broadcasts to ``[B, H, L_i, L_k, L_j]`` (pivot last); ``scale`` defaults to
+``1/sqrt(2 D)``; ``inf`` is the magnitude a boolean mask writes.
+
+Two paths:
+- fused: gradops' Floyd attention operator (``gradops.nn.functional.floyd_attention``),
+  taken when there is no dropout, no cap, and the mask is None or boolean and constant over
+  heads and over k (it then reduces to the operator's ``[B,1,N,1,K]``). The operator excludes
+  a masked pivot exactly, where FloydNet writes the finite ``-inf`` value; the two agree
+  whenever ``exp(-inf - max)`` underflows, so the fused path also requires
+  ``inf >= FUSED_MIN_INF``.
+- chunked: everything else (dropout, the cap, additive masks, masks varying over heads or
+  over k, a small ``inf``). Plain PyTorch autograd over tiles of (i, k) whose scores stay
+  under ``TILE_ELEMENTS``; each tile is wrapped in activation checkpointing, so neither the
+  forward nor the backward ever holds the whole ``[B,H,L_i,L_k,L_j]`` tensor (dropout masks
+  are regenerated identically in the recomputation: checkpoint restores the RNG state).
+  Half-precision inputs compute in float32 there, as in the fused operator.
+
+Under ``torch.autocast`` both paths first cast the floating inputs to the autocast dtype
+(attention is matmul-like, as ``scaled_dot_product_attention``) and then compute in
+float32 inside.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as torch_F
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, AclnnError
+from .functional import floyd_attention
+
+__all__ = ["pivotal_attention", "TILE_ELEMENTS", "FUSED_MIN_INF"]
+
+# Scores per tile of the chunked path (float32: 8 MiB per score-sized temporary).
+TILE_ELEMENTS = 1 << 21
+# Below this mask magnitude a masked pivot may keep a visible share of the softmax, which the
+# fused operator (exact exclusion) would not reproduce: take the literal chunked path.
+FUSED_MIN_INF = 1e4
+
+_OP = "pivotal_attention"
+
+
+def _fail(message: str, status: int = ACLNN_ERR_PARAM_INVALID):
+    raise AclnnError(status, f"{_OP}: {message}")
+
+
+def _check_inputs(q_ik, k_ij, k_jk, v_ij, v_jk):
+    named = (("q_ik", q_ik), ("k_ij", k_ij), ("k_jk", k_jk), ("v_ij", v_ij), ("v_jk", v_jk))
+    for name, t in named:
+        if t is None:
+            _fail(f"{name} is None, expected a 5-D tensor", ACLNN_ERR_PARAM_NULLPTR)
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} is a {type(t).__name__}, expected a torch.Tensor")
+        if t.dim() != 5:
+            _fail(f"{name} has {t.dim()} dims (shape {tuple(t.shape)}), expected 5 dims (B, H, ., ., D)")
+        if not t.is_floating_point():
+            _fail(f"{name} has dtype {t.dtype}, expected a floating dtype")
+        if t.dtype != q_ik.dtype:
+            _fail(f"{name} has dtype {t.dtype}, expected the dtype of q_ik ({q_ik.dtype})")
+        if t.device != q_ik.device:
+            _fail(f"{name} is on {t.device}, expected the device of q_ik ({q_ik.device})")
+    b, h, li, lk, d = q_ik.shape
+    lj = k_ij.shape[3]
+    for name, t, shape, rule in (("k_ij", k_ij, (b, h, li, lj, d), "(B, H, L_i, L_j, D)"),
+                                 ("v_ij", v_ij, (b, h, li, lj, d), "(B, H, L_i, L_j, D) of k_ij"),
+                                 ("k_jk", k_jk, (b, h, lj, lk, d), "(B, H, L_j, L_k, D)"),
+                                 ("v_jk", v_jk, (b, h, lj, lk, d), "(B, H, L_j, L_k, D) of k_jk")):
+        if tuple(t.shape) != shape:
+            _fail(f"{name} has shape {tuple(t.shape)}, expected {rule} == {shape} "
+                  f"(q_ik is (B, H, L_i, L_k, D) == {tuple(q_ik.shape)})")
+    return b, h, li, lk, lj, d
+
+
+def _mask_5d(attn_mask, full_shape, device):
+    """The mask with leading singleton dims added, checked to broadcast to ``full_shape``."""
+    if not isinstance(attn_mask, torch.Tensor):
+        _fail(f"attn_mask is a {type(attn_mask).__name__}, expected a torch.Tensor or None")
+    if attn_mask.device != device:
+        _fail(f"attn_mask is on {attn_mask.device}, expected the device of q_ik ({device})")
+    if attn_mask.dim() > 5:
+        _fail(f"attn_mask has {attn_mask.dim()} dims, expected at most 5, broadcastable to "
+              f"(B, H, L_i, L_k, L_j) == {tuple(full_shape)}")
+    mask = attn_mask.reshape((1,) * (5 - attn_mask.dim()) + tuple(attn_mask.shape))
+    for size, full in zip(mask.shape, full_shape):
+        if size not in (1, full):
+            _fail(f"attn_mask has shape {tuple(attn_mask.shape)}, expected a shape broadcastable to "
+                  f"(B, H, L_i, L_k, L_j) == {tuple(full_shape)}")
+    return mask
+
+
+def _autocast_dtype(device_type: str):
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _tile(q, k1, v1, k2, v2, mask, scale: float, softmax_cap: float, inf: float, dropout: float):
+    """FloydNet's formula on one tile, in float32 for half inputs; returns the input dtype."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qs = q.to(compute) * scale
+    k1, v1, k2, v2 = (t.to(compute) for t in (k1, v1, k2, v2))
+    s = torch.einsum("bhikd,bhijd->bhikj", qs, k1) + torch.einsum("bhikd,bhjkd->bhikj", qs, k2)
+    if softmax_cap > 0:
+        s = softmax_cap * torch.tanh(s / softmax_cap)
+    if mask is not None:
+        s = s.masked_fill(mask, -inf) if mask.dtype == torch.bool else s + mask
+    p = torch.softmax(s, dim=-1)
+    if dropout > 0.0:
+        p = torch_F.dropout(p, p=dropout)  # training=True, as FloydNet: the caller decides
+    y = torch.einsum("bhikj,bhijd->bhikd", p, v1) + torch.einsum("bhikj,bhjkd->bhikd", p, v2)
+    return y.to(q.dtype)
+
+
+def _chunked(q, k1, k2, v1, v2, mask, scale, softmax_cap, inf, dropout):
+    b, h, li, lk, d = q.shape
+    lj = k1.shape[3]
+    per_k = max(1, b * h * lj)
+    ck = lk if per_k * lk <= TILE_ELEMENTS else max(1, TILE_ELEMENTS // per_k)
+    ci = max(1, TILE_ELEMENTS // (per_k * ck))
+    tracked = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k1, k2, v1, v2) + ((mask,) if mask is not None else ()))
+    rows = []
+    for i0 in range(0, li, ci):
+        i1 = min(li, i0 + ci)
+        cols = []
+        for k0 in range(0, lk, ck):
+            k1_ = min(lk, k0 + ck)
+            tile_mask = None
+            if mask is not None:
+                tile_mask = mask[:, :, i0:i1] if mask.shape[2] != 1 else mask
+                tile_mask = tile_mask[:, :, :, k0:k1_] if mask.shape[3] != 1 else tile_mask
+            args = (q[:, :, i0:i1, k0:k1_], k1[:, :, i0:i1], v1[:, :, i0:i1],
+                    k2[:, :, :, k0:k1_], v2[:, :, :, k0:k1_], tile_mask,
+                    scale, softmax_cap, inf, dropout)
+            if tracked:
+                # keep only the tile's inputs for backward; scores are recomputed tile by tile
+                cols.append(checkpoint(_tile, *args, use_reentrant=False))
+            else:
+                cols.append(_tile(*args))
+        rows.append(cols[0] if len(cols) == 1 else torch.cat(cols, dim=3))
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)
+
+
+def pivotal_attention(
+    q_ik: torch.Tensor,
+    k_ij: torch.Tensor,
+    k_jk: torch.Tensor,
+    v_ij: torch.Tensor,
+    v_jk: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout: float = 0.0,
+    scale: Optional[float] = None,
+    inf: float = 1e9,
+    softmax_cap: float = -1,
+) -> torch.Tensor:
+    """FloydNet's pivotal attention (``floydnet.pivotal_attention``'s signature and semantics).
+
+    Shapes: ``q_ik (B,H,L_i,L_k,D)``, ``k_ij, v_ij (B,H,L_i,L_j,D)``, ``k_jk, v_jk
+    (B,H,L_j,L_k,D)``; ``attn_mask`` broadcastable to ``(B,H,L_i,L_k,L_j)``: boolean (True
+    removes the pivot: its score becomes ``-inf``) or additive (any other dtype). ``dropout``
+    is applied to the attention weights whenever it is > 0; ``scale`` defaults to
+    ``1/sqrt(2 D)``; ``softmax_cap > 0`` caps the scores with ``cap * tanh(s / cap)`` before
+    the mask. Returns ``(B,H,L_i,L_k,D)`` in q_ik's dtype. Views (permuted, non-contiguous)
+    are accepted as they are.
+
+    Uses gradops' fused operator when it can (no dropout, no cap, mask None or boolean of
+    shape broadcastable to ``(B,1,L_i,1,L_j)``), else a bounded-memory chunked path; see the
+    module docstring.
+    """
+    b, h, li, lk, lj, d = _check_inputs(q_ik, k_ij, k_jk, v_ij, v_jk)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout <= 1.0:
+        _fail(f"dropout is {dropout!r}, expected a float in [0, 1]")
+    if scale is None:
+        scale = 1.0 / math.sqrt(2.0 * d)
+    full_shape = (b, h, li, lk, lj)
+    mask = None if attn_mask is None else _mask_5d(attn_mask, full_shape, q_ik.device)
+
+    fusable_mask = mask is None or (mask.dtype == torch.bool and mask.shape[1] == 1 and mask.shape[3] == 1
+                                    and inf >= FUSED_MIN_INF)
+    if dropout == 0.0 and not softmax_cap > 0 and fusable_mask:
+        fused_mask = None if mask is None else mask.expand(b, 1, li, 1, lj).contiguous()
+        # gradops' argument order is (q, k1, v1, k2, v2); FloydNet's is (q, k_ij, k_jk, v_ij, v_jk)
+        return floyd_attention(q_ik, k_ij, v_ij, k_jk, v_jk, mask=fused_mask, scale=scale)
+
+    dtype = _autocast_dtype(q_ik.device.type)
+    tensors = (q_ik, k_ij, k_jk, v_ij, v_jk)
+    if dtype is not None:
+        tensors = tuple(t.to(dtype) for t in tensors)
+    with torch.autocast(device_type=q_ik.device.type, enabled=False):
+        return _chunked(*tensors, mask, float(scale), float(softmax_cap), float(inf), float(dropout))

@@ -1,0 +1,585 @@
+"""The LayerNorm / RMSNorm Triton kernels (gradops.kernels.layer_norm, .rms_norm) against the
+reference backend and independent float64 oracles (gradops.oracles: ATen and autograd).
+
+On CPU the kernels run through the Triton interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1), at small shapes; GRADOPS_TEST_DEVICE=cuda runs the same tests compiled
+on a GPU, where the widths reach past the GPU's fused-row limit.
+
+Tolerances (gradops.oracles.TOLERANCE, relative to the largest expected magnitude): both
+sides compute in float32 (float64 for float64) and differ only in summation order, then
+round once to the output dtype, so an output of dtype T agrees to about one or two ulps of
+T: 2e-5 for float32, 2e-3 for float16, 1.6e-2 for bfloat16 (the interpreter also truncates
+instead of rounding bf16, one more ulp). dweight/dbias/dgamma are float32 sums of exactly
+the same products on both sides, so they are held to float32's tolerance even for half
+inputs.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+import gradops  # noqa: E402
+from gradops import oracles  # noqa: E402
+from gradops.kernels import layer_norm as KLN  # noqa: E402
+from gradops.kernels import norm_config  # noqa: E402
+from gradops.kernels import rms_norm as KRN  # noqa: E402
+from gradops.reference import layer_norm as RLN  # noqa: E402
+from gradops.reference import rms_norm as RRN  # noqa: E402
+
+from helpers import assert_close, rand  # noqa: E402
+
+if os.environ.get("GRADOPS_TEST_DEVICE", "cpu") == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("Triton kernels on CPU need TRITON_INTERPRET=1 before triton is imported",
+                allow_module_level=True)
+
+F32 = torch.float32
+HALF_AND_FLOAT = [torch.float32, torch.float16, torch.bfloat16]
+ALL_DTYPES = [torch.float64] + HALF_AND_FLOAT
+
+
+def acc_of(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def wide_n(device):
+    """A width past the fused-row limit, so the column-split kernels run (not a multiple of
+    their column block, so the last block is partial)."""
+    return norm_config.max_fused_n(torch.device(device)) + 37
+
+
+@pytest.fixture
+def force_split():
+    """Make every width above 64 take the split-row path, so it is exercised at small widths."""
+    old = norm_config.MAX_FUSED_N_OVERRIDE
+    norm_config.MAX_FUSED_N_OVERRIDE = 64
+    yield
+    norm_config.MAX_FUSED_N_OVERRIDE = old
+
+
+def assert_close_to_scale(actual, expected, dtype, scale, what):
+    """|actual - expected| within the dtype's tolerance of ``scale``: for results that are a
+    difference of terms of size ``scale`` (RMSNorm's dx at width 1 is rstd*g*(1 - rstd^2 x^2),
+    rounding noise next to its terms), where a tolerance relative to the result is meaningless."""
+    err = (actual.double() - expected.double()).abs().max().item() if expected.numel() else 0.0
+    assert err <= oracles.TOLERANCE[dtype] * scale, f"{what}: error {err:.3e} vs scale {scale:.3e}"
+
+
+def ln_inputs(m, n, dtype, device, weight=True, bias=True, wdtype=None):
+    x = rand((m, n), dtype, device, scale=2.0) + 0.5
+    dy = rand((m, n), dtype, device)
+    w = rand((n,), wdtype or dtype, device) if weight else None
+    b = rand((n,), wdtype or dtype, device) if bias else None
+    return x, dy, w, b
+
+
+def check_layer_norm(m, n, dtype, device, weight=True, bias=True, wdtype=None, eps=1e-5):
+    x, dy, w, b = ln_inputs(m, n, dtype, device, weight, bias, wdtype)
+    # forward: kernel vs reference vs ATen float64
+    y, mean, rstd = KLN.layer_norm(x, w, b, eps)
+    y_r, mean_r, rstd_r = RLN.layer_norm(x, w, b, eps)
+    y_o, mean_o, rstd_o = oracles.layer_norm(x, (n,), w, b, eps)
+    assert y.dtype == dtype and mean.dtype == acc_of(dtype) and rstd.dtype == acc_of(dtype)
+    assert_close(y, y_r, dtype, what="y vs reference")
+    assert_close(y, y_o, dtype, what="y vs ATen f64")
+    assert_close(mean, mean_o.reshape(m), acc_of(dtype), what="mean vs ATen f64")
+    assert_close(rstd, rstd_o.reshape(m), acc_of(dtype), what="rstd vs ATen f64")
+    # backward with the kernel's own statistics
+    dx, dw, db = KLN.layer_norm_backward(dy, x, mean, rstd, w, (True, True, True))
+    dx_r, dw_r, db_r = RLN.layer_norm_backward(dy, x, mean, rstd, w, (True, True, True))
+    dx_o, dw_o, db_o = oracles.layer_norm_backward(dy, x, (n,), w, eps)
+    assert dx.dtype == dtype and dw.dtype == acc_of(dtype) and db.dtype == acc_of(dtype)
+    assert_close(dx, dx_r, dtype, what="dx vs reference")
+    assert_close(dx, dx_o, dtype, what="dx vs ATen f64")
+    assert_close(dw, dw_r, acc_of(dtype), what="dw vs reference")
+    assert_close(db, db_r, acc_of(dtype), what="db vs reference")
+    if m:
+        # the oracle recomputes statistics in float64; ours come from float32: a half-dtype-
+        # sized difference in dw for half inputs is statistics, not summation
+        # (at width 1 dw is analytically 0 and ATen's is rounding noise: scale by |db|, the
+        # size dw has when |xhat| ~ 1)
+        scale = max(dw_o.abs().max().item(), db_o.abs().max().item())
+        err = (dw.double() - dw_o).abs().max().item() / scale
+        assert err <= oracles.TOLERANCE[dtype], f"dw vs ATen f64: relative error {err:.3e}"
+        assert_close(db, db_o, acc_of(dtype), what="db vs ATen f64")
+    return x, dy, w, mean, rstd, (dx, dw, db)
+
+
+def check_rms_norm(m, n, dtype, device, wdtype=None, eps=1e-6):
+    x = rand((m, n), dtype, device, scale=2.0)
+    dy = rand((m, n), dtype, device)
+    g = rand((n,), wdtype or dtype, device)
+    y, rstd = KRN.rms_norm(x, g, eps)
+    y_r, rstd_r = RRN.rms_norm(x, g, eps)
+    y_o, rstd_o = oracles.rms_norm(x, g, eps)
+    assert y.dtype == dtype and rstd.dtype == acc_of(dtype)
+    assert_close(y, y_r, dtype, what="y vs reference")
+    assert_close(y, y_o, dtype, what="y vs f64")
+    assert_close(rstd, rstd_o.reshape(m), acc_of(dtype), what="rstd vs f64")
+    dx, dg = KRN.rms_norm_grad(dy, x, rstd, g)
+    dx_r, dg_r = RRN.rms_norm_grad(dy, x, rstd, g)
+    dx_o, dg_o = oracles.rms_norm_backward(dy, x, g, eps)
+    assert dx.dtype == dtype and dg.dtype == acc_of(dtype)
+    terms = (dy.double() * g.double() * rstd_o.reshape(m, 1)).abs().max().item() if m else 0.0
+    scale = max(dx_o.abs().max().item() if m else 0.0, terms)
+    assert_close_to_scale(dx, dx_r, dtype, scale, what="dx vs reference")
+    assert_close_to_scale(dx, dx_o, dtype, scale, what="dx vs autograd f64")
+    assert_close(dg, dg_r, acc_of(dtype), what="dgamma vs reference")
+    if m:
+        assert_close(dg, dg_o, dtype, what="dgamma vs autograd f64")
+    return x, dy, g, rstd, (dx, dg)
+
+
+SHAPES = [(5, 1), (7, 3), (9, 127), (4, 1000)]
+
+
+# ------------------------------------------------------------------ widths and dtypes
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("m,n", SHAPES)
+def test_layer_norm_widths_and_dtypes(m, n, dtype, device):
+    check_layer_norm(m, n, dtype, device)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("m,n", SHAPES)
+def test_rms_norm_widths_and_dtypes(m, n, dtype, device):
+    check_rms_norm(m, n, dtype, device)
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=str)
+def test_wide_rows_past_the_fused_limit(dtype, device):
+    n = wide_n(device)
+    assert not norm_config.is_fused(n, torch.device(device))
+    check_layer_norm(3, n, dtype, device)
+    check_rms_norm(3, n, dtype, device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,n", [(7, 65), (5, 127), (3, 1000)])
+def test_split_row_path_at_small_widths(m, n, dtype, device, force_split):
+    assert not norm_config.is_fused(n, torch.device(device))
+    check_layer_norm(m, n, dtype, device)
+    check_rms_norm(m, n, dtype, device)
+
+
+def test_wide_layer_norm_forward_keeps_variance_accurate_with_a_large_mean(device, force_split):
+    # Per-block mean/M2 merging: a constant offset of 1e3 must not cost float32 precision
+    # the way sum(x^2) - n*mean^2 would.
+    x = rand((4, 1000), F32, device) + 1000.0
+    _, mean, rstd = KLN.layer_norm(x, None, None, 1e-5)
+    _, mean_o, rstd_o = oracles.layer_norm(x, (1000,), None, None, 1e-5)
+    assert_close(rstd, rstd_o.reshape(4), F32, what="rstd")
+
+
+# ------------------------------------------------------------------ rows and programs
+@pytest.mark.parametrize("split", [False, True])
+def test_one_row(split, device, request):
+    if split:
+        request.getfixturevalue("force_split")
+    check_layer_norm(1, 300, F32, device)
+    check_rms_norm(1, 300, F32, device)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_zero_rows(split, device, request):
+    if split:
+        request.getfixturevalue("force_split")
+    x = torch.empty((0, 300), device=device)
+    w = rand((300,), F32, device)
+    y, mean, rstd = KLN.layer_norm(x, w, w, 1e-5)
+    assert y.shape == (0, 300) and mean.shape == (0,) and rstd.shape == (0,)
+    dx, dw, db = KLN.layer_norm_backward(x, x, mean, rstd, w, (True, True, True))
+    assert dx.shape == (0, 300)
+    assert torch.equal(dw, torch.zeros(300, device=device)) and torch.equal(db, torch.zeros(300, device=device))
+    y, rstd = KRN.rms_norm(x, w, 1e-6)
+    assert y.shape == (0, 300) and rstd.shape == (0,)
+    dx, dg = KRN.rms_norm_grad(x, x, rstd, w)
+    assert dx.shape == (0, 300) and torch.equal(dg, torch.zeros(300, device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_many_tiles_per_persistent_program_with_a_tail(dtype, device):
+    # 16 columns: many rows per tile, more tiles than programs, and a partial last tile.
+    dev = torch.device(device)
+    m, n = 1000 if dev.type == "cpu" else 100_003, 16
+    cfg = norm_config.fused_config(m, n, dev, persistent=True)
+    assert cfg.num_tiles > 2 * cfg.grid and m % cfg.block_m
+    check_layer_norm(m, n, dtype, device)
+    check_rms_norm(m, n, dtype, device)
+
+
+def test_split_path_with_several_row_groups_and_a_tail(device, force_split):
+    dev = torch.device(device)
+    m, n = 37, (200 if dev.type == "cpu" else 4200)  # > 1 column block of the device's width
+    cfg = norm_config.split_config(m, n, dev)
+    assert cfg.row_groups > 1 and cfg.col_blocks > 1 and m % cfg.block_m
+    check_layer_norm(m, n, F32, device)
+    check_rms_norm(m, n, F32, device)
+
+
+# ------------------------------------------------------------------ weights
+def test_layer_norm_without_weight_or_bias(device):
+    check_layer_norm(6, 130, F32, device, weight=False, bias=False)
+    check_layer_norm(6, 130, torch.bfloat16, device, weight=False, bias=True)
+
+
+def test_layer_norm_without_weight_split(device, force_split):
+    check_layer_norm(6, 130, F32, device, weight=False, bias=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_float32_weight_with_half_activations(dtype, device):
+    check_layer_norm(6, 130, dtype, device, wdtype=F32)
+    check_rms_norm(6, 130, dtype, device, wdtype=F32)
+
+
+@pytest.mark.parametrize("mask", [(True, False, False), (False, True, True), (False, False, True),
+                                  (True, True, False), (False, False, False)])
+@pytest.mark.parametrize("split", [False, True])
+def test_layer_norm_output_mask(mask, split, device, request):
+    if split:
+        request.getfixturevalue("force_split")
+    x, dy, w, _ = ln_inputs(5, 100, F32, device)
+    _, mean, rstd = RLN.layer_norm(x, w, None, 1e-5)
+    got = KLN.layer_norm_backward(dy, x, mean, rstd, w, mask)
+    want = RLN.layer_norm_backward(dy, x, mean, rstd, w, (True, True, True))
+    for g, e, on, name in zip(got, want, mask, ("dx", "dw", "db")):
+        if on:
+            assert_close(g, e, F32, what=name)
+        else:
+            assert g is None, name
+
+
+# ------------------------------------------------------------------ layouts and in place
+@pytest.mark.parametrize("split", [False, True])
+def test_row_strided_views_are_used_in_place(split, device, request):
+    # Last dim contiguous, rows 40 elements apart: the kernels read them where they are,
+    # and dx_out (in_place) is written through the same strides, leaving the gaps alone.
+    if split:
+        request.getfixturevalue("force_split")
+    big_x, big_dy = rand((6, 200), F32, device), rand((6, 200), F32, device)
+    x, dy = big_x[:, 10:140], big_dy[:, 10:140]
+    w = rand((130,), F32, device)
+    y, mean, rstd = KLN.layer_norm(x, w, w, 1e-5)
+    y_r, mean_r, rstd_r = RLN.layer_norm(x.contiguous(), w, w, 1e-5)
+    assert_close(y, y_r, F32, what="y")
+    want = RLN.layer_norm_backward(dy.contiguous(), x.contiguous(), mean_r, rstd_r, w, (True, True, True))
+    before = big_dy.clone()
+    dx, dw, db = KLN.layer_norm_backward(dy, x, mean, rstd, w, (True, True, True), dx_out=dy)
+    assert dx.data_ptr() == dy.data_ptr()
+    assert_close(dy, want[0], F32, what="dx in dy")
+    assert_close(dw, want[1], F32, what="dw")
+    assert_close(db, want[2], F32, what="db")
+    assert torch.equal(big_dy[:, :10], before[:, :10]) and torch.equal(big_dy[:, 140:], before[:, 140:])
+
+    big_dy.copy_(before)
+    y, rstd = KRN.rms_norm(x, w, 1e-6)
+    want = RRN.rms_norm_grad(dy.contiguous(), x.contiguous(), rstd, w)
+    dx, dg = KRN.rms_norm_grad(dy, x, rstd, w, dx_out=dy)
+    assert dx.data_ptr() == dy.data_ptr()
+    assert_close(dy, want[0], F32, what="rms dx in dy")
+    assert_close(dg, want[1], F32, what="dgamma")
+    assert torch.equal(big_dy[:, :10], before[:, :10]) and torch.equal(big_dy[:, 140:], before[:, 140:])
+
+
+def test_transposed_inputs_are_copied_and_dx_out_is_filled(device):
+    # Last dim not contiguous: inputs are copied; dx_out (in_place) still receives dx.
+    xt, dyt = rand((130, 6), F32, device), rand((130, 6), F32, device)
+    x, dy = xt.t(), dyt.t()
+    w = rand((130,), F32, device)
+    _, mean, rstd = RLN.layer_norm(x, w, None, 1e-5)
+    want = RLN.layer_norm_backward(dy.contiguous(), x.contiguous(), mean, rstd, w, (True, True, True))
+    dx, dw, db = KLN.layer_norm_backward(dy, x, mean, rstd, w, (True, True, True), dx_out=dy)
+    assert dx is dy
+    assert_close(dy, want[0], F32, what="dx in dy")
+    assert_close(dw, want[1], F32, what="dw")
+    _, rstd = RRN.rms_norm(x, w, 1e-6)
+    dyt2 = rand((130, 6), F32, device)
+    want = RRN.rms_norm_grad(dyt2.t().contiguous(), x.contiguous(), rstd, w)
+    dx, dg = KRN.rms_norm_grad(dyt2.t(), x, rstd, w)
+    assert_close(dx, want[0], F32, what="rms dx")
+    assert_close(dg, want[1], F32, what="dgamma")
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=str)
+@pytest.mark.parametrize("split", [False, True])
+def test_in_place_dx_into_dy_equals_out_of_place(dtype, split, device, request):
+    if split:
+        request.getfixturevalue("force_split")
+    x, dy, w, _ = ln_inputs(9, 127, dtype, device)
+    _, mean, rstd = KLN.layer_norm(x, w, None, 1e-5)
+    out_of_place = KLN.layer_norm_backward(dy, x, mean, rstd, w, (True, True, True))
+    dy2 = dy.clone()
+    in_place = KLN.layer_norm_backward(dy2, x, mean, rstd, w, (True, True, True), dx_out=dy2)
+    assert in_place[0].data_ptr() == dy2.data_ptr()
+    for a, b in zip(in_place, out_of_place):
+        assert torch.equal(a, b)
+    _, rstd = KRN.rms_norm(x, w, 1e-6)
+    out_of_place = KRN.rms_norm_grad(dy, x, rstd, w)
+    dy2 = dy.clone()
+    in_place = KRN.rms_norm_grad(dy2, x, rstd, w, dx_out=dy2)
+    assert in_place[0].data_ptr() == dy2.data_ptr()
+    for a, b in zip(in_place, out_of_place):
+        assert torch.equal(a, b)
+
+
+def test_public_api_with_triton_backend(device):
+    # Through gradops' validation and dispatch: leading dims, keepdim statistics, in_place.
+    x = rand((2, 3, 40), torch.bfloat16, device)
+    dy = rand((2, 3, 40), torch.bfloat16, device)
+    w = rand((40,), F32, device)
+    y, mean, rstd = gradops.layer_norm(x, (40,), w, w, backend="triton")
+    y_r, mean_r, rstd_r = gradops.layer_norm(x, (40,), w, w, backend="reference")
+    assert_close(y, y_r, torch.bfloat16, what="y")
+    assert mean.shape == mean_r.shape == (2, 3, 1)
+    got = gradops.layer_norm_backward(dy.clone(), x, (40,), mean, rstd, w, w, in_place=True, backend="triton")
+    want = gradops.layer_norm_backward(dy, x, (40,), mean_r, rstd_r, w, w, backend="reference")
+    for g, e in zip(got, want):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        assert_close(g, e, e.dtype, what="layer_norm_backward")
+    y, rstd = gradops.rms_norm(x, w, backend="triton")
+    dx, dg = gradops.rms_norm_grad(dy, x, rstd, w, backend="triton")
+    dx_r, dg_r = gradops.rms_norm_grad(dy, x, rstd, w, backend="reference")
+    assert_close(dx, dx_r, torch.bfloat16, what="rms dx")
+    assert_close(dg, dg_r, F32, what="rms dgamma")
+
+
+# ------------------------------------------------------------------ determinism
+@pytest.mark.parametrize("split", [False, True])
+def test_backward_is_bitwise_deterministic(split, device, request):
+    if split:
+        request.getfixturevalue("force_split")
+    dev = torch.device(device)
+    m, n = (40, 100) if dev.type == "cpu" else (20_000, 3000)
+    x, dy, w, _ = ln_inputs(m, n, torch.bfloat16, device)
+    _, mean, rstd = KLN.layer_norm(x, w, None, 1e-5)
+    first = KLN.layer_norm_backward(dy, x, mean, rstd, w, (True, True, True))
+    second = KLN.layer_norm_backward(dy, x, mean, rstd, w, (True, True, True))
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    _, rstd = KRN.rms_norm(x, w, 1e-6)
+    first = KRN.rms_norm_grad(dy, x, rstd, w)
+    second = KRN.rms_norm_grad(dy, x, rstd, w)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    first = KLN.layer_norm_grad_beta(x, dy, False)
+    second = KLN.layer_norm_grad_beta(x, dy, False)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ AscendC semantics
+def test_layer_norm_grad_worked_example_from_cann_docs(device):
+    x = torch.arange(64, dtype=F32, device=device).reshape(8, 8)
+    mean = 3.5 + 8 * torch.arange(8, dtype=F32, device=device)
+    var = torch.full((8,), 5.25, device=device)
+    gamma = torch.arange(8, dtype=F32, device=device)
+    pd_x, res = KLN.layer_norm_grad(x.clone(), x.clone(), var, mean, gamma, 1e-4, False)
+    assert abs(res[0, 0].item() - -1.5275106) < 1e-6
+    expected = torch.tensor([3.0548172, 0.4362857, -1.3093826, -2.182187])
+    assert torch.allclose(pd_x[0, :4].cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_norm_grad_beta_worked_example_from_cann_docs(device):
+    a = torch.arange(64, dtype=F32, device=device).reshape(8, 8)
+    pd_gamma, pd_beta = KLN.layer_norm_grad_beta(a.clone(), a.clone(), False)
+    assert pd_gamma[0].item() == 8960 and pd_beta[0].item() == 224
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("h", [1, 127, 1000])
+@pytest.mark.parametrize("split", [False, True])
+def test_layer_norm_grad_matches_reference_and_autograd(h, dtype, split, device, request):
+    if split:
+        request.getfixturevalue("force_split")
+    r, eps = 5, 1e-4
+    x = rand((r, h), dtype, device, scale=2.0)
+    dy = rand((r, h), dtype, device)
+    gamma = rand((h,), dtype, device)
+    xd = x.double()
+    var, mean = xd.var(dim=1, unbiased=False).to(dtype), xd.mean(dim=1).to(dtype)
+    pd_x, res = KLN.layer_norm_grad(dy, x, var, mean, gamma, eps, False)
+    pd_x_r, res_r = RLN.layer_norm_grad(dy, x, var, mean, gamma, eps, False)
+    assert pd_x.dtype == res.dtype == dtype
+    assert_close(pd_x, pd_x_r, dtype, what="pd_x vs reference")
+    assert_close(res, res_r, dtype, what="res_for_gamma vs reference")
+    # With the true statistics pd_x is LayerNorm's dx (the literal pd_mean term vanishes).
+    if dtype == torch.float32:
+        x_stats = x.double()
+        dx_o, _ = oracles.layer_norm_autograd(dy, x_stats, 1, gamma, eps)
+        assert_close(pd_x, dx_o, dtype, what="pd_x vs autograd f64")
+    pd_g, pd_b = KLN.layer_norm_grad_beta(res, dy, False)
+    pd_g_r, pd_b_r = RLN.layer_norm_grad_beta(res, dy, False)
+    assert pd_g.dtype == pd_b.dtype == dtype
+    assert_close(pd_g, pd_g_r, dtype, what="pd_gamma")
+    assert_close(pd_b, pd_b_r, dtype, what="pd_beta")
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_reuse_source_overwrites_like_the_reference(split, device, request):
+    if split:
+        request.getfixturevalue("force_split")
+    r, h = 4, 150
+    x, dy, gamma = rand((r, h), F32, device), rand((r, h), F32, device), rand((h,), F32, device)
+    var, mean = x.var(dim=1, unbiased=False), x.mean(dim=1)
+    x_k, dy_k, x_r, dy_r = x.clone(), dy.clone(), x.clone(), dy.clone()
+    pd_x, res = KLN.layer_norm_grad(dy_k, x_k, var, mean, gamma, 1e-5, True)
+    pd_x_r, res_r = RLN.layer_norm_grad(dy_r, x_r, var, mean, gamma, 1e-5, True)
+    assert_close(pd_x, pd_x_r, F32, what="pd_x")
+    assert_close(dy_k, dy_r, F32, what="dy overwritten with dy*gamma")
+    assert_close(x_k, x_r, F32, what="x overwritten with x-mean")
+    assert_close(dy_k, dy * gamma, F32, what="dy*gamma")
+    res_k, res_r2 = res.clone(), res_r.clone()
+    got = KLN.layer_norm_grad_beta(res_k, dy, True)
+    want = RLN.layer_norm_grad_beta(res_r2, dy, True)
+    for g, e in zip(got, want):
+        assert_close(g, e, F32, what="pd_gamma/pd_beta")
+    assert_close(res_k, res_r2, F32, what="res_for_gamma overwritten with dy*res")
+    # without reuse_source nothing is written
+    x_k, dy_k = x.clone(), dy.clone()
+    KLN.layer_norm_grad(dy_k, x_k, var, mean, gamma, 1e-5, False)
+    assert torch.equal(x_k, x) and torch.equal(dy_k, dy)
+
+
+def test_reuse_source_on_transposed_inputs_writes_back(device):
+    r, h = 4, 150
+    xt, dyt = rand((h, r), F32, device), rand((h, r), F32, device)
+    x, dy, gamma = xt.t(), dyt.t(), rand((h,), F32, device)
+    var, mean = x.var(dim=1, unbiased=False), x.mean(dim=1)
+    want_dy = dy * gamma
+    want_x = x - mean[:, None]
+    KLN.layer_norm_grad(dy, x, var, mean, gamma, 1e-5, True)
+    assert_close(dy, want_dy, F32, what="dy")
+    assert_close(x, want_x, F32, what="x")
+
+
+# ------------------------------------------------------------------ int64 offsets
+@pytest.mark.skipif(os.environ.get("GRADOPS_TEST_DEVICE", "cpu") != "cuda", reason="needs 4 GB of GPU memory")
+def test_offsets_past_two_to_the_31(device):
+    # Row 1 starts 2**31 elements after row 0: an int32 offset would wrap.
+    n = 1000
+    base = torch.zeros(2**31 + n, dtype=torch.bfloat16, device=device)
+    x = base.as_strided((2, n), (2**31, 1))
+    x.copy_(rand((2, n), torch.bfloat16, device))
+    w = rand((n,), F32, device)
+    xc = x.contiguous()
+    y, rstd = KRN.rms_norm(x, w, 1e-6)
+    y_r, rstd_r = RRN.rms_norm(xc, w, 1e-6)
+    assert_close(y, y_r, torch.bfloat16, what="rms y")
+    dx, dg = KRN.rms_norm_grad(x, x, rstd, w)
+    dx_r, dg_r = RRN.rms_norm_grad(xc, xc, rstd, w)
+    assert_close(dx, dx_r, torch.bfloat16, what="rms dx")
+    assert_close(dg, dg_r, F32, what="rms dgamma")
+    y, mean, rstd = KLN.layer_norm(x, w, w, 1e-5)
+    assert_close(y, RLN.layer_norm(xc, w, w, 1e-5)[0], torch.bfloat16, what="ln y")
+    got = KLN.layer_norm_backward(x, x, mean, rstd, w, (True, True, True), dx_out=x)
+    want = RLN.layer_norm_backward(xc, xc, mean, rstd, w, (True, True, True))
+    for g, e in zip(got, want):
+        assert_close(g, e, e.dtype, what="ln backward")
+    assert torch.count_nonzero(base[n:2**31]) == 0  # nothing written between the rows
+    del base
+
+
+# ------------------------------------------------------------------ GPU width sweep
+@pytest.mark.skipif(os.environ.get("GRADOPS_TEST_DEVICE", "cpu") != "cuda", reason="GPU sizes")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("n", [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144])
+def test_gpu_width_sweep(n, dtype, device):
+    # issue 4's widths, compiled: both paths at their real tile sizes, with a tail tile
+    check_layer_norm(5, n, dtype, device)
+    check_rms_norm(5, n, dtype, device)
+    check_rms_norm(max(3, 2**22 // n) + 1, n, dtype, device)
+
+
+# ------------------------------------------------------------------ sm_90 code generation
+# Run in a child process: the interpreter (TRITON_INTERPRET=1, set for this process) cannot
+# also compile. Triton cross-compiles for sm_90 on any machine and its wheel ships ptxas.
+_SM90_CHECK = r"""
+import os, re, subprocess, sys, tempfile
+import torch, triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from gradops.kernels import layer_norm as KLN, rms_norm as KRN, norm_config
+ptxas = sys.argv[1]
+norm_config._sm_count = lambda index: 132  # an H100 SXM
+dev = torch.device("cuda", 0)
+cases = []
+for n in (1000, 8192):
+    f = norm_config.fused_config(32768, n, dev, persistent=True)
+    b = dict(BLOCK_M=f.block_m, BLOCK_N=f.block_n)
+    cases.append((KLN._ln_bwd_fused_kernel, dict(HAS_W=True, WANT_DX=True, WANT_DW=True, WANT_DB=True, **b), f.num_warps))
+    cases.append((KRN._rms_bwd_fused_kernel, dict(HAS_W=True, **b), f.num_warps))
+s = norm_config.split_config(2048, 65536, dev)
+b = dict(BLOCK_M=s.block_m, BLOCK_N=s.block_n)
+cases.append((KLN._ln_bwd_cols_kernel, dict(HAS_W=True, WANT_DX=True, WANT_DW=True, WANT_DB=True, **b), s.num_warps))
+cases.append((KRN._rms_bwd_cols_kernel, dict(HAS_W=True, **b), s.num_warps))
+stats = {"Mean", "Rstd", "C1", "C2", "C", "DW_P", "DB_P"}
+for fn, consts, warps in cases:
+    consts = dict(consts, ACC=tl.float32)
+    sig = {a: "constexpr" if a in consts else "i32" if a in ("M", "N") or a[0].islower()
+           else "*fp32" if a in stats else "*bf16" for a in fn.arg_names}
+    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "k.ptx"), "w") as f:
+            f.write(c.asm["ptx"])
+        out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", os.path.join(tmp, "k.ptx"),
+                              "-o", os.path.join(tmp, "k.o")], capture_output=True, text=True)
+    spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", out.stderr))
+    regs = re.search(r"Used (\d+) registers", out.stderr)
+    print(fn.__name__, {k: v for k, v in consts.items() if k.startswith("BLOCK")}, warps,
+          "regs", regs.group(1) if regs else None, "spill", spill if regs else None, flush=True)
+"""
+
+
+def _ptxas():
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for name in ("ptxas-blackwell", "ptxas"):  # the newer one reads the PTX version Triton writes
+        if os.path.exists(os.path.join(path, name)):
+            return os.path.join(path, name)
+    return None
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_without_register_spills():
+    """The hot backward kernels, with their launch parameters from norm_config, compile for
+    H100 and ptxas reports no register spills: rows are kept in registers only up to a width
+    that fits."""
+    ptxas = _ptxas()
+    if ptxas is None:
+        pytest.skip("no ptxas in the triton wheel")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    out = subprocess.run([sys.executable, "-c", _SM90_CHECK, ptxas], capture_output=True, text=True,
+                         env=env, timeout=600)
+    if out.returncode != 0 and ("GPUTarget" in out.stderr or "ASTSource" in out.stderr):
+        pytest.skip(f"this triton cannot cross-compile: {out.stderr[-300:]}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [ln for ln in out.stdout.splitlines() if " spill " in ln]
+    assert len(lines) == 6, out.stdout + out.stderr[-2000:]
+    for ln in lines:
+        if ln.endswith("spill None"):
+            pytest.skip(f"ptxas could not assemble Triton's PTX: {ln}")
+        assert ln.endswith("spill 0"), ln
+
+
+# ------------------------------------------------------------------ the benchmark
+def test_bench_norm_runs_and_writes_json(tmp_path):
+    import json
+
+    from gradops.bench import norm as bench_norm
+
+    rc = bench_norm.main(["--quick", "--device", "cpu", "--ops", "rms_bwd", "ln_bwd", "--dtypes", "fp32",
+                          "--widths", "64", "--numel", "4096", "--peers", "autograd", "aten",
+                          "--reps", "2", "--warmup", "1", "--out", str(tmp_path), "--tag", "t", "--no-plot"])
+    assert rc == 0
+    data = json.loads((tmp_path / "t.json").read_text())
+    impls = {(r["op"], r["impl"]) for r in data["records"] if not r["error"]}
+    assert {("rms_bwd", "gradops"), ("rms_bwd", "torch autograd"), ("ln_bwd", "gradops"),
+            ("ln_bwd", "aten bwd")} <= impls
+    ours = next(r for r in data["records"] if r["op"] == "ln_bwd" and r["impl"] == "gradops")
+    assert ours["bytes"] == 3 * 64 * 64 * 4 + 2 * 64 * 4  # PERFORMANCE.md: 3*M*N*e + 2*N*w_e

@@ -1,0 +1,449 @@
+"""The NSA compression Triton kernels (gradops.kernels.nsa_compress) against a float64
+oracle written here (torch.unfold per sequence, gradients by autograd through it) and
+against the reference backend (gradops.reference.nsa_compress).
+
+On CPU the kernels run through the Triton interpreter (tests/conftest.py switches it on),
+so shapes are small; GRADOPS_TEST_DEVICE=cuda runs the same tests compiled on a GPU.
+
+Tolerances are error bounds, not fitted numbers. A result accumulated in float32 and
+rounded once to its dtype differs from the exact (float64) value by at most
+``ulp_half(dtype) * |exact| + n * 2**-24 * sum|terms|`` where n is the number of additions
+in the longest accumulation chain and ``sum|terms|`` is the same formula applied to the
+absolute values (so cancellation cannot hide an error). The oracle computes both.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradops import _backend
+from gradops.kernels import nsa_compress as kernels
+from gradops.kernels.nsa_config import BackwardConfig, ForwardConfig
+from gradops.reference import nsa_compress as reference
+
+F64 = torch.float64
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Half a unit in the last place of each result dtype, relative. The Triton interpreter
+# (triton 3.9) converts float32 to bfloat16 by truncation, not round-to-nearest (checked
+# against torch: every value matches the truncated bits), so there a bfloat16 result may be
+# off by a whole unit; compiled kernels round to nearest.
+ROUNDING = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
+            torch.bfloat16: 2.0 ** -7 if _backend.triton_interpreter_on() else 2.0 ** -8}
+# Half the spacing of the subnormals: the absolute rounding error near zero.
+SUBNORMAL = {torch.float64: 0.0, torch.float32: 2.0 ** -150, torch.float16: 2.0 ** -25,
+             torch.bfloat16: 2.0 ** -134}
+
+
+# ---------------------------------------------------------------------------------------
+# Oracle
+
+
+def cumulative(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def blocks_in(length, block_size, stride):
+    return (length - block_size) // stride + 1 if length >= block_size else 0
+
+
+def oracle_forward(x, weight, block_size, stride, cu):
+    """out[c] = sum_j w[j] x[start_c + j] in float64: unfold each sequence into its
+    windows (batch order), weight them, sum over the window."""
+    x, weight = x.to(F64), weight.to(F64)
+    outs = []
+    for b in range(len(cu) - 1):
+        seq = x[cu[b]:cu[b + 1]]
+        if blocks_in(seq.shape[0], block_size, stride) == 0:
+            continue
+        windows = seq.unfold(0, block_size, stride)  # [n_b, N, D, l]
+        outs.append(torch.einsum("cndj,jn->cnd", windows, weight))
+    if not outs:
+        return x.new_zeros((0,) + tuple(x.shape[1:]))
+    return torch.cat(outs)
+
+
+def oracle_backward(dout, x, weight, block_size, stride, cu):
+    """(dx, dweight) in float64 by autograd through :func:`oracle_forward`."""
+    xl = x.detach().to(F64).requires_grad_()
+    wl = weight.detach().to(F64).requires_grad_()
+    out = oracle_forward(xl, wl, block_size, stride, cu)
+    if out.numel() == 0:
+        return torch.zeros_like(xl), torch.zeros_like(wl)
+    dx, dw = torch.autograd.grad(out, (xl, wl), dout.to(F64), allow_unused=True)
+    return (torch.zeros_like(xl) if dx is None else dx), (torch.zeros_like(wl) if dw is None else dw)
+
+
+def assert_within(got, exact, magnitude, chain, what):
+    """|got - exact| <= rounding(got.dtype)*|exact| + chain * 2^-24 * magnitude (elementwise)
+    where magnitude is the exact result of the same formula on absolute values."""
+    assert got.shape == exact.shape, f"{what}: shape {tuple(got.shape)} != {tuple(exact.shape)}"
+    if got.numel() == 0:
+        return
+    acc_eps = 2.0 ** -53 if got.dtype == F64 else 2.0 ** -24
+    bound = ROUNDING[got.dtype] * exact.abs() + (chain + 1) * acc_eps * magnitude + SUBNORMAL[got.dtype]
+    err = (got.to(F64) - exact).abs()
+    bad = ~(err <= bound)
+    assert not bad.any(), (f"{what}: {int(bad.sum())} elements exceed their bound, e.g. error "
+                           f"{err[bad].max().item():.3g} against bound {bound[bad].min().item():.3g}")
+
+
+def check_forward(out, x, weight, block_size, stride, cu):
+    exact = oracle_forward(x, weight, block_size, stride, cu)
+    magnitude = oracle_forward(x.abs(), weight.abs(), block_size, stride, cu)
+    assert out.dtype == x.dtype
+    assert_within(out, exact, magnitude, block_size, "out")
+
+
+def check_backward(dx, dw, dout, x, weight, block_size, stride, cu):
+    exact_dx, exact_dw = oracle_backward(dout, x, weight, block_size, stride, cu)
+    mag_dx, mag_dw = oracle_backward(dout.abs(), x.abs(), weight.abs(), block_size, stride, cu)
+    assert dx.dtype == x.dtype and dw.dtype == x.dtype
+    covering = math.ceil(block_size / stride)
+    assert_within(dx, exact_dx, mag_dx, covering, "dx")
+    # dweight sums C*D products per entry: bound the chain by that count.
+    assert_within(dw, exact_dw, mag_dw, max(1, dout.shape[0] * dout.shape[2]), "dweight")
+
+
+def make(lengths, heads, head_dim, block_size, dtype, device):
+    cu = cumulative(lengths)
+    x = torch.randn(cu[-1], heads, head_dim, dtype=F64).to(dtype).to(device)
+    weight = torch.randn(block_size, heads, dtype=F64).to(dtype).to(device)
+    return cu, x, weight
+
+
+def num_blocks_of(cu, block_size, stride):
+    return sum(blocks_in(b - a, block_size, stride) for a, b in zip(cu[:-1], cu[1:]))
+
+
+def run_both(x, weight, block_size, stride, cu, *, fwd_cfg=None, bwd_cfg=None, dout=None):
+    c = num_blocks_of(cu, block_size, stride)
+    if fwd_cfg is None:
+        out = kernels.nsa_compress(x, weight, block_size, stride, cu, c)
+    else:
+        out = kernels._forward(x, weight, block_size, stride, cu, c, fwd_cfg)
+    if dout is None:
+        dout = torch.randn(out.shape, dtype=F64).to(x.dtype).to(x.device)
+    if bwd_cfg is None:
+        dx, dw = kernels.nsa_compress_grad(dout, x, weight, block_size, stride, cu, c)
+    else:
+        dx, dw = kernels._backward(dout, x, weight, block_size, stride, cu, c, bwd_cfg)
+    return out, dout, dx, dw
+
+
+# Sequence mixes: empty, shorter than a block, exactly one block, several blocks with a
+# tail, and empty sequences between others.
+MIXES = {
+    "mixed": [0, 3, 8, 0, 21, 13],
+    "single": [37],
+    "tails": [9, 10, 11, 12],
+}
+# (block_size, stride): divisible, non-divisible, equal, stride > block, stride 1, block 1.
+BLOCK_STRIDES = [(8, 4), (5, 3), (4, 4), (3, 5), (4, 1), (1, 1), (6, 4)]
+
+
+# ---------------------------------------------------------------------------------------
+# Formula and reference
+
+
+@pytest.mark.parametrize("block_size,stride", BLOCK_STRIDES)
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_against_oracle_fp32(device, block_size, stride, mix):
+    cu, x, weight = make(MIXES[mix], 3, 5, block_size, torch.float32, device)
+    out, dout, dx, dw = run_both(x, weight, block_size, stride, cu)
+    check_forward(out.cpu(), x.cpu(), weight.cpu(), block_size, stride, cu)
+    check_backward(dx.cpu(), dw.cpu(), dout.cpu(), x.cpu(), weight.cpu(), block_size, stride, cu)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + (torch.float64,), ids=str)
+@pytest.mark.parametrize("heads,head_dim", [(1, 1), (2, 24), (4, 5)])
+def test_dtypes_and_head_dims(device, dtype, heads, head_dim):
+    block_size, stride = 6, 4
+    cu, x, weight = make([0, 4, 19, 6, 14], heads, head_dim, block_size, dtype, device)
+    out, dout, dx, dw = run_both(x, weight, block_size, stride, cu)
+    check_forward(out.cpu(), x.cpu(), weight.cpu(), block_size, stride, cu)
+    check_backward(dx.cpu(), dw.cpu(), dout.cpu(), x.cpu(), weight.cpu(), block_size, stride, cu)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,stride", [(8, 4), (5, 3), (3, 5)])
+def test_against_reference_backend(device, dtype, block_size, stride):
+    """Same inputs through the reference backend: both are float32-accumulated, so they
+    agree within the sum of their two error bounds."""
+    cu, x, weight = make(MIXES["mixed"], 2, 7, block_size, dtype, device)
+    c = num_blocks_of(cu, block_size, stride)
+    out, dout, dx, dw = run_both(x, weight, block_size, stride, cu)
+    ref_out = reference.nsa_compress(x, weight, block_size, stride, cu, c)
+    ref_dx, ref_dw = reference.nsa_compress_grad(dout, x, weight, block_size, stride, cu, c)
+    for got, ref, what in ((out, ref_out, "out"), (dx, ref_dx, "dx"), (dw, ref_dw, "dweight")):
+        assert got.shape == ref.shape and got.dtype == ref.dtype, what
+    xc, wc, gc = x.cpu(), weight.cpu(), dout.cpu()
+    exact_dx, exact_dw = oracle_backward(gc, xc, wc, block_size, stride, cu)
+    mag_dx, mag_dw = oracle_backward(gc.abs(), xc.abs(), wc.abs(), block_size, stride, cu)
+    exact_out = oracle_forward(xc, wc, block_size, stride, cu)
+    mag_out = oracle_forward(xc.abs(), wc.abs(), block_size, stride, cu)
+    chain_dw = c * x.shape[2]
+    for got, ref, exact, mag, chain, what in (
+            (out, ref_out, exact_out, mag_out, block_size, "out"),
+            (dx, ref_dx, exact_dx, mag_dx, math.ceil(block_size / stride), "dx"),
+            (dw, ref_dw, exact_dw, mag_dw, chain_dw, "dweight")):
+        # |ours - ref| <= |ours - exact| + |ref - exact| <= 2 bounds
+        acc_eps = 2.0 ** -24
+        bound = 2 * (ROUNDING[dtype] * exact.abs() + (chain + 1) * acc_eps * mag + SUBNORMAL[dtype])
+        err = (got.cpu().to(F64) - ref.cpu().to(F64)).abs()
+        assert (err <= bound).all(), f"{what}: kernel and reference differ by {err.max().item():.3g}"
+
+
+# ---------------------------------------------------------------------------------------
+# Tilings: every split of the work must give the same sums
+
+
+SMALL_BWD = [
+    # rows < stride (several row slices), one head and a D slice per program, one stride
+    # group per program (many programs per sequence), a tiny reduction tile.
+    BackwardConfig(rows=2, block_h=1, block_d=2, groups_per_chunk=1, num_warps=4,
+                   reduce_block_p=2, reduce_block_w=4),
+    # two groups per program, heads tiled by two, rows cover a whole group
+    BackwardConfig(rows=8, block_h=2, block_d=8, groups_per_chunk=2, num_warps=4,
+                   reduce_block_p=4, reduce_block_w=8),
+]
+SMALL_FWD = [ForwardConfig(block_c=2, block_h=1, block_d=2, num_warps=4),
+             ForwardConfig(block_c=4, block_h=2, block_d=4, num_warps=4)]
+
+
+@pytest.mark.parametrize("tiling", [0, 1])
+@pytest.mark.parametrize("block_size,stride", [(6, 4), (3, 5), (4, 2)])
+def test_tilings(device, tiling, block_size, stride):
+    cu, x, weight = make([0, 2, 15, 7], 3, 5, block_size, torch.float32, device)
+    out, dout, dx, dw = run_both(x, weight, block_size, stride, cu,
+                                 fwd_cfg=SMALL_FWD[tiling], bwd_cfg=SMALL_BWD[tiling])
+    check_forward(out.cpu(), x.cpu(), weight.cpu(), block_size, stride, cu)
+    check_backward(dx.cpu(), dw.cpu(), dout.cpu(), x.cpu(), weight.cpu(), block_size, stride, cu)
+
+
+def test_many_heads(device):
+    """More heads than one tile holds (N = 260 > 256)."""
+    block_size, stride = 4, 2
+    cu, x, weight = make([3, 9], 260, 2, block_size, torch.float32, device)
+    out, dout, dx, dw = run_both(x, weight, block_size, stride, cu)
+    check_forward(out.cpu(), x.cpu(), weight.cpu(), block_size, stride, cu)
+    check_backward(dx.cpu(), dw.cpu(), dout.cpu(), x.cpu(), weight.cpu(), block_size, stride, cu)
+
+
+def test_deterministic(device):
+    """Bitwise equal results on repeated runs, with many programs contributing to dweight."""
+    block_size, stride = 5, 2
+    cu, x, weight = make([0, 17, 4, 23], 2, 6, block_size, torch.float32, device)
+    c = num_blocks_of(cu, block_size, stride)
+    dout = torch.randn(c, 2, 6, device=device)
+    cfg = SMALL_BWD[1]
+    first = kernels._backward(dout, x, weight, block_size, stride, cu, c, cfg)
+    second = kernels._backward(dout, x, weight, block_size, stride, cu, c, cfg)
+    default = [kernels.nsa_compress_grad(dout, x, weight, block_size, stride, cu, c) for _ in range(2)]
+    for a, b in (first, second), default:
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    out = [kernels.nsa_compress(x, weight, block_size, stride, cu, c) for _ in range(2)]
+    assert torch.equal(out[0], out[1])
+
+
+# ---------------------------------------------------------------------------------------
+# Layouts and edge cases
+
+
+def test_non_contiguous(device):
+    """Views with arbitrary strides: heads-major x, a strided head dim, a transposed weight
+    and a non-contiguous dout give the same results as their contiguous copies."""
+    block_size, stride = 5, 3
+    cu = cumulative([0, 12, 7, 16])
+    T, N, D = cu[-1], 3, 4
+    x = torch.randn(N, T, 2 * D, device=device).transpose(0, 1)[:, :, ::2]  # strides (2D, 2TD, 2)
+    weight = torch.randn(N, block_size, device=device).t()
+    c = num_blocks_of(cu, block_size, stride)
+    dout = torch.randn(D, c, N, device=device).permute(1, 2, 0)
+    assert not (x.is_contiguous() or weight.is_contiguous() or dout.is_contiguous())
+    out = kernels.nsa_compress(x, weight, block_size, stride, cu, c)
+    dx, dw = kernels.nsa_compress_grad(dout, x, weight, block_size, stride, cu, c)
+    check_forward(out.cpu(), x.cpu(), weight.cpu(), block_size, stride, cu)
+    check_backward(dx.cpu(), dw.cpu(), dout.cpu(), x.cpu(), weight.cpu(), block_size, stride, cu)
+    xc, wc, gc = x.contiguous(), weight.contiguous(), dout.contiguous()
+    assert torch.equal(out, kernels.nsa_compress(xc, wc, block_size, stride, cu, c))
+    dxc, dwc = kernels.nsa_compress_grad(gc, xc, wc, block_size, stride, cu, c)
+    assert torch.equal(dx, dxc) and torch.equal(dw, dwc)
+
+
+@pytest.mark.parametrize("lengths", [[], [0], [0, 0], [2, 3, 0]], ids=str)
+def test_no_blocks(device, lengths):
+    """T = 0 or C = 0: empty out, zero dx (written even for tokens no block covers) and
+    zero dweight."""
+    block_size, stride = 4, 2
+    cu, x, weight = make(lengths, 2, 3, block_size, torch.float16, device)
+    assert num_blocks_of(cu, block_size, stride) == 0
+    out = kernels.nsa_compress(x, weight, block_size, stride, cu, 0)
+    assert out.shape == (0, 2, 3) and out.dtype == x.dtype
+    dout = torch.empty(0, 2, 3, dtype=x.dtype, device=device)
+    dx, dw = kernels.nsa_compress_grad(dout, x, weight, block_size, stride, cu, 0)
+    assert dx.shape == x.shape and dw.shape == weight.shape
+    assert dx.dtype == dw.dtype == x.dtype
+    assert not dx.any() and not dw.any()
+
+
+def test_uncovered_tokens_are_zero(device):
+    """Tail tokens, gaps between windows (stride > block) and short sequences get exactly
+    0 even where dx's memory held garbage: the kernel writes every row."""
+    block_size, stride = 3, 5
+    cu, x, weight = make([2, 14, 0, 9], 2, 3, block_size, torch.float32, device)
+    c = num_blocks_of(cu, block_size, stride)
+    dout = torch.randn(c, 2, 3, device=device)
+    dx, _ = kernels.nsa_compress_grad(dout, x, weight, block_size, stride, cu, c)
+    covered = torch.zeros(cu[-1], dtype=torch.bool)
+    for b in range(len(cu) - 1):
+        for i in range(blocks_in(cu[b + 1] - cu[b], block_size, stride)):
+            covered[cu[b] + i * stride: cu[b] + i * stride + block_size] = True
+    assert not covered.all()
+    assert (dx.cpu()[~covered] == 0).all()
+    assert (dx.cpu()[covered] != 0).any()
+
+
+def test_infinite_input_leaves_dx_finite(device):
+    """dx does not depend on x: an infinite x must not poison it."""
+    block_size, stride = 4, 2
+    cu, x, weight = make([10], 1, 4, block_size, torch.float32, device)
+    x[3, 0, 1] = float("inf")
+    c = num_blocks_of(cu, block_size, stride)
+    dout = torch.randn(c, 1, 4, device=device)
+    dx, _ = kernels.nsa_compress_grad(dout, x, weight, block_size, stride, cu, c)
+    assert torch.isfinite(dx).all()
+    exact_dx, _ = oracle_backward(dout.cpu(), torch.zeros_like(x).cpu(), weight.cpu(), block_size, stride, cu)
+    assert torch.allclose(dx.cpu().to(F64), exact_dx, rtol=1e-6, atol=1e-6)
+
+
+def test_num_blocks_mismatch_is_an_internal_error(device):
+    from gradops.errors import ACLNN_ERR_INNER, AclnnError
+
+    cu, x, weight = make([10], 1, 4, 4, torch.float32, device)
+    with pytest.raises(AclnnError) as err:
+        kernels.nsa_compress(x, weight, 4, 2, cu, 3)
+    assert err.value.status == ACLNN_ERR_INNER
+
+
+def test_public_api_runs_the_kernels(device):
+    """backend='triton' through gradops reaches these kernels (per-sequence lengths)."""
+    import gradops
+
+    block_size, stride = 5, 3
+    lengths = [0, 11, 4, 8]
+    cu, x, weight = make(lengths, 2, 6, block_size, torch.bfloat16, device)
+    out = gradops.nsa_compress(x, weight, block_size, stride, lengths, seq_lens_type="lengths",
+                               backend="triton")
+    check_forward(out.cpu(), x.cpu(), weight.cpu(), block_size, stride, cu)
+    dout = torch.randn(out.shape, device=device).to(out.dtype)
+    dx, dw = gradops.nsa_compress_grad(dout, x, weight, block_size, stride, cu[1:], backend="triton")
+    check_backward(dx.cpu(), dw.cpu(), dout.cpu(), x.cpu(), weight.cpu(), block_size, stride, cu)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with > 20 GB free")
+def test_int64_offsets_cuda(device):
+    """T*N*D past 2^31 elements: the last sequence's blocks and tokens, checked against the
+    oracle on that sequence alone."""
+    if device != "cuda" or torch.cuda.mem_get_info()[0] < 20 * 2 ** 30:
+        pytest.skip("needs GRADOPS_TEST_DEVICE=cuda and 20 GB free")
+    N, D, block_size, stride = 16, 128, 32, 16
+    T = 2 ** 31 // (N * D) + 4096
+    tail = 200
+    cu = [0, T - tail, T]
+    x = torch.randn(T, N, D, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(block_size, N, device="cuda", dtype=torch.bfloat16)
+    c = num_blocks_of(cu, block_size, stride)
+    out = kernels.nsa_compress(x, weight, block_size, stride, cu, c)
+    dout = torch.randn(out.shape, device="cuda", dtype=torch.bfloat16)
+    dx, dw = kernels.nsa_compress_grad(dout, x, weight, block_size, stride, cu, c)
+    c_tail = blocks_in(tail, block_size, stride)
+    local = [0, tail]
+    xs, gs = x[T - tail:].cpu(), dout[c - c_tail:].cpu()
+    check_forward(out[c - c_tail:].cpu(), xs, weight.cpu(), block_size, stride, local)
+    exact_dx, _ = oracle_backward(gs, xs, weight.cpu(), block_size, stride, local)
+    mag_dx, _ = oracle_backward(gs.abs(), xs.abs(), weight.cpu().abs(), block_size, stride, local)
+    assert_within(dx[T - tail:].cpu(), exact_dx, mag_dx, 2, "dx tail")
+
+
+# ---------------------------------------------------------------------------------------
+# Compiled code without a GPU: the interpreter never compiles, so type or lowering errors
+# would only show on a GPU. Compile for sm_90 with the bundled ptxas, as the JIT would
+# specialise a contiguous [T, N, 128] bf16 problem, and check the register budget the
+# launch configuration is built on (nsa_config: at most 96 registers, no spills).
+
+_COMPILE_SM90 = r"""
+import os, re, subprocess, sys, tempfile
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from gradops.kernels import nsa_compress as K
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+TYPES = {**{n: "*bf16" for n in ("x_ptr", "w_ptr", "out_ptr", "dout_ptr", "dx_ptr")},
+         **{n: "*i64" for n in ("cu_seqlens_ptr", "cu_blocks_ptr", "cu_chunks_ptr")},
+         "part_ptr": "*fp32"}
+UNIT = ("sx_d", "so_d", "sg_d", "sdx_d", "sw_n")
+DIV16 = ("sx_t", "sx_n", "so_c", "so_n", "sg_c", "sg_n", "sdx_t", "sdx_n", "head_dim", "sw_j", "width")
+
+def registers(fn, consts, types=TYPES):
+    sig, attrs = {}, {}
+    consts = dict(consts)
+    for i, n in enumerate(fn.arg_names):
+        if n in UNIT:
+            consts[n] = 1
+        if n in consts:
+            sig[n] = "constexpr"
+            continue
+        sig[n] = types.get(n, "i32")
+        if n in DIV16 or n.endswith("_ptr"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name],
+                           capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
+    return int(m.group(1)), int(m.group(2)), k.asm["ptx"].count("ld.global.v")
+
+f32 = tl.float32
+print("fwd", *registers(K._nsa_compress_fwd_kernel, {"BLOCK_C": 16, "BLOCK_H": 2, "BLOCK_D": 128, "ACC": f32}))
+print("bwd", *registers(K._nsa_compress_bwd_kernel, {"ROWS": 16, "BLOCK_H": 1, "BLOCK_D": 128, "K_PAD": 2,
+                                                     "DW_IN_TILE": True, "ACC": f32}))
+# ceil(l/s) > BLOCK_D (tiny head dims, stride 1): dweight partial in its own array
+print("bwd_k_array", *registers(K._nsa_compress_bwd_kernel, {"ROWS": 1, "BLOCK_H": 16, "BLOCK_D": 16,
+                                                             "K_PAD": 32, "DW_IN_TILE": False, "ACC": f32}))
+print("sum", *registers(K._sum_rows_kernel, {"BLOCK_P": 128, "BLOCK_W": 64, "ACC": f32},
+                        {"part_ptr": "*fp32", "out_ptr": "*bf16"}))
+"""
+
+
+def test_compiles_for_sm90_within_register_budget(device):
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    if device != "cpu":
+        pytest.skip("on a GPU every other test compiles the kernels")
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("triton's bundled ptxas is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    usage = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in done.stdout.splitlines()}
+    for kernel, (regs, stack, vector_loads) in usage.items():
+        assert stack == 0, f"{kernel} spills ({stack} bytes of stack)"
+        assert vector_loads > 0 or kernel == "bwd_k_array", f"{kernel}: loads are not vectorised"
+    assert usage["bwd"][0] <= 96, f"backward needs {usage['bwd'][0]} registers; nsa_config assumes <= 96"
+    assert usage["fwd"][0] <= 96, f"forward needs {usage['fwd'][0]} registers"

@@ -1,0 +1,396 @@
+"""NSA compression (``gradops.nsa_compress`` / ``nsa_compress_grad``) on the reference backend,
+through the public API, against the independent float64 oracles of ``gradops.oracles``
+(a per-block loop for the forward, autograd through it for the backward)."""
+import itertools
+import re
+
+import pytest
+import torch
+
+import gradops
+from gradops import oracles
+from gradops.oracles import TOLERANCE, rel_error
+
+BACKEND = "reference"
+ALL_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def compress(x, weight, block_size, stride, seq_lens, seq_lens_type="cumsum"):
+    return gradops.nsa_compress(x, weight, block_size, stride, seq_lens, seq_lens_type, backend=BACKEND)
+
+
+def compress_grad(dout, x, weight, block_size, stride, seq_lens, seq_lens_type="cumsum"):
+    return gradops.nsa_compress_grad(dout, x, weight, block_size, stride, seq_lens, seq_lens_type,
+                                     backend=BACKEND)
+
+
+def cumulative(lengths):
+    return list(itertools.accumulate(lengths))
+
+
+def mixed_lengths(block_size, stride):
+    """Empty, shorter than a block, exactly one block, one block plus a tail, several windows
+    with a tail: every case of the block count formula."""
+    return [0, block_size - 1, block_size, block_size + 1, block_size + 3 * stride + stride // 2 + 1, 0,
+            2 * block_size + stride]
+
+
+def covered_tokens(ends, block_size, stride):
+    """{token: [(block, offset j), ...]} from the oracle's block starts."""
+    cover = {}
+    for c, s in enumerate(oracles.nsa_blocks(ends, block_size, stride)):
+        for j in range(block_size):
+            cover.setdefault(s + j, []).append((c, j))
+    return cover
+
+
+def random_problem(lengths, n, d, block_size, stride, dtype, device):
+    ends = cumulative(lengths)
+    t = ends[-1] if ends else 0
+    x = torch.randn(t, n, d, device=device).to(dtype)
+    weight = torch.randn(block_size, n, device=device).to(dtype)
+    blocks = len(oracles.nsa_blocks(ends, block_size, stride))
+    dout = torch.randn(blocks, n, d, device=device).to(dtype)
+    return ends, x, weight, dout
+
+
+# block/stride: stride < block (overlap), == block, block % stride != 0, stride > block (gaps), 1/1.
+BLOCK_STRIDE = [(4, 2), (3, 3), (5, 2), (2, 3), (1, 1), (6, 4)]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,stride", BLOCK_STRIDE)
+def test_forward_and_backward_match_float64_oracle(block_size, stride, dtype, device):
+    lengths = mixed_lengths(block_size, stride)
+    ends, x, weight, dout = random_problem(lengths, 3, 5, block_size, stride, dtype, device)
+    blocks = dout.shape[0]
+    assert blocks > 0  # the mixed lengths always hold some blocks
+
+    out = compress(x, weight, block_size, stride, ends)
+    assert out.dtype == dtype and out.device == x.device
+    assert tuple(out.shape) == (blocks, 3, 5)
+    assert rel_error(out, oracles.nsa_compress(x, weight, block_size, stride, ends)) <= TOLERANCE[dtype]
+
+    dx, dweight = compress_grad(dout, x, weight, block_size, stride, ends)
+    assert dx.dtype == dtype and dweight.dtype == dtype
+    assert dx.shape == x.shape and dweight.shape == weight.shape
+    dx_ref, dweight_ref = oracles.nsa_compress_backward(dout, x, weight, block_size, stride, ends)
+    assert rel_error(dx, dx_ref) <= TOLERANCE[dtype]
+    assert rel_error(dweight, dweight_ref) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_shapes_float64_and_float32(seed, device):
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    block_size, stride = draw(1, 9), draw(1, 9)
+    lengths = [draw(0, 3 * block_size + 2 * stride) for _ in range(draw(1, 6))]
+    n, d = draw(1, 4), draw(1, 17)
+    for dtype in (torch.float64, torch.float32):
+        ends, x, weight, dout = random_problem(lengths, n, d, block_size, stride, dtype, device)
+        out = compress(x, weight, block_size, stride, ends)
+        assert rel_error(out, oracles.nsa_compress(x, weight, block_size, stride, ends)) <= TOLERANCE[dtype]
+        dx, dweight = compress_grad(dout, x, weight, block_size, stride, ends)
+        dx_ref, dweight_ref = oracles.nsa_compress_backward(dout, x, weight, block_size, stride, ends)
+        assert rel_error(dx, dx_ref) <= TOLERANCE[dtype]
+        assert rel_error(dweight, dweight_ref) <= TOLERANCE[dtype]
+
+
+class _Compress(torch.autograd.Function):
+    """Forward through gradops.nsa_compress, backward through gradops.nsa_compress_grad, so that
+    gradcheck compares the library's backward with finite differences of its forward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, block_size, stride, seq_lens):
+        ctx.save_for_backward(x, weight)
+        ctx.attrs = (block_size, stride, seq_lens)
+        return compress(x, weight, block_size, stride, seq_lens)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight = ctx.saved_tensors
+        dx, dweight = compress_grad(dout, x, weight, *ctx.attrs)
+        return dx, dweight, None, None, None
+
+
+@pytest.mark.parametrize("block_size,stride", [(3, 2), (2, 3), (3, 3)])
+def test_gradcheck_finite_differences(block_size, stride, device):
+    ends = cumulative([0, 2, 3, 7])
+    x = torch.randn(ends[-1], 2, 3, dtype=torch.float64, device=device, requires_grad=True)
+    weight = torch.randn(block_size, 2, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, w: _Compress.apply(a, w, block_size, stride, ends), (x, weight))
+
+
+def test_seq_lens_forms_agree(device):
+    block_size, stride = 4, 3
+    lengths = [5, 0, 4, 11, 2]
+    ends, x, weight, dout = random_problem(lengths, 2, 3, block_size, stride, torch.float64, device)
+    expected = oracles.nsa_compress(x, weight, block_size, stride, ends)
+    expected_dx, expected_dw = oracles.nsa_compress_backward(dout, x, weight, block_size, stride, ends)
+    forms = [
+        (ends, "cumsum"), (tuple(ends), "cumsum"), ([0] + ends, "cumsum"),
+        (torch.tensor(ends, dtype=torch.int64), "cumsum"), (torch.tensor(ends, dtype=torch.int32), "cumsum"),
+        (lengths, "lengths"), (tuple(lengths), "lengths"),
+        (torch.tensor(lengths, dtype=torch.int64), "lengths"), (torch.tensor(lengths, dtype=torch.int32), "lengths"),
+        ([0] + lengths + [0], "lengths"), (ends, 0), (lengths, 1),
+    ]
+    for seq_lens, kind in forms:
+        out = compress(x, weight, block_size, stride, seq_lens, kind)
+        assert rel_error(out, expected) <= 1e-12, (seq_lens, kind)
+        dx, dw = compress_grad(dout, x, weight, block_size, stride, seq_lens, kind)
+        assert rel_error(dx, expected_dx) <= 1e-12, (seq_lens, kind)
+        assert rel_error(dw, expected_dw) <= 1e-12, (seq_lens, kind)
+
+
+def test_leading_zero_cumsum_is_an_empty_sequence(device):
+    # [0, 6] is two sequences (empty, then 6 tokens), so the blocks are those of one 6-token sequence
+    x = torch.randn(6, 2, 3, dtype=torch.float64, device=device)
+    weight = torch.randn(4, 2, dtype=torch.float64, device=device)
+    out = compress(x, weight, 4, 1, [0, 6])
+    assert out.shape == (3, 2, 3)
+    assert rel_error(out, oracles.nsa_compress(x, weight, 4, 1, [6])) <= 1e-12
+
+
+def test_uncovered_tokens_get_zero_gradient(device):
+    # stride > block leaves gaps; the tails of sequences are not covered either
+    block_size, stride = 2, 5
+    lengths = [13, 1, 9]
+    ends, x, weight, dout = random_problem(lengths, 2, 3, block_size, stride, torch.float32, device)
+    dx, _ = compress_grad(dout, x, weight, block_size, stride, ends)
+    cover = covered_tokens(ends, block_size, stride)
+    uncovered = [t for t in range(ends[-1]) if t not in cover]
+    assert uncovered and all(t in cover for t in range(ends[-1]) if t not in uncovered)
+    assert torch.all(dx[uncovered] == 0)
+    assert torch.all(dx[sorted(cover)] != 0)
+
+
+@pytest.mark.parametrize("seq_lens", [[], [0], [0, 0]], ids=["none", "one-empty", "two-empty"])
+def test_empty_token_axis(seq_lens, device):
+    x = torch.randn(0, 2, 3, device=device)
+    weight = torch.randn(4, 2, device=device)
+    out = compress(x, weight, 4, 2, seq_lens)
+    assert out.shape == (0, 2, 3) and out.dtype == x.dtype
+    dx, dweight = compress_grad(torch.randn(0, 2, 3, device=device), x, weight, 4, 2, seq_lens)
+    assert dx.shape == (0, 2, 3)
+    assert dweight.shape == (4, 2) and torch.all(dweight == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_no_block_fits(dtype, device):
+    # every sequence shorter than a block: C = 0, the gradient is zero everywhere
+    x = torch.randn(9, 2, 3, device=device).to(dtype)
+    weight = torch.randn(5, 2, device=device).to(dtype)
+    ends = cumulative([4, 1, 0, 4])
+    out = compress(x, weight, 5, 1, ends)
+    assert out.shape == (0, 2, 3) and out.dtype == dtype
+    dx, dweight = compress_grad(torch.empty(0, 2, 3, device=device, dtype=dtype), x, weight, 5, 1, ends)
+    assert dx.dtype == dtype and dweight.dtype == dtype
+    assert torch.all(dx == 0) and torch.all(dweight == 0)
+
+
+@pytest.mark.parametrize("n,d", [(0, 3), (2, 0)])
+def test_empty_heads_or_head_dim(n, d, device):
+    x = torch.randn(10, n, d, device=device)
+    weight = torch.randn(4, n, device=device)
+    out = compress(x, weight, 4, 2, [10])
+    assert out.shape == (4, n, d)
+    dx, dweight = compress_grad(torch.randn(4, n, d, device=device), x, weight, 4, 2, [10])
+    assert dx.shape == x.shape and torch.all(dx == 0)
+    assert dweight.shape == weight.shape and torch.all(dweight == 0)
+
+
+def test_non_contiguous_inputs(device):
+    block_size, stride = 3, 2
+    ends = cumulative([7, 2, 8])
+    t = ends[-1]
+    blocks = len(oracles.nsa_blocks(ends, block_size, stride))
+    x = torch.randn(4, t, 7, dtype=torch.float64, device=device).transpose(0, 1)[:, 1:, ::2]  # [T, 3, 4]
+    weight = torch.randn(3, block_size, dtype=torch.float64, device=device).t()  # [block, 3]
+    dout = torch.randn(4, 2 * blocks, 3, dtype=torch.float64, device=device).permute(1, 2, 0)[::2]
+    assert not (x.is_contiguous() or weight.is_contiguous() or dout.is_contiguous())
+    assert dout.shape == (blocks, 3, 4)
+
+    out = compress(x, weight, block_size, stride, ends)
+    assert rel_error(out, oracles.nsa_compress(x, weight, block_size, stride, ends)) <= 1e-10
+    dx, dweight = compress_grad(dout, x, weight, block_size, stride, ends)
+    dx_ref, dweight_ref = oracles.nsa_compress_backward(dout, x, weight, block_size, stride, ends)
+    assert rel_error(dx, dx_ref) <= 1e-10 and rel_error(dweight, dweight_ref) <= 1e-10
+
+
+def test_inputs_are_not_modified(device):
+    block_size, stride = 4, 2
+    ends, x, weight, dout = random_problem([9, 6], 2, 3, block_size, stride, torch.float32, device)
+    seq_lens = torch.tensor(ends)
+    before = [t.clone() for t in (x, weight, dout, seq_lens)]
+    compress(x, weight, block_size, stride, seq_lens)
+    compress_grad(dout, x, weight, block_size, stride, seq_lens)
+    for old, new in zip(before, (x, weight, dout, seq_lens)):
+        assert torch.equal(old, new)
+
+
+def test_nan_in_x_reaches_exactly_the_blocks_covering_it(device):
+    block_size, stride = 4, 3
+    lengths = [11, 6]
+    ends, x, weight, dout = random_problem(lengths, 2, 3, block_size, stride, torch.float32, device)
+    cover = covered_tokens(ends, block_size, stride)
+    token = next(t for t, uses in cover.items() if len(uses) == 2)  # a token in two overlapping windows
+    tail = 10  # first sequence: windows at 0, 3, 6 end at token 9; token 10 is a tail
+    assert tail not in cover
+    x[token, 1, 2] = float("nan")
+    x[tail, 0, 0] = float("nan")
+
+    out = compress(x, weight, block_size, stride, ends)
+    expected = torch.zeros(out.shape, dtype=torch.bool)
+    for c, _ in cover[token]:
+        expected[c, 1, 2] = True
+    assert torch.equal(torch.isnan(out).cpu(), expected)
+
+    dx, dweight = compress_grad(dout, x, weight, block_size, stride, ends)
+    assert not torch.isnan(dx).any()  # dx = weight * dout does not read x
+    expected_w = torch.zeros(weight.shape, dtype=torch.bool)
+    for _, j in cover[token]:
+        expected_w[j, 1] = True
+    assert torch.equal(torch.isnan(dweight).cpu(), expected_w)
+
+
+def test_nan_in_weight_and_dout(device):
+    block_size, stride = 3, 2
+    ends, x, weight, dout = random_problem([8, 5], 2, 3, block_size, stride, torch.float64, device)
+    weight_nan = weight.clone()
+    weight_nan[1, 0] = float("nan")
+    out = compress(x, weight_nan, block_size, stride, ends)
+    assert torch.isnan(out[:, 0]).all() and not torch.isnan(out[:, 1]).any()
+
+    cover = covered_tokens(ends, block_size, stride)
+    dout_nan = dout.clone()
+    dout_nan[2, 1, 0] = float("nan")
+    dx, dweight = compress_grad(dout_nan, x, weight, block_size, stride, ends)
+    expected = torch.zeros(x.shape, dtype=torch.bool)
+    for t, uses in cover.items():
+        if any(c == 2 for c, _ in uses):
+            expected[t, 1, 0] = True
+    assert torch.equal(torch.isnan(dx).cpu(), expected)
+    assert torch.isnan(dweight[:, 1]).all() and not torch.isnan(dweight[:, 0]).any()
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: every rule carries CANN's status and names the parameter.
+
+def _raises(status, name, *words):
+    """pytest.raises(AclnnError) that also checks the status, that the message leads with the
+    parameter (``"<op>: <name> ..."``) and that it contains ``words``."""
+    class Check:
+        def __enter__(self):
+            self.ctx = pytest.raises(gradops.AclnnError)
+            self.info = self.ctx.__enter__()
+            return self.info
+
+        def __exit__(self, *exc):
+            suppressed = self.ctx.__exit__(*exc)
+            message = str(self.info.value)
+            assert self.info.value.status == status, message
+            assert re.match(rf"^\w+: {re.escape(name)}\b", message), (name, message)
+            for word in words:
+                assert word in message, (word, message)
+            return suppressed
+    return Check()
+
+
+@pytest.fixture
+def good(device):
+    ends = [5, 9]
+    x = torch.randn(9, 2, 3, device=device)
+    weight = torch.randn(4, 2, device=device)
+    blocks = len(oracles.nsa_blocks(ends, 4, 2))
+    dout = torch.randn(blocks, 2, 3, device=device)
+    return dict(dout=dout, x=x, weight=weight, block_size=4, stride=2, seq_lens=ends, seq_lens_type="cumsum")
+
+
+def _fwd(args):
+    a = dict(args)
+    a.pop("dout")
+    return gradops.nsa_compress(**a, backend=BACKEND)
+
+
+def _bwd(args):
+    return gradops.nsa_compress_grad(**args, backend=BACKEND)
+
+
+NULLPTR = gradops.ACLNN_ERR_PARAM_NULLPTR
+INVALID = gradops.ACLNN_ERR_PARAM_INVALID
+
+
+@pytest.mark.parametrize("name", ["x", "weight", "seq_lens", "block_size", "stride", "dout"])
+def test_none_is_nullptr(good, name):
+    args = dict(good, **{name: None})
+    calls = [_bwd] if name == "dout" else [_fwd, _bwd]
+    for call in calls:
+        with _raises(NULLPTR, name, "None"):
+            call(args)
+
+
+@pytest.mark.parametrize("name,dtype", [("x", torch.int32), ("x", torch.complex64), ("weight", torch.float64),
+                                        ("weight", torch.float16), ("dout", torch.bfloat16)])
+def test_dtype_errors(good, name, dtype):
+    args = dict(good, **{name: good[name].to(dtype)})
+    calls = [_bwd] if name == "dout" else [_fwd, _bwd]
+    for call in calls:
+        with _raises(INVALID, name, "dtype"):
+            call(args)
+
+
+@pytest.mark.parametrize("change,name", [
+    (dict(x=torch.randn(9, 6)), "x"),
+    (dict(x=torch.randn(9, 2, 3, 1)), "x"),
+    (dict(weight=torch.randn(3, 2)), "weight"),
+    (dict(weight=torch.randn(4, 3)), "weight"),
+    (dict(weight=torch.randn(4)), "weight"),
+    (dict(seq_lens=[5, 8]), "seq_lens"),            # last end != T
+    (dict(seq_lens=[5, 10]), "seq_lens"),
+    (dict(seq_lens=[6, 5, 9]), "seq_lens"),         # decreasing
+    (dict(seq_lens=[-1, 9]), "seq_lens"),
+    (dict(seq_lens=[]), "seq_lens"),               # no sequences but T = 9
+    (dict(seq_lens=[5, 3], seq_lens_type="lengths"), "seq_lens"),  # sum != T
+    (dict(seq_lens=[10, -1], seq_lens_type="lengths"), "seq_lens"),
+    (dict(seq_lens=[5.0, 9.0]), "seq_lens"),
+    (dict(seq_lens=[5, True]), "seq_lens"),
+    (dict(seq_lens=9), "seq_lens"),
+    (dict(seq_lens=torch.tensor([5.0, 9.0])), "seq_lens"),
+    (dict(seq_lens=torch.tensor([[5, 9]])), "seq_lens"),
+    (dict(seq_lens_type="bogus"), "seq_lens_type"),
+    (dict(seq_lens_type=2), "seq_lens_type"),
+    (dict(block_size=0), "block_size"),
+    (dict(block_size=-4), "block_size"),
+    (dict(block_size=4.0), "block_size"),
+    (dict(stride=0), "stride"),
+    (dict(stride=-1), "stride"),
+    (dict(stride=2.5), "stride"),
+])
+def test_shape_and_attribute_errors(good, change, name):
+    args = dict(good, **change)
+    for call in (_fwd, _bwd):
+        with _raises(INVALID, name):
+            call(args)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 3), (3, 2, 3), (2, 2, 4), (2, 3, 3), (2, 6)])  # (2, 2, 3) is right
+def test_dout_shape_error(good, shape):
+    with _raises(INVALID, "dout"):
+        _bwd(dict(good, dout=torch.randn(shape)))
+
+
+def test_unknown_backend(good):
+    with _raises(INVALID, "backend"):
+        gradops.nsa_compress(good["x"], good["weight"], 4, 2, good["seq_lens"], backend="bogus")
+
+
+@pytest.mark.parametrize("name", ["x", "weight", "dout"])
+def test_non_tensor_input(good, name):
+    args = dict(good, **{name: good[name].tolist()})
+    calls = [_bwd] if name == "dout" else [_fwd, _bwd]
+    for call in calls:
+        with _raises(INVALID, name, "Tensor"):
+            call(args)
