@@ -204,7 +204,7 @@ def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dic
                          ("bwd_dk1", fa._bwd_dk1_kernel), ("bwd_dk2", fa._bwd_dk2_kernel)):
         cfg = floyd_config(name, head_dim, torch.empty((), dtype=dtype).element_size())
         consts = dict(HAS_MASK=True, PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32",
-                      ACC=tl.float64 if dtype == torch.float64 else tl.float32, IDX=tl.int32,
+                      ACC=tl.float64 if dtype == torch.float64 else tl.float32, IDX=tl.int32, UPCAST=False,
                       BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
                       GROUP=cfg.group)
         sig, attrs = {}, {}

@@ -54,7 +54,7 @@ _TL = {torch.float32: tl.float32, torch.float64: tl.float64}
 # Small helpers shared by the kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _tile3(ptr, i0, i1, i2, s0, s1, s2, n0, n1, n2):
+def _tile3(ptr, i0, i1, i2, s0, s1, s2, n0, n1, n2, UPCAST: tl.constexpr):
     """Load ptr[i0, i1, i2] (strides s*), zero past the bounds n*: a [len(i0), len(i1), len(i2)] tile.
 
     The index vectors are int32, or int64 when some offset inside one (b, h) slice can pass
@@ -62,7 +62,10 @@ def _tile3(ptr, i0, i1, i2, s0, s1, s2, n0, n1, n2):
     offs = (i0[:, None, None] * s0 + i1[None, :, None] * s1
             + i2[None, None, :] * s2)
     inside = (i0 < n0)[:, None, None] & (i1 < n1)[None, :, None] & (i2 < n2)[None, None, :]
-    return tl.load(ptr + offs, mask=inside, other=0.0)
+    tile = tl.load(ptr + offs, mask=inside, other=0.0)
+    if UPCAST:  # bfloat16 under the Triton interpreter, whose bf16 tl.dot is wrong (triton#11584)
+        tile = tile.to(tl.float32)
+    return tile
 
 
 @triton.jit
@@ -129,7 +132,7 @@ def _fwd_kernel(
     H, N, M, K, D, scale_ptr,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr, IDX: tl.constexpr,
+    GROUP: tl.constexpr, IDX: tl.constexpr, UPCAST: tl.constexpr,
 ):
     bh, tn, tm = _program_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(M, BLOCK_M), GROUP)
     scale = tl.load(scale_ptr)  # in ACC: a float argument would be rounded to float32
@@ -144,7 +147,7 @@ def _fwd_kernel(
     v2_ptr += b * sv2_b + h * sv2_h
     mask_ptr += b * smk_b
 
-    q = _tile3(q_ptr + b * sq_b + h * sq_h, n_idx, m_idx, d_idx, sq_n, sq_m, sq_d, N, M, D)  # [BN,BM,BD]
+    q = _tile3(q_ptr + b * sq_b + h * sq_h, n_idx, m_idx, d_idx, sq_n, sq_m, sq_d, N, M, D, UPCAST)  # [BN,BM,BD]
     q_by_m = tl.permute(q, (1, 0, 2))  # [BM,BN,BD]: the operand of the product batched over m
 
     row_max = tl.full([BLOCK_N, BLOCK_M], float("-inf"), ACC)
@@ -152,8 +155,8 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_D], ACC)
     for k0 in range(0, K, BLOCK_K):
         k_idx = (k0 + tl.arange(0, BLOCK_K)).to(IDX)
-        k1_t = _tile3(k1_ptr, n_idx, d_idx, k_idx, sk1_n, sk1_d, sk1_k, N, D, K)  # [BN,BD,BK]
-        k2_t = _tile3(k2_ptr, m_idx, d_idx, k_idx, sk2_m, sk2_d, sk2_k, M, D, K)  # [BM,BD,BK]
+        k1_t = _tile3(k1_ptr, n_idx, d_idx, k_idx, sk1_n, sk1_d, sk1_k, N, D, K, UPCAST)  # [BN,BD,BK]
+        k2_t = _tile3(k2_ptr, m_idx, d_idx, k_idx, sk2_m, sk2_d, sk2_k, M, D, K, UPCAST)  # [BM,BD,BK]
         s = tl.dot(q, k1_t, input_precision=PRECISION)
         s += tl.permute(tl.dot(q_by_m, k2_t, input_precision=PRECISION), (1, 0, 2))
         s = s * scale
@@ -169,8 +172,8 @@ def _fwd_kernel(
         row_sum = row_sum * alpha + tl.sum(p, axis=2)
         row_max = new_max
 
-        v1 = _tile3(v1_ptr, n_idx, k_idx, d_idx, sv1_n, sv1_k, sv1_d, N, K, D)  # [BN,BK,BD]
-        v2 = _tile3(v2_ptr, m_idx, k_idx, d_idx, sv2_m, sv2_k, sv2_d, M, K, D)  # [BM,BK,BD]
+        v1 = _tile3(v1_ptr, n_idx, k_idx, d_idx, sv1_n, sv1_k, sv1_d, N, K, D, UPCAST)  # [BN,BK,BD]
+        v2 = _tile3(v2_ptr, m_idx, k_idx, d_idx, sv2_m, sv2_k, sv2_d, M, K, D, UPCAST)  # [BM,BK,BD]
         p_in = p.to(v1.dtype)
         acc = acc * alpha[:, :, None]
         acc = tl.dot(p_in, v1, acc, input_precision=PRECISION)
@@ -204,7 +207,7 @@ def _bwd_dq_kernel(
     H, N, M, K, D, scale_ptr,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr, IDX: tl.constexpr,
+    GROUP: tl.constexpr, IDX: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """dQ[n,m] = sum_k dS (K1[n,k] + K2[k,m]), one program per (n-tile, m-tile); also Dr."""
     bh, tn, tm = _program_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(M, BLOCK_M), GROUP)
@@ -220,9 +223,9 @@ def _bwd_dq_kernel(
     v2_ptr += b * sv2_b + h * sv2_h
     mask_ptr += b * smk_b
 
-    q = _tile3(q_ptr + b * sq_b + h * sq_h, n_idx, m_idx, d_idx, sq_n, sq_m, sq_d, N, M, D)
-    dy = _tile3(dy_ptr + b * sdy_b + h * sdy_h, n_idx, m_idx, d_idx, sdy_n, sdy_m, sdy_d, N, M, D)
-    out = _tile3(out_ptr + b * so_b + h * so_h, n_idx, m_idx, d_idx, so_n, so_m, so_d, N, M, D)
+    q = _tile3(q_ptr + b * sq_b + h * sq_h, n_idx, m_idx, d_idx, sq_n, sq_m, sq_d, N, M, D, UPCAST)
+    dy = _tile3(dy_ptr + b * sdy_b + h * sdy_h, n_idx, m_idx, d_idx, sdy_n, sdy_m, sdy_d, N, M, D, UPCAST)
+    out = _tile3(out_ptr + b * so_b + h * so_h, n_idx, m_idx, d_idx, so_n, so_m, so_d, N, M, D, UPCAST)
     dr = tl.sum(dy.to(ACC) * out.to(ACC), axis=2)  # [BN,BM]
     # Dr is a [B,H,N,M] float32 buffer of the launcher's, contiguous.
     _store2(dr_ptr + bh.to(tl.int64) * N * M, dr, n_idx, m_idx, M, 1, N, M)
@@ -236,10 +239,10 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_D], ACC)
     for k0 in range(0, K, BLOCK_K):
         k_idx = (k0 + tl.arange(0, BLOCK_K)).to(IDX)
-        k1_t = _tile3(k1_ptr, n_idx, d_idx, k_idx, sk1_n, sk1_d, sk1_k, N, D, K)  # [BN,BD,BK]
-        k2_t = _tile3(k2_ptr, m_idx, d_idx, k_idx, sk2_m, sk2_d, sk2_k, M, D, K)  # [BM,BD,BK]
-        v1_t = _tile3(v1_ptr, n_idx, d_idx, k_idx, sv1_n, sv1_d, sv1_k, N, D, K)
-        v2_t = _tile3(v2_ptr, m_idx, d_idx, k_idx, sv2_m, sv2_d, sv2_k, M, D, K)
+        k1_t = _tile3(k1_ptr, n_idx, d_idx, k_idx, sk1_n, sk1_d, sk1_k, N, D, K, UPCAST)  # [BN,BD,BK]
+        k2_t = _tile3(k2_ptr, m_idx, d_idx, k_idx, sk2_m, sk2_d, sk2_k, M, D, K, UPCAST)  # [BM,BD,BK]
+        v1_t = _tile3(v1_ptr, n_idx, d_idx, k_idx, sv1_n, sv1_d, sv1_k, N, D, K, UPCAST)
+        v2_t = _tile3(v2_ptr, m_idx, d_idx, k_idx, sv2_m, sv2_d, sv2_k, M, D, K, UPCAST)
         s = tl.dot(q, k1_t, input_precision=PRECISION)
         s += tl.permute(tl.dot(q_by_m, k2_t, input_precision=PRECISION), (1, 0, 2))
         s = s * scale
@@ -277,7 +280,7 @@ def _bwd_dk1_kernel(
     H, N, M, K, D, scale_ptr,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr, IDX: tl.constexpr,
+    GROUP: tl.constexpr, IDX: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """dK1[n,k] = sum_m dS Q[n,m], dV1[n,k] = sum_m P dY[n,m]; one program per (n-tile, k-tile).
 
@@ -299,8 +302,8 @@ def _bwd_dk1_kernel(
     sum_ptr += b * ssum_b + h * ssum_h
     dr_ptr += bh.to(tl.int64) * N * M
 
-    k1 = _tile3(k1_ptr + b * sk1_b + h * sk1_h, n_idx, k_idx, d_idx, sk1_n, sk1_k, sk1_d, N, K, D)
-    v1 = _tile3(v1_ptr + b * sv1_b + h * sv1_h, n_idx, k_idx, d_idx, sv1_n, sv1_k, sv1_d, N, K, D)
+    k1 = _tile3(k1_ptr + b * sk1_b + h * sk1_h, n_idx, k_idx, d_idx, sk1_n, sk1_k, sk1_d, N, K, D, UPCAST)
+    v1 = _tile3(v1_ptr + b * sv1_b + h * sv1_h, n_idx, k_idx, d_idx, sv1_n, sv1_k, sv1_d, N, K, D, UPCAST)
     user = tl.zeros([BLOCK_N, BLOCK_K, 1], tl.int1)
     if HAS_MASK:
         user = _masked_out(mask_ptr + b * smk_b, n_idx, k_idx, smk_n, smk_k, N, K)[:, :, None]
@@ -310,10 +313,10 @@ def _bwd_dk1_kernel(
     dv1 = tl.zeros([BLOCK_N, BLOCK_K, BLOCK_D], ACC)
     for m0 in range(0, M, BLOCK_M):
         m_idx = (m0 + tl.arange(0, BLOCK_M)).to(IDX)
-        q = _tile3(q_ptr, n_idx, m_idx, d_idx, sq_n, sq_m, sq_d, N, M, D)  # [BN,BM,BD]
-        dy = _tile3(dy_ptr, n_idx, m_idx, d_idx, sdy_n, sdy_m, sdy_d, N, M, D)
-        k2 = _tile3(k2_ptr, m_idx, k_idx, d_idx, sk2_m, sk2_k, sk2_d, M, K, D)  # [BM,BK,BD]
-        v2 = _tile3(v2_ptr, m_idx, k_idx, d_idx, sv2_m, sv2_k, sv2_d, M, K, D)
+        q = _tile3(q_ptr, n_idx, m_idx, d_idx, sq_n, sq_m, sq_d, N, M, D, UPCAST)  # [BN,BM,BD]
+        dy = _tile3(dy_ptr, n_idx, m_idx, d_idx, sdy_n, sdy_m, sdy_d, N, M, D, UPCAST)
+        k2 = _tile3(k2_ptr, m_idx, k_idx, d_idx, sk2_m, sk2_k, sk2_d, M, K, D, UPCAST)  # [BM,BK,BD]
+        v2 = _tile3(v2_ptr, m_idx, k_idx, d_idx, sv2_m, sv2_k, sv2_d, M, K, D, UPCAST)
         s = tl.dot(k1, tl.permute(q, (0, 2, 1)), input_precision=PRECISION)  # [BN,BK,BM]
         s += tl.permute(tl.dot(k2, tl.permute(q, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
         s = tl.where(user, _NEG_FLT_MAX, s * scale)
@@ -349,7 +352,7 @@ def _bwd_dk2_kernel(
     H, N, M, K, D, scale_ptr,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr, IDX: tl.constexpr,
+    GROUP: tl.constexpr, IDX: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """dK2[k,m] = sum_n dS Q[n,m], dV2[k,m] = sum_n P dY[n,m]; one program per (k-tile, m-tile).
 
@@ -372,18 +375,18 @@ def _bwd_dk2_kernel(
     sum_ptr += b * ssum_b + h * ssum_h
     dr_ptr += bh.to(tl.int64) * N * M
 
-    k2 = _tile3(k2_ptr + b * sk2_b + h * sk2_h, m_idx, k_idx, d_idx, sk2_m, sk2_k, sk2_d, M, K, D)
-    v2 = _tile3(v2_ptr + b * sv2_b + h * sv2_h, m_idx, k_idx, d_idx, sv2_m, sv2_k, sv2_d, M, K, D)
+    k2 = _tile3(k2_ptr + b * sk2_b + h * sk2_h, m_idx, k_idx, d_idx, sk2_m, sk2_k, sk2_d, M, K, D, UPCAST)
+    v2 = _tile3(v2_ptr + b * sv2_b + h * sv2_h, m_idx, k_idx, d_idx, sv2_m, sv2_k, sv2_d, M, K, D, UPCAST)
     k_ok = (k_idx < K)[None, :, None]
 
     dk2 = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_D], ACC)
     dv2 = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_D], ACC)
     for n0 in range(0, N, BLOCK_N):
         n_idx = (n0 + tl.arange(0, BLOCK_N)).to(IDX)
-        q = _tile3(q_ptr, m_idx, n_idx, d_idx, sq_m, sq_n, sq_d, M, N, D)  # [BM,BN,BD]
-        dy = _tile3(dy_ptr, m_idx, n_idx, d_idx, sdy_m, sdy_n, sdy_d, M, N, D)
-        k1 = _tile3(k1_ptr, n_idx, k_idx, d_idx, sk1_n, sk1_k, sk1_d, N, K, D)  # [BN,BK,BD]
-        v1 = _tile3(v1_ptr, n_idx, k_idx, d_idx, sv1_n, sv1_k, sv1_d, N, K, D)
+        q = _tile3(q_ptr, m_idx, n_idx, d_idx, sq_m, sq_n, sq_d, M, N, D, UPCAST)  # [BM,BN,BD]
+        dy = _tile3(dy_ptr, m_idx, n_idx, d_idx, sdy_m, sdy_n, sdy_d, M, N, D, UPCAST)
+        k1 = _tile3(k1_ptr, n_idx, k_idx, d_idx, sk1_n, sk1_k, sk1_d, N, K, D, UPCAST)  # [BN,BK,BD]
+        v1 = _tile3(v1_ptr, n_idx, k_idx, d_idx, sv1_n, sv1_k, sv1_d, N, K, D, UPCAST)
         s = tl.dot(k2, tl.permute(q, (0, 2, 1)), input_precision=PRECISION)  # [BM,BK,BN]
         s += tl.permute(tl.dot(k1, tl.permute(q, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
         s = s * scale
@@ -417,7 +420,10 @@ def _launch_args(q: torch.Tensor, scale: float):
     # IEEE products for float32 and float64: TF32 would lose ~3 decimal digits the reference
     # keeps. 16-bit inputs keep the default (their products are exact in float32 anyway).
     precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
-    consts = dict(PRECISION=precision, ACC=_TL[acc])
+    # On CPU the kernels run in the Triton interpreter, whose bfloat16 tl.dot is wrong
+    # (triton#11584): there bfloat16 tiles are widened to float32 as they are loaded.
+    upcast = q.dtype == torch.bfloat16 and q.device.type == "cpu"
+    consts = dict(PRECISION=precision, ACC=_TL[acc], UPCAST=upcast)
     return acc, consts, torch.tensor([scale], dtype=acc, device=q.device)
 
 
