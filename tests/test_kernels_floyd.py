@@ -257,6 +257,23 @@ def test_int64_index_path(monkeypatch, device):
     assert index_dtype(inputs[0], None) is tl.int32
 
 
+def test_no_cubic_allocation(monkeypatch, device):
+    """The launchers allocate outputs, statistics, Dr and the scale: nothing of N*M*K."""
+    b, h, n, m, k, d = 1, 1, 24, 24, 24, 4
+    inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.float32, device, "random")
+    sizes = []
+    real_empty = torch.empty
+
+    def recording_empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        sizes.append(t.numel())
+        return t
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    run_kernels(inputs, dy, mask, 1.0)
+    assert sizes and max(sizes) <= max(n * m * d, n * k * d, k * m * d) < n * m * k
+
+
 def test_deterministic(device):
     inputs, dy, mask = make_inputs(1, 2, 20, 18, 37, 16, torch.float16, device, "random")
     first = run_kernels(inputs, dy, mask, 0.6)
