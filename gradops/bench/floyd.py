@@ -319,7 +319,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     quick = args.quick or not on_gpu
     reps = args.reps or (5 if quick else 20)
     bench = run(shapes, dtype, device, impls, masked=args.mask, scale=args.scale,
-                directions=args.direction or ["fwd", "bwd"], reps=reps, warmup=1 if quick else 3,
+                directions=args.direction or ["fwd", "bwd"], reps=reps, warmup=2 if quick else 3,
                 max_seconds=2.0 if quick else 10.0, memory=on_gpu)
     print(bench.table())
     if not on_gpu:
