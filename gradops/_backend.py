@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -49,10 +49,17 @@ def _triton_usable_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and triton_interpreter_on())
 
 
-def implementation(op: str, family: str, backend: Optional[str], device: torch.device):
-    """The module implementing ``family`` for this call."""
+def implementation(op: str, family: str, backend: Optional[str], device: torch.device,
+                   *, kernel_limit: Optional[Callable[[object], Optional[str]]] = None):
+    """The module implementing ``family`` for this call.
+
+    ``kernel_limit(kernels_module)`` returns why the Triton kernels cannot take this
+    particular call (None when they can): "auto" then falls back to the reference, and an
+    explicit backend="triton" is refused with that reason.
+    """
     if backend is None:
         backend = "auto"
+    requested = backend
     if backend not in BACKENDS:
         raise AclnnError(ACLNN_ERR_PARAM_INVALID,
                          f"{op}: backend is {backend!r}, expected one of {BACKENDS} or None")
@@ -70,7 +77,15 @@ def implementation(op: str, family: str, backend: Optional[str], device: torch.d
                 f"{op}: backend='triton' needs CUDA tensors (got {device}); on CPU it runs through "
                 f"the Triton interpreter only when TRITON_INTERPRET=1 is set before triton is imported",
             )
-    return importlib.import_module(f"gradops.{'kernels' if backend == 'triton' else 'reference'}.{family}")
+    module = importlib.import_module(f"gradops.{'kernels' if backend == 'triton' else 'reference'}.{family}")
+    if backend == "triton" and kernel_limit is not None:
+        reason = kernel_limit(module)
+        if reason is not None:
+            if requested == "triton":
+                raise AclnnError(ACLNN_ERR_PARAM_INVALID,
+                                 f"{op}: backend='triton' cannot run this call: {reason}; use backend='reference'")
+            module = importlib.import_module(f"gradops.reference.{family}")
+    return module
 
 
 def available_backends(family: str, device: torch.device) -> list:

@@ -58,3 +58,21 @@ def test_prepare_validates_without_running():
     assert plan.backend_name == "reference" and plan.device == torch.device("cpu")
     dx, dgamma = plan.run()
     assert dx.shape == (3, 8)
+
+
+def test_kernel_limits_route_auto_to_the_reference_and_refuse_explicit_triton(monkeypatch):
+    if not _backend.has_triton_kernels("floyd_attention"):
+        pytest.skip("triton is not installed")
+    q = rand((1, 1, 2, 2, 300))
+    limit = lambda kernels: kernels.unsupported(q)  # noqa: E731
+    monkeypatch.setattr(_backend, "_triton_usable_on", lambda device: True)  # as on a GPU
+    impl = _backend.implementation("floyd_attention", "floyd_attention", "auto", torch.device("cuda"),
+                                   kernel_limit=limit)
+    assert impl.__name__ == "gradops.reference.floyd_attention"
+    with raises_status(INVALID, "backend='triton'", "D = 300"):
+        _backend.implementation("floyd_attention", "floyd_attention", "triton", torch.device("cpu"),
+                                kernel_limit=limit)
+    q = rand((1, 1, 2, 2, 64))
+    impl = _backend.implementation("floyd_attention", "floyd_attention", "auto", torch.device("cuda"),
+                                   kernel_limit=lambda kernels: kernels.unsupported(q))
+    assert impl.__name__ == "gradops.kernels.floyd_attention"

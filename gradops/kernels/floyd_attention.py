@@ -453,6 +453,17 @@ def _meta(cfg):
                 GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def unsupported(q) -> "str | None":
+    """Why these kernels cannot take a call on ``q`` (None when they can): past these head
+    dims a program's tiles exceed an H100's shared memory even at the smallest tile of
+    floyd_config's table (docs/kernels-floyd.md)."""
+    d = q.shape[-1]
+    limit = 128 if q.dtype == torch.float64 else 256
+    if d > limit:
+        return f"head dim D = {d} > {limit} for {str(q.dtype).replace('torch.', '')} inputs"
+    return None
+
+
 def floyd_attention(q, k1, v1, k2, v2, mask, scale):
     """Forward: ``(out [B,H,N,M,D] q.dtype, softmax_max, softmax_sum [B,H,N,M] acc)``."""
     acc, consts, scale_t = _launch_args(q, scale)

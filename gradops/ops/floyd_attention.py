@@ -66,7 +66,7 @@ def prepare_floyd_attention(q, k1, v1, k2, v2, mask=None, scale=1.0, *, backend=
     _check_mask(op, mask, b, n, kk)
     scale = check_float_attr(op, "scale", scale)
     check_same_device(op, [("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2), ("mask", mask)])
-    impl = implementation(op, FAMILY, backend, q.device)
+    impl = implementation(op, FAMILY, backend, q.device, kernel_limit=lambda kernels: kernels.unsupported(q))
 
     def run():
         return impl.floyd_attention(q, k1, v1, k2, v2, _as_bool_mask(mask), scale)
@@ -104,7 +104,7 @@ def prepare_floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softma
     scale = check_float_attr(op, "scale", scale)
     check_same_device(op, [("dy", dy), ("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2),
                            ("out", out), ("softmax_max", smax), ("softmax_sum", ssum), ("mask", mask)])
-    impl = implementation(op, FAMILY, backend, q.device)
+    impl = implementation(op, FAMILY, backend, q.device, kernel_limit=lambda kernels: kernels.unsupported(q))
 
     def run():
         return impl.floyd_attention_grad(dy, q, k1, v1, k2, v2, out, smax, ssum, _as_bool_mask(mask), scale)
