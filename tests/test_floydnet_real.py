@@ -275,3 +275,46 @@ def test_dropout_matches_floydnet_under_same_rng():
     b = floyd_pivotal(*leaves, dropout=0.3)
     torch.testing.assert_close(a, b, **F64_TOL)
     assert math.isfinite(a.sum().item())
+
+
+@pytest.mark.parametrize("shape", [(B, H, LI, LK, LJ), (LK, LJ), (1, H, LI, 1, LJ)], ids=["full", "2d", "per_h_i"])
+def test_learnable_additive_mask_gets_floydnets_gradient(shape):
+    # a learned attention bias passed as attn_mask: its (broadcast-summed) gradient too
+    leaves = _leaves()
+    grads = []
+    for fn in (gradops.pivotal_attention, floyd_pivotal):
+        bias = torch.randn(shape, dtype=f64, generator=torch.Generator().manual_seed(7)).requires_grad_(True)
+        y = fn(*leaves, attn_mask=bias)
+        y.backward(torch.ones_like(y))
+        grads.append(bias.grad)
+    torch.testing.assert_close(grads[0], grads[1], **F64_TOL)
+
+
+def test_integer_mask_is_additive_as_in_floydnet():
+    # FloydNet adds any non-boolean mask, a uint8 one included (0/1 added to the scores)
+    leaves = _leaves()
+    mask = (torch.rand(B, 1, LI, 1, LJ) < 0.5).to(torch.uint8)
+    ours, theirs = gradops.pivotal_attention(*leaves, attn_mask=mask), floyd_pivotal(*leaves, attn_mask=mask)
+    torch.testing.assert_close(ours, theirs, **F64_TOL)
+
+
+def test_floyd_attention_training_with_dropout_matches_floydnet_under_same_rng():
+    # train mode, dropout on the attention weights and the output: one tile, so both draw
+    # the same random numbers in the same order
+    n, c, heads = 4, 8, 2
+    block = PivotalAttentionBlock(c, heads, dropout=0.25, bias=True, enable_ffn=False).to(f64).train()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    layer = FloydAttention(c, heads, bias=True, dropout=0.25, dtype=f64).train()
+    layer.load_state_dict({k: v for k, v in block.state_dict().items() if k.startswith(("c_qkv.", "c_proj."))})
+    x = torch.randn(B, n, n, c, dtype=f64)
+    outs = []
+    for fn in (layer, lambda t: block.attn(t, None)):
+        torch.manual_seed(5)
+        xi = x.clone().requires_grad_(True)
+        y = fn(xi)
+        y.sum().backward()
+        outs.append((y.detach(), xi.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0], **F64_TOL)
+    torch.testing.assert_close(outs[0][1], outs[1][1], **F64_TOL)
