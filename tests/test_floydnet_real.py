@@ -318,3 +318,47 @@ def test_floyd_attention_training_with_dropout_matches_floydnet_under_same_rng()
         outs.append((y.detach(), xi.grad))
     torch.testing.assert_close(outs[0][0], outs[1][0], **F64_TOL)
     torch.testing.assert_close(outs[0][1], outs[1][1], **F64_TOL)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_autocast_bf16_matches_floydnet_under_autocast(masked):
+    # under CPU autocast FloydNet's einsums run in bf16; ours casts to bf16 and computes in
+    # float32, so ours is the closer one to float64 and both return bf16
+    leaves = [t.detach().float() for t in _leaves()]
+    mask = (torch.rand(B, 1, LI, 1, LJ) < 0.3) if masked else None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = gradops.pivotal_attention(*leaves, attn_mask=mask)
+        theirs = floyd_pivotal(*leaves, attn_mask=mask)
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    exact = floyd_pivotal(*[t.to(torch.bfloat16).to(f64) for t in leaves], attn_mask=mask)
+    torch.testing.assert_close(ours.to(f64), exact, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_swapped_floydnet_block_compiles_fullgraph(monkeypatch):
+    import floydnet.transformer as floyd_transformer
+    torch._dynamo.reset()
+    n, c, heads = 4, 8, 2
+    block = PivotalAttentionBlock(c, heads, bias=True).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    x = torch.randn(B, n, n, c)
+    mask = torch.rand(B, 1, n, 1, n) < 0.3
+    runs = []
+    for swap in (False, True):
+        if swap:
+            monkeypatch.setattr(floyd_transformer, "pivotal_attention", gradops.pivotal_attention)
+        fn = torch.compile(block, fullgraph=True, backend="aot_eager") if swap else block
+        block.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        y = fn(xi, attn_mask=mask)
+        y.square().sum().backward()
+        runs.append((y.detach(), xi.grad, {k: p.grad.clone() for k, p in block.named_parameters()}))
+    torch._dynamo.reset()
+    # float32, different summation orders (fused operator vs einsum)
+    tol = dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(runs[1][0], runs[0][0], **tol)
+    torch.testing.assert_close(runs[1][1], runs[0][1], **tol)
+    for k in runs[0][2]:
+        torch.testing.assert_close(runs[1][2][k], runs[0][2][k], **tol, msg=lambda m, k=k: f"{k}: {m}")
