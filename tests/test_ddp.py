@@ -6,6 +6,7 @@ processes (spawning is the slow part)."""
 import datetime
 import os
 import socket
+import sys
 import time
 
 import pytest
@@ -76,6 +77,12 @@ def _full(t):
 
 def _worker(rank, port, out_dir):
     torch.set_num_threads(1)
+    # The rendezvous is on 127.0.0.1, but gloo's own connections bind to the address the
+    # host name resolves to unless told otherwise: keep them on the loopback interface too.
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    elif sys.platform == "darwin":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:

@@ -242,7 +242,8 @@ def rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Si
              backend: Optional[str] = None) -> Tensor:
     """``torch.nn.functional.rms_norm`` with gradops' forward and backward operators.
 
-    ``eps=None`` means ``torch.finfo(input.dtype).eps``, as in torch. ``weight=None``
+    ``eps=None`` means the machine eps of the dtype torch computes in, as in torch:
+    ``torch.finfo(torch.float32).eps`` for float16/bfloat16/float32 input, float64's for float64. ``weight=None``
     normalises without a scale (a constant ones gamma, which receives no gradient).
     """
     op = "rms_norm"
@@ -250,7 +251,9 @@ def rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Si
     if not isinstance(input, Tensor):
         raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: input is a {type(input).__name__}, expected a torch.Tensor")
     if eps is None:
-        eps = torch.finfo(input.dtype).eps if input.is_floating_point() else 0.0
+        # torch takes the machine eps of the dtype it computes in, float32 for half inputs
+        # (not bf16's 2**-7, which would visibly shift small-magnitude rows)
+        eps = torch.finfo(stat_dtype(input.dtype)).eps if input.is_floating_point() else 0.0
     if weight is None:
         # float32 gamma beside half input is in CANN's dtype table; float32/float64 input keep their own
         gamma_dtype = stat_dtype(input.dtype) if input.is_floating_point() else torch.float32
@@ -286,8 +289,17 @@ def _nsa_compress_op(x: Tensor, weight: Tensor, block_size: int, stride: int, se
     return _nsa_forward(x, weight, block_size, stride, seq_lens, seq_lens_type, backend)
 
 
+def _specialized(seq_lens: List[int]) -> List[int]:
+    # Under torch.compile dynamo turns a list's ints into symbolic ints once it has seen them
+    # change (automatic dynamic shapes) or with dynamic=True. The block plan needs their
+    # values: int() guards on each one, so the list stays a compile-time constant and a new
+    # list recompiles (as documented) instead of failing validation.
+    return [int(v) for v in seq_lens]
+
+
 @_nsa_compress_op.register_fake
 def _(x, weight, block_size, stride, seq_lens, seq_lens_type, backend):
+    seq_lens = _specialized(seq_lens)
     p = _nsa_ops.prepare_nsa_compress(x, weight, block_size, stride, seq_lens, seq_lens_type, backend=backend)
     return _empty_like_spec(p.outputs[0], x)
 
@@ -301,6 +313,7 @@ def _nsa_compress_backward_op(dout: Tensor, x: Tensor, weight: Tensor, block_siz
 
 @_nsa_compress_backward_op.register_fake
 def _(dout, x, weight, block_size, stride, seq_lens, seq_lens_type, backend):
+    seq_lens = _specialized(seq_lens)
     p = _nsa_ops.prepare_nsa_compress_grad(dout, x, weight, block_size, stride, seq_lens, seq_lens_type,
                                            backend=backend)
     return tuple(_empty_like_spec(s, x) for s in p.outputs)

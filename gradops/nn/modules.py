@@ -36,7 +36,8 @@ class RMSNorm(nn.RMSNorm):
     """``torch.nn.RMSNorm`` whose forward and backward are gradops' operators.
 
     ``RMSNorm(normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None)``,
-    exactly torch's (``eps=None``: the input dtype's machine epsilon).
+    exactly torch's (``eps=None``: the machine epsilon of the dtype torch computes in,
+    float32 for half inputs).
     """
 
     def forward(self, x: Tensor) -> Tensor:
