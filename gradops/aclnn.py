@@ -166,7 +166,7 @@ def renamed_errors(names: Dict[str, str]):
 def _placeholder(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor with a shape, dtype and device but no memory of its own (a 0-dim tensor
     expanded): lets the shared validator check a call whose tensor phase two converts."""
-    return torch.empty((), dtype=dtype, device=device).expand(*shape)
+    return torch.empty((), dtype=dtype, device=device).expand(tuple(shape))  # () included: one row
 
 
 # ----------------------------------------------------------------------------------------
@@ -469,6 +469,9 @@ def aclnnRmsNormGradGetWorkspaceSize(dy, x, rstd, gamma, dxOut, dgammaOut):
                   ("dgammaOut", dgammaOut)])
     _dtype(op, "x", x, CANN_FLOATS)
     _dtype(op, "dy", dy, CANN_FLOATS)
+    # the whole dtype table before any shape: CANN checks dtypes in its op API, shapes at tiling
+    _same_dtype(op, [("dy", dy)], "x", x)
+    _dtype(op, "rstd", rstd, (F32,))
     _same_dtype(op, [("dxOut", dxOut)], "dy", dy)
     _dtype(op, "dgammaOut", dgammaOut, (F32,))
     with renamed_errors(_RMS_NAMES):
@@ -655,6 +658,9 @@ def aclnnFusedFloydAttentionGradGetWorkspaceSize(query, key1, value1, key2, valu
     _tensors(op, inputs + [("attenMaskOptional", attenMaskOptional)] + stats + outs)
     _dtype(op, "query", query, CANN_HALVES)
     _same_dtype(op, outs, "query", query)
+    # the statistics' dtype before any shape (shapes are CANN's tiling checks, 561002)
+    _dtype(op, "softmaxMax", softmaxMax, (F32,))
+    _dtype(op, "softmaxSum", softmaxSum, (F32,))
     with renamed_errors(_FLOYD_NAMES):
         prepared = prepare_floyd_attention_grad(dy, query, key1, value1, key2, value2, attentionIn, softmaxMax,
                                                 softmaxSum, attenMaskOptional, scaleValue, op=op)
