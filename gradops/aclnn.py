@@ -412,8 +412,17 @@ def aclnnLayerNormBackwardGetWorkspaceSize(gradOut, input, normalizedShape, mean
         stages = [_Stage(lambda: mean.reshape(lead), lead, 0),
                   _Stage(lambda: rstd.reshape(lead), lead, rows * _F32_BYTES)]
 
+    # CANN sums gradWeight/gradBias in float32 and casts once, to the output's dtype; the shared
+    # engine would round them to a half weight's dtype first (a second rounding on the way into
+    # a float32 output), so phase two hands it the weight widened to float32 (exact: dx is the same)
+    widen = weightOptional is not None and weightOptional.dtype != F32 and (mask[1] or mask[2])
+
     def compute(staged):
-        return prepare(*staged).run() if staged else prepared.run()
+        if not widen:
+            return prepare(*staged).run() if staged else prepared.run()
+        m, r = staged if staged else (mean, rstd)
+        return prepare_layer_norm_backward(gradOut, input, shape, m, r, weightOptional.float(), biasOptional,
+                                           mask, op=op).run()
 
     writes = [(t, (lambda i: lambda r: r[i])(i)) for i, ((_, t), wanted) in enumerate(zip(outs, mask)) if wanted]
     ex = AclOpExecutor(op, device, stages, compute, writes)

@@ -747,3 +747,31 @@ def test_failed_run_does_not_consume_the_executor():
     with pytest.raises(gradops.AclnnError):
         launch(None, size, ex, None)
     assert launch(torch.empty(size, dtype=torch.uint8), size, ex, None) == 0
+
+
+# ---------------------------------------------------------------------------------------
+# Results cast once into the outputs' dtypes
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_layer_norm_backward_weight_grads_are_float32_sums_cast_once(dtype):
+    """OPERATORS.md 1: gradWeight/gradBias accumulate in f32 and are cast to the output
+    tensor's dtype. With a half weight and float32 outputs, the outputs hold the float32
+    sums, not the sums rounded to half first."""
+    args = lnb(dtype)
+    args["gradWeightOut"], args["gradBiasOut"] = sent(32), sent(32)
+    accept("lnb", args)
+    dy, x = args["gradOut"].double(), args["input"].double()
+    xhat = (x - args["mean"].double()) * args["rstd"].double()
+    dw, db = (dy * xhat).sum((0, 1)), dy.sum((0, 1))
+    # 12 float32 products/sums of O(1) terms: float32 rounding, far below half's 2^-8 / 2^-11
+    torch.testing.assert_close(args["gradWeightOut"].double(), dw, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(args["gradBiasOut"].double(), db, rtol=1e-5, atol=1e-5)
+    # and a half output gets the float32 sum rounded once; dx is unchanged
+    args2 = lnb(dtype)
+    for k in ("gradOut", "input", "mean", "rstd", "weightOptional", "biasOptional"):
+        args2[k] = args[k]
+    accept("lnb", args2)
+    assert torch.equal(args2["gradWeightOut"], args["gradWeightOut"].to(dtype))
+    assert torch.equal(args2["gradBiasOut"], args["gradBiasOut"].to(dtype))
+    assert torch.equal(args2["gradInputOut"], args["gradInputOut"])
