@@ -258,6 +258,11 @@ def _stream_context(op: str, stream, device: torch.device):
         if stream.device != device:
             _fail(op, INVALID, f"stream is on {stream.device}, expected a stream of {device}")
         return torch.cuda.stream(stream)
+    cpu_stream = getattr(torch.cpu, "Stream", None)
+    generic = getattr(torch, "Stream", None)
+    if device.type == "cpu" and ((cpu_stream is not None and isinstance(stream, cpu_stream)) or
+                                 (generic is not None and isinstance(stream, generic) and stream.device.type == "cpu")):
+        return contextlib.nullcontext()  # the CPU has one stream: the call runs in order, synchronously
     _fail(op, INVALID, f"stream is {stream!r}, expected None (the current stream) or a torch.cuda.Stream "
                        f"of {device}")
 

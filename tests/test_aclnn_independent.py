@@ -546,9 +546,11 @@ def test_nsa_boundaries_accepted_same_numbers():
     dict(b=2049), dict(h=257), dict(n=8), dict(n=24), dict(m=64), dict(m=192), dict(k=64), dict(k=192),
     dict(d=16), dict(d=48), dict(d=256)])
 def test_floyd_shape_limits_561002(dims):
-    args = fa(F16, lazy=True, **dims)
+    args = fa_lazy(**dims)
     args["attenMaskOptional"] = None
-    reject("fa", args, TILING)
+    with pytest.raises(gradops.AclnnError) as e:
+        A.aclnnFusedFloydAttentionGetWorkspaceSize(**args)
+    assert e.value.status == TILING
 
 
 def test_floyd_inconsistent_shapes_561002():
@@ -775,3 +777,114 @@ def test_layer_norm_backward_weight_grads_are_float32_sums_cast_once(dtype):
     assert torch.equal(args2["gradWeightOut"], args["gradWeightOut"].to(dtype))
     assert torch.equal(args2["gradBiasOut"], args["gradBiasOut"].to(dtype))
     assert torch.equal(args2["gradInputOut"], args["gradInputOut"])
+
+
+def test_cpu_operators_take_a_cpu_torch_stream():
+    """OPERATORS.md 6: aclrtStream -> None or a torch stream; on the CPU that is torch.cpu.Stream
+    or a generic torch.Stream of the CPU. Anything else is refused before anything is written."""
+    streams = [s for s in (getattr(torch.cpu, "Stream", lambda: None)(), torch.Stream(device="cpu")) if s is not None]
+    for stream in streams:
+        args = rms()
+        size, ex = A.aclnnRmsNormGetWorkspaceSize(**args)
+        assert A.aclnnRmsNorm(None, size, ex, stream) == 0
+        y, rstd = gradops.rms_norm(args["x"], args["gamma"], 1e-6)
+        assert torch.equal(args["yOut"], y) and torch.equal(args["rstdOut"], rstd)
+    args = rms()
+    snap = snapshot(args, RMS_OUTS)
+    size, ex = A.aclnnRmsNormGetWorkspaceSize(**args)
+    with pytest.raises(gradops.AclnnError) as e:
+        A.aclnnRmsNorm(None, size, ex, 7)
+    assert e.value.status == INVALID and bitwise_intact(args, snap)
+
+
+# ---------------------------------------------------------------------------------------
+# Floyd limits at their edges (phase one only: data-less expanded tensors)
+# ---------------------------------------------------------------------------------------
+
+def _lazy(dtype, *shape):
+    return torch.zeros((), dtype=dtype).expand(*shape)
+
+
+def fa_lazy(**dims):
+    """A forward call of data-less expanded tensors, outputs included (phase one only)."""
+    s = dict(b=FB, h=FH, n=FN, m=FM, k=FK, d=FD)
+    s.update(dims)
+    b, h, n, m, k, d = (s[c] for c in "bhnmkd")
+    return dict(query=_lazy(F16, b, h, n, m, d), key1=_lazy(F16, b, h, n, k, d), value1=_lazy(F16, b, h, n, k, d),
+                key2=_lazy(F16, b, h, k, m, d), value2=_lazy(F16, b, h, k, m, d),
+                attenMaskOptional=_lazy(torch.bool, b, 1, n, 1, k), scaleValue=1.0,
+                softmaxMaxOut=_lazy(F32, b, h, n, m, 8), softmaxSumOut=_lazy(F32, b, h, n, m, 8),
+                attentionOutOut=_lazy(F16, b, h, n, m, d))
+
+
+@pytest.mark.parametrize("dims,ok", [
+    (dict(b=2048), True), (dict(h=256), True), (dict(n=1 << 20), True), (dict(m=1 << 20), True),
+    (dict(k=1 << 20), True), (dict(d=64), True), (dict(d=128), True), (dict(b=1, h=1, n=16), True),
+    (dict(n=(1 << 20) + 16), False), (dict(m=(1 << 20) + 128), False), (dict(k=(1 << 20) + 128), False),
+    (dict(b=0), False), (dict(h=0), False), (dict(n=0), False),
+])
+def test_floyd_limits_at_the_edges(dims, ok):
+    args = fa_lazy(**dims)
+    if ok:
+        size, _ = A.aclnnFusedFloydAttentionGetWorkspaceSize(**args)
+        assert size == 0
+    else:
+        with pytest.raises(gradops.AclnnError) as e:
+            A.aclnnFusedFloydAttentionGetWorkspaceSize(**args)
+        assert e.value.status == TILING
+
+
+# ---------------------------------------------------------------------------------------
+# Views and non-contiguous tensors, inputs and outputs
+# ---------------------------------------------------------------------------------------
+
+def test_non_contiguous_inputs_and_outputs_same_numbers():
+    a = rmsg(F16, F32)
+    a["x"] = rnd(4, 3, 32, dtype=F16).transpose(0, 1)
+    a["dy"] = rnd(32, 4, 3, dtype=F16).permute(2, 1, 0)
+    a["dxOut"] = sent(32, 3, 4, dtype=F16).permute(1, 2, 0)
+    accept("rmsg", a)
+    want = gradops.rms_norm_grad(a["dy"], a["x"], a["rstd"], a["gamma"])
+    assert torch.equal(a["dxOut"], want[0]) and torch.equal(a["dgammaOut"], want[1])
+
+    g = nsag()
+    g["input"] = rnd(16, 2, 80, dtype=F16).permute(2, 1, 0)
+    g["inputGradOut"] = sent(2, 80, 16, dtype=F16).transpose(0, 1)
+    accept("nsag", g)
+    want = gradops.nsa_compress_grad(g["outputGrad"], g["input"], g["weight"], 32, 16, NSA_ENDS)
+    assert torch.equal(g["inputGradOut"], want[0]) and torch.equal(g["weightGradOut"], want[1])
+
+    f = fag(F16)
+    f["softmaxMax"] = f["softmaxMax"][..., :1].expand(*f["softmaxMax"].shape)  # stride-0 replicas
+    f["dqOut"] = sent(FB, FH, FN, FD, FM, dtype=F16).transpose(-1, -2)
+    accept("fag", f)
+    want = gradops.floyd_attention_grad(f["dy"], f["query"], f["key1"], f["value1"], f["key2"], f["value2"],
+                                        f["attentionIn"], f["softmaxMax"][..., 0], f["softmaxSum"][..., 0],
+                                        f["attenMaskOptional"], f["scaleValue"])
+    for o, w in zip(FAG_OUTS, want):
+        assert torch.equal(f[o], w), o
+
+
+# ---------------------------------------------------------------------------------------
+# torch_npu names give the aclnn numbers
+# ---------------------------------------------------------------------------------------
+
+def test_torch_npu_matches_aclnn():
+    from gradops import torch_npu as npu
+    a = fa(F16)
+    accept("fa", a)
+    smax, ssum, out = npu.npu_fused_floyd_attention(a["query"], a["key1"], a["value1"], a["key2"], a["value2"],
+                                                    atten_mask=a["attenMaskOptional"], scale_value=a["scaleValue"])
+    assert smax.shape == ssum.shape == (FB, FH, FN, FM, 8)
+    assert torch.equal(smax, a["softmaxMaxOut"]) and torch.equal(ssum, a["softmaxSumOut"])
+    assert torch.equal(out, a["attentionOutOut"])
+    g = rmsg(BF16, BF16)
+    accept("rmsg", g)
+    dx, dgamma = npu.npu_rms_norm_backward(g["dy"], g["x"], g["gamma"], g["rstd"])  # gamma before rstd
+    assert torch.equal(dx, g["dxOut"]) and torch.equal(dgamma, g["dgammaOut"])
+    n = nsa()
+    accept("nsa", n)
+    assert torch.equal(npu.npu_nsa_compress(n["input"], n["weight"], 32, 16, actual_seq_len=NSA_ENDS), n["output"])
+    with pytest.raises(gradops.AclnnError) as e:  # a CANN-rejected dtype is still an AclnnError here
+        npu.npu_rms_norm_backward(g["dy"], g["x"], g["gamma"], g["rstd"].half())
+    assert e.value.status == INVALID
