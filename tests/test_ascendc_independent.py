@@ -375,3 +375,28 @@ def test_kernel_refuses_a_buffer_below_the_minimum_and_writes_nothing():
         LayerNormGrad(pd_x, res, dy, x, var, mean, gamma, torch.zeros(mn - 1, dtype=torch.uint8), 1e-4, tiling)
     assert e.value.status == INVALID
     assert bool((pd_x == 1234).all()) and bool((res == 1234).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_layer_norm_grad_beta_takes_a_padded_tiling(dtype):
+    """pdGamma/pdBeta are per-column sums over rows: originH (srcShape[3]) plays no part, so a
+    tiling of padded rows (storageH 16, originH 13, zero padding) is a call CANN accepts."""
+    ts = 2 if dtype == torch.float16 else 4
+    shape = [2, 5, 16, 13]
+    stack = (2 * 16 + 2 * 48) * 4 if ts == 2 else 48 * 4  # 3 rows of 16 a round either way
+    tiling = GetLayerNormGradBetaNDTilingInfo(shape, stack, ts, False)
+    assert tiling.originalHLength == 13 and tiling.loopRound == 3 and tiling.bsTailSize == 1
+    res = torch.randn(2, 5, 16, dtype=torch.float64)
+    dy = torch.randn(2, 5, 16, dtype=torch.float64)
+    res[..., 13:] = 0
+    dy[..., 13:] = 0
+    res, dy = res.to(dtype), dy.to(dtype)
+    pd_gamma, pd_beta = torch.full((16,), 99.0, dtype=dtype), torch.full((16,), 99.0, dtype=dtype)
+    LayerNormGradBeta(pd_gamma, pd_beta, res, dy, None, tiling)
+    want_g = (res.double() * dy.double()).sum((0, 1))
+    want_b = dy.double().sum((0, 1))
+    # 10 float32 terms per column, then one rounding to T
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(pd_gamma.double(), want_g, **tol)
+    torch.testing.assert_close(pd_beta.double(), want_b, **tol)
+    assert bool((pd_gamma[13:] == 0).all()) and bool((pd_beta[13:] == 0).all())
