@@ -400,3 +400,48 @@ def test_layer_norm_grad_beta_takes_a_padded_tiling(dtype):
     torch.testing.assert_close(pd_gamma.double(), want_g, **tol)
     torch.testing.assert_close(pd_beta.double(), want_b, **tol)
     assert bool((pd_gamma[13:] == 0).all()) and bool((pd_beta[13:] == 0).all())
+
+
+def _bad_kernel_calls():
+    import dataclasses
+    shape = [2, 5, 8, 8]
+    _, mn = GetLayerNormGradMaxMinTmpSize(shape, 4, False)
+    t = GetLayerNormGradNDTilingInfo(shape, mn, 4, False)
+    x, dy = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    var, mean, g = torch.rand(2, 5) + 0.5, torch.randn(2, 5), torch.randn(8)
+    buf = torch.zeros(mn, dtype=torch.uint8)
+    half_reuse = GetLayerNormGradNDTilingInfo(shape, 4096, 2, True)
+    NULL = 161001
+    return [
+        ("gamma None", NULL, lambda p, r: LayerNormGrad(p, r, dy, x, var, mean, None, buf, 1e-5, t)),
+        ("epsilon None", NULL, lambda p, r: LayerNormGrad(p, r, dy, x, var, mean, g, buf, None, t)),
+        ("tiling None", NULL, lambda p, r: LayerNormGrad(p, r, dy, x, var, mean, g, buf, 1e-5, None)),
+        ("x half", INVALID, lambda p, r: LayerNormGrad(p, r, dy, x.half(), var, mean, g, buf, 1e-5, t)),
+        ("variance shape", INVALID, lambda p, r: LayerNormGrad(p, r, dy, x, var[:, :4], mean, g, buf, 1e-5, t)),
+        ("beta tiling", INVALID, lambda p, r: LayerNormGrad(
+            p, r, dy, x, var, mean, g, buf, 1e-5, GetLayerNormGradBetaNDTilingInfo(shape, 1024, 4, False))),
+        ("buffer int8", INVALID, lambda p, r: LayerNormGrad(p, r, dy, x, var, mean, g, buf.to(torch.int8), 1e-5, t)),
+        ("buffer below min", INVALID, lambda p, r: LayerNormGrad(p, r, dy, x, var, mean, g, buf[:-1], 1e-5, t)),
+        ("tampered loopNum", INVALID, lambda p, r: LayerNormGrad(
+            p, r, dy, x, var, mean, g, buf, 1e-5, dataclasses.replace(t, loopNum=t.loopNum + 1))),
+        ("negative position", INVALID, lambda p, r: LayerNormGrad(
+            p, r, dy, x, var, mean, g, buf, 1e-5, dataclasses.replace(t, x3TensorPos=-1))),
+        ("reuse with half", INVALID, lambda p, r: LayerNormGrad(
+            p.half(), r.half(), dy.half(), x.half(), var.half(), mean.half(), g.half(), None, 1e-5, half_reuse,
+            isReuseSource=True)),
+        ("beta dy None", NULL, lambda p, r: LayerNormGradBeta(p[0, 0], r[0, 0], x, None, None,
+                                                                 GetLayerNormGradBetaNDTilingInfo(shape, 1024, 4))),
+        ("beta output shape", INVALID, lambda p, r: LayerNormGradBeta(
+            p[0, 0, :7], r[0, 0], x, dy, None, GetLayerNormGradBetaNDTilingInfo(shape, 1024, 4))),
+        ("beta buffer below min", INVALID, lambda p, r: LayerNormGradBeta(
+            p[0, 0], r[0, 0], x, dy, torch.zeros(63, dtype=torch.uint8), GetLayerNormGradBetaNDTilingInfo(shape, 64, 4))),
+    ]
+
+
+@pytest.mark.parametrize("name,status,call", _bad_kernel_calls(), ids=lambda v: v if isinstance(v, str) else "")
+def test_kernel_errors_status_and_nothing_written(name, status, call):
+    pd_x, res = torch.full((2, 5, 8), 7.0), torch.full((2, 5, 8), 7.0)
+    with pytest.raises(gradops.AclnnError) as e:
+        call(pd_x, res)
+    assert e.value.status == status, str(e.value)
+    assert bool((pd_x == 7).all()) and bool((res == 7).all())
