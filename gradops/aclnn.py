@@ -347,6 +347,9 @@ def aclnnLayerNormGetWorkspaceSize(input, normalizedShape, weightOptional, biasO
     _tensors(op, [("input", input), ("weightOptional", weightOptional), ("biasOptional", biasOptional),
                   ("out", out), ("meanOutOptional", meanOutOptional), ("rstdOutOptional", rstdOutOptional)])
     _dtype(op, "input", input, CANN_FLOATS)
+    if weightOptional is not None and biasOptional is not None:
+        # CANN's aclnnLayerNorm page: with both present, bias has weight's dtype
+        _same_dtype(op, [("biasOptional", biasOptional)], "weightOptional", weightOptional)
     _rank(op, "input", input, 1, MAX_DIMS, INVALID)
     shape = _normalized_shape(op, normalizedShape)
     with renamed_errors(_LN_NAMES):

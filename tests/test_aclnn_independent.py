@@ -888,3 +888,17 @@ def test_torch_npu_matches_aclnn():
     with pytest.raises(gradops.AclnnError) as e:  # a CANN-rejected dtype is still an AclnnError here
         npu.npu_rms_norm_backward(g["dy"], g["x"], g["gamma"], g["rstd"].half())
     assert e.value.status == INVALID
+
+
+def test_layer_norm_forward_bias_has_the_weights_dtype():
+    """CANN's aclnnLayerNorm page: weight is input's dtype or float32, and bias, when both are
+    given, has weight's dtype (161002 otherwise)."""
+    args = ln(F16)
+    args["weightOptional"] = args["weightOptional"].float()
+    reject("ln", args, INVALID)
+    args["biasOptional"] = args["biasOptional"].float()
+    accept("ln", args)
+    args = ln(F16)
+    args["biasOptional"] = None
+    args["weightOptional"] = args["weightOptional"].float()
+    accept("ln", args)
