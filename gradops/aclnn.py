@@ -166,7 +166,7 @@ def renamed_errors(names: Dict[str, str]):
 def _placeholder(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor with a shape, dtype and device but no memory of its own (a 0-dim tensor
     expanded): lets the shared validator check a call whose tensor phase two converts."""
-    return torch.empty((), dtype=dtype, device=device).expand(*shape)
+    return torch.empty((), dtype=dtype, device=device).expand(tuple(shape))  # () included: one row
 
 
 # ----------------------------------------------------------------------------------------
@@ -258,6 +258,11 @@ def _stream_context(op: str, stream, device: torch.device):
         if stream.device != device:
             _fail(op, INVALID, f"stream is on {stream.device}, expected a stream of {device}")
         return torch.cuda.stream(stream)
+    cpu_stream = getattr(torch.cpu, "Stream", None)
+    generic = getattr(torch, "Stream", None)
+    if device.type == "cpu" and ((cpu_stream is not None and isinstance(stream, cpu_stream)) or
+                                 (generic is not None and isinstance(stream, generic) and stream.device.type == "cpu")):
+        return contextlib.nullcontext()  # the CPU has one stream: the call runs in order, synchronously
     _fail(op, INVALID, f"stream is {stream!r}, expected None (the current stream) or a torch.cuda.Stream "
                        f"of {device}")
 
@@ -342,6 +347,9 @@ def aclnnLayerNormGetWorkspaceSize(input, normalizedShape, weightOptional, biasO
     _tensors(op, [("input", input), ("weightOptional", weightOptional), ("biasOptional", biasOptional),
                   ("out", out), ("meanOutOptional", meanOutOptional), ("rstdOutOptional", rstdOutOptional)])
     _dtype(op, "input", input, CANN_FLOATS)
+    if weightOptional is not None and biasOptional is not None:
+        # CANN's aclnnLayerNorm page: with both present, bias has weight's dtype
+        _same_dtype(op, [("biasOptional", biasOptional)], "weightOptional", weightOptional)
     _rank(op, "input", input, 1, MAX_DIMS, INVALID)
     shape = _normalized_shape(op, normalizedShape)
     with renamed_errors(_LN_NAMES):
@@ -412,8 +420,17 @@ def aclnnLayerNormBackwardGetWorkspaceSize(gradOut, input, normalizedShape, mean
         stages = [_Stage(lambda: mean.reshape(lead), lead, 0),
                   _Stage(lambda: rstd.reshape(lead), lead, rows * _F32_BYTES)]
 
+    # CANN sums gradWeight/gradBias in float32 and casts once, to the output's dtype; the shared
+    # engine would round them to a half weight's dtype first (a second rounding on the way into
+    # a float32 output), so phase two hands it the weight widened to float32 (exact: dx is the same)
+    widen = weightOptional is not None and weightOptional.dtype != F32 and (mask[1] or mask[2])
+
     def compute(staged):
-        return prepare(*staged).run() if staged else prepared.run()
+        if not widen:
+            return prepare(*staged).run() if staged else prepared.run()
+        m, r = staged if staged else (mean, rstd)
+        return prepare_layer_norm_backward(gradOut, input, shape, m, r, weightOptional.float(), biasOptional,
+                                           mask, op=op).run()
 
     writes = [(t, (lambda i: lambda r: r[i])(i)) for i, ((_, t), wanted) in enumerate(zip(outs, mask)) if wanted]
     ex = AclOpExecutor(op, device, stages, compute, writes)
@@ -469,6 +486,9 @@ def aclnnRmsNormGradGetWorkspaceSize(dy, x, rstd, gamma, dxOut, dgammaOut):
                   ("dgammaOut", dgammaOut)])
     _dtype(op, "x", x, CANN_FLOATS)
     _dtype(op, "dy", dy, CANN_FLOATS)
+    # the whole dtype table before any shape: CANN checks dtypes in its op API, shapes at tiling
+    _same_dtype(op, [("dy", dy)], "x", x)
+    _dtype(op, "rstd", rstd, (F32,))
     _same_dtype(op, [("dxOut", dxOut)], "dy", dy)
     _dtype(op, "dgammaOut", dgammaOut, (F32,))
     with renamed_errors(_RMS_NAMES):
@@ -655,6 +675,9 @@ def aclnnFusedFloydAttentionGradGetWorkspaceSize(query, key1, value1, key2, valu
     _tensors(op, inputs + [("attenMaskOptional", attenMaskOptional)] + stats + outs)
     _dtype(op, "query", query, CANN_HALVES)
     _same_dtype(op, outs, "query", query)
+    # the statistics' dtype before any shape (shapes are CANN's tiling checks, 561002)
+    _dtype(op, "softmaxMax", softmaxMax, (F32,))
+    _dtype(op, "softmaxSum", softmaxSum, (F32,))
     with renamed_errors(_FLOYD_NAMES):
         prepared = prepare_floyd_attention_grad(dy, query, key1, value1, key2, value2, attentionIn, softmaxMax,
                                                 softmaxSum, attenMaskOptional, scaleValue, op=op)

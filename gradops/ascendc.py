@@ -339,12 +339,13 @@ def _check_kernel_tensors(op: str, named, shapes, is_reuse: bool) -> torch.dtype
     return dtype
 
 
-def _check_tiling_h(op: str, tiling) -> int:
+def _check_tiling_h(op: str, tiling, uses_origin_h: bool = True) -> int:
     for name in ("bLength", "sLength", "hLength"):
         if getattr(tiling, name) <= 0:
             _fail(op, ACLNN_ERR_PARAM_INVALID, f"tiling.{name} is {getattr(tiling, name)}, expected > 0")
     h = tiling.hLength
-    if tiling.originalHLength != h:
+    # LayerNormGradBeta's per-column sums never use originH: padded rows are fine there
+    if uses_origin_h and tiling.originalHLength != h:
         # With padding (originH < storageH) CANN's pd_mean sums the zero padding's x - mean;
         # the engine computes unpadded rows, so refuse rather than give other numbers.
         _fail(op, ACLNN_ERR_PARAM_INVALID,
@@ -507,7 +508,7 @@ def LayerNormGradBeta(outputPdGamma, outputPdBeta, resForGamma, inputDy, sharedT
     bsh_rule, h_rule = "[B, S, H] of the tiling", "[H] of the tiling"
     dtype = _check_kernel_tensors(op, named, [((b, s, h), bsh_rule), ((b, s, h), bsh_rule),
                                               ((h,), h_rule), ((h,), h_rule)], reuse)
-    _check_tiling_h(op, tiling)
+    _check_tiling_h(op, tiling, uses_origin_h=False)
     bsh = b * s * h
     if (tiling.bshLength, tiling.bsLength) != (bsh, b * s):
         _fail(op, ACLNN_ERR_PARAM_INVALID,
