@@ -577,3 +577,14 @@ def test_scale_type_error(good, scale):
 def test_non_tensor_input(good, name):
     args = dict(good, **{name: good[name].tolist()})
     check_error(fwd(args), INVALID, name)
+
+
+def test_dtype_rules_come_before_tiling_shape_rules():
+    """CANN reports a dtype error (161002) even when a shape is also wrong (561002)."""
+    q, k1, v1, k2, v2 = make_inputs(1, 1, 2, 3, 4, 5, torch.float32, "cpu")
+    out, smax, ssum = gradops.floyd_attention(q, k1, v1, k2, v2)
+    bad_shape = smax[..., :2]
+    check_error(lambda: gradops.floyd_attention_grad(out, q, k1, v1, k2, v2, out, bad_shape.half(), ssum),
+                INVALID, "softmax_max", "dtype")
+    check_error(lambda: gradops.floyd_attention(q, k1[..., :2, :], v1, k2, v2, torch.ones(1, 1, 2, 1, 4)),
+                INVALID, "mask", "dtype")

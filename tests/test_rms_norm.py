@@ -152,3 +152,12 @@ def test_failed_in_place_call_writes_nothing():
     with raises_status(TILING, "rstd"):
         gradops.rms_norm_grad(dy, x, torch.ones(2), g, in_place=True)
     assert torch.equal(dy, before)
+
+
+def test_dtype_rules_come_before_tiling_shape_rules():
+    """CANN reports a dtype error (161002) even when a shape is also wrong (561002)."""
+    x, dy = rand((3, 8)), rand((3, 8))
+    with raises_status(INVALID, "rstd", "dtype"):
+        gradops.rms_norm_grad(dy, x, torch.ones(3, dtype=torch.float16), rand((7,)))
+    with raises_status(INVALID, "dy", "dtype"):
+        gradops.rms_norm_grad(dy.double(), x, torch.ones(5), rand((7,)))

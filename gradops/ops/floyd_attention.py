@@ -27,14 +27,21 @@ MASK_DTYPES = (torch.bool, torch.uint8)
 STAT_REPLICAS = 8  # CANN stores each softmax statistic 8 times: [B,H,N,M,8]
 
 
-def _check_qkv(op, q, k1, v1, k2, v2):
-    names = (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2))
-    for name, t in names:
+def _require(op, named):
+    for name, t in named:
         require_tensor(op, name, t)
-    check_dtype(op, "q", q, FLOAT_DTYPES)
-    for name, t in names[1:]:
-        check_same_dtype(op, name, t, "q", q)
-    for name, t in names:
+
+
+def _check_dtypes(op, named):
+    """One float dtype for every tensor in ``named`` (the first is the reference)."""
+    first_name, first = named[0]
+    check_dtype(op, first_name, first, FLOAT_DTYPES)
+    for name, t in named[1:]:
+        check_same_dtype(op, name, t, first_name, first)
+
+
+def _check_shapes(op, q, k1, v1, k2, v2):
+    for name, t in (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2)):
         check_rank(op, name, t, 5, 5, status=TILING)
     b, h, n, m, d = q.shape
     kk = k1.shape[3]
@@ -47,13 +54,15 @@ def _check_qkv(op, q, k1, v1, k2, v2):
     return b, h, n, m, kk, d
 
 
-def _check_mask(op, mask, b, n, kk):
-    if mask is None:
-        return None
-    require_tensor(op, "mask", mask)
-    check_dtype(op, "mask", mask, MASK_DTYPES)
-    check_shape(op, "mask", mask, (b, 1, n, 1, kk), "(B, 1, N, 1, K)", status=TILING)
-    return mask
+def _check_mask_dtype(op, mask):
+    if mask is not None:
+        require_tensor(op, "mask", mask)
+        check_dtype(op, "mask", mask, MASK_DTYPES)
+
+
+def _check_mask_shape(op, mask, b, n, kk):
+    if mask is not None:
+        check_shape(op, "mask", mask, (b, 1, n, 1, kk), "(B, 1, N, 1, K)", status=TILING)
 
 
 def _as_bool_mask(mask):
@@ -62,8 +71,13 @@ def _as_bool_mask(mask):
 
 def prepare_floyd_attention(q, k1, v1, k2, v2, mask=None, scale=1.0, *, backend=None,
                             op="floyd_attention") -> Prepared:
-    b, h, n, m, kk, d = _check_qkv(op, q, k1, v1, k2, v2)
-    _check_mask(op, mask, b, n, kk)
+    # None -> 161001, then every dtype rule (161002), then the shapes CANN checks at tiling
+    qkv = (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2))
+    _require(op, qkv)
+    _check_dtypes(op, qkv)
+    _check_mask_dtype(op, mask)
+    b, h, n, m, kk, d = _check_shapes(op, q, k1, v1, k2, v2)
+    _check_mask_shape(op, mask, b, n, kk)
     scale = check_float_attr(op, "scale", scale)
     check_same_device(op, [("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2), ("mask", mask)])
     impl = implementation(op, FAMILY, backend, q.device, kernel_limit=lambda kernels: kernels.unsupported(q))
@@ -76,10 +90,8 @@ def prepare_floyd_attention(q, k1, v1, k2, v2, mask=None, scale=1.0, *, backend=
     return Prepared(op, q.device, impl, outputs, run)
 
 
-def compact_stat(op, name, t, b, h, n, m, dtype):
+def compact_stat(op, name, t, b, h, n, m):
     """Softmax statistic given compact ``[B,H,N,M]`` or CANN's ``[B,H,N,M,8]`` -> compact view."""
-    require_tensor(op, name, t)
-    check_dtype(op, name, t, (dtype,))
     if tuple(t.shape) == (b, h, n, m):
         return t
     if tuple(t.shape) == (b, h, n, m, STAT_REPLICAS):
@@ -90,17 +102,20 @@ def compact_stat(op, name, t, b, h, n, m, dtype):
 
 def prepare_floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask=None,
                                  scale=1.0, *, backend=None, op="floyd_attention_grad") -> Prepared:
-    require_tensor(op, "dy", dy)
-    b, h, n, m, kk, d = _check_qkv(op, q, k1, v1, k2, v2)
-    require_tensor(op, "out", out)
-    check_same_dtype(op, "dy", dy, "q", q)
-    check_same_dtype(op, "out", out, "q", q)
+    # None -> 161001, then every dtype rule (161002), then the shapes CANN checks at tiling
+    tensors = (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2), ("dy", dy), ("out", out))
+    stats = (("softmax_max", softmax_max), ("softmax_sum", softmax_sum))
+    _require(op, tensors + stats)
+    _check_dtypes(op, tensors)
+    for name, t in stats:
+        check_dtype(op, name, t, (stat_dtype(q.dtype),))
+    _check_mask_dtype(op, mask)
+    b, h, n, m, kk, d = _check_shapes(op, q, k1, v1, k2, v2)
     check_shape(op, "dy", dy, q.shape, "q.shape", status=TILING)
     check_shape(op, "out", out, q.shape, "q.shape", status=TILING)
-    acc = stat_dtype(q.dtype)
-    smax = compact_stat(op, "softmax_max", softmax_max, b, h, n, m, acc)
-    ssum = compact_stat(op, "softmax_sum", softmax_sum, b, h, n, m, acc)
-    _check_mask(op, mask, b, n, kk)
+    smax = compact_stat(op, "softmax_max", softmax_max, b, h, n, m)
+    ssum = compact_stat(op, "softmax_sum", softmax_sum, b, h, n, m)
+    _check_mask_shape(op, mask, b, n, kk)
     scale = check_float_attr(op, "scale", scale)
     check_same_device(op, [("dy", dy), ("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2),
                            ("out", out), ("softmax_max", smax), ("softmax_sum", ssum), ("mask", mask)])

@@ -31,12 +31,15 @@ GAMMA_DTYPES = {
 }
 
 
-def _check_x_gamma(op, x, gamma):
+def _check_dtypes(op, x, gamma):
     check_dtype(op, "x", x, tuple(GAMMA_DTYPES))
     allowed = GAMMA_DTYPES[x.dtype]
     if gamma.dtype not in allowed:
         invalid(op, f"gamma has dtype {dtype_name(gamma.dtype)} beside x of dtype {dtype_name(x.dtype)}, "
                     f"expected dtype in {'/'.join(dtype_name(d) for d in allowed)}")
+
+
+def _check_gamma_shape(op, x, gamma):
     if gamma.dim() < 1:
         invalid(op, f"gamma has 0 dims, expected x.shape[-n:] with n >= 1", status=TILING)
     check_trailing(op, "gamma", x, "x", tuple(gamma.shape), status=TILING, verb="has shape")
@@ -46,7 +49,8 @@ def prepare_rms_norm(x, gamma, eps=1e-6, *, backend=None, op="rms_norm") -> Prep
     require_tensor(op, "x", x)
     require_tensor(op, "gamma", gamma)
     eps = check_float_attr(op, "eps", eps)
-    _check_x_gamma(op, x, gamma)
+    _check_dtypes(op, x, gamma)
+    _check_gamma_shape(op, x, gamma)
     check_same_device(op, [("x", x), ("gamma", gamma)])
     impl = implementation(op, FAMILY, backend, x.device)
     n = gamma.dim()
@@ -65,9 +69,11 @@ def prepare_rms_norm_grad(dy, x, rstd, gamma, *, in_place=False, backend=None,
                           op="rms_norm_grad") -> Prepared:
     for name, t in (("dy", dy), ("x", x), ("rstd", rstd), ("gamma", gamma)):
         require_tensor(op, name, t)
-    _check_x_gamma(op, x, gamma)
+    # every dtype rule (161002) before the shape rules CANN checks at tiling (561002)
+    _check_dtypes(op, x, gamma)
     check_same_dtype(op, "dy", dy, "x", x)
     check_dtype(op, "rstd", rstd, (stat_dtype(x.dtype),))
+    _check_gamma_shape(op, x, gamma)
     check_shape(op, "dy", dy, x.shape, "x.shape", status=TILING)
     n = gamma.dim()
     check_stat(op, "rstd", rstd, x, n, status=TILING)
