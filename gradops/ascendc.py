@@ -344,13 +344,11 @@ def _check_tiling_h(op: str, tiling, uses_origin_h: bool = True) -> int:
         if getattr(tiling, name) <= 0:
             _fail(op, ACLNN_ERR_PARAM_INVALID, f"tiling.{name} is {getattr(tiling, name)}, expected > 0")
     h = tiling.hLength
-    # LayerNormGradBeta's per-column sums never use originH: padded rows are fine there
-    if uses_origin_h and tiling.originalHLength != h:
-        # With padding (originH < storageH) CANN's pd_mean sums the zero padding's x - mean;
-        # the engine computes unpadded rows, so refuse rather than give other numbers.
+    # LayerNormGradBeta's per-column sums never use originH; LayerNormGrad's factors do
+    if uses_origin_h and not 0 < tiling.originalHLength <= h:
         _fail(op, ACLNN_ERR_PARAM_INVALID,
-              f"tiling.originalHLength is {tiling.originalHLength}, expected hLength ({h}): "
-              f"padded rows (originH != storageH) are not supported")
+              f"tiling.originalHLength is {tiling.originalHLength}, expected 1..hLength ({h}): "
+              f"rows are stored hLength wide, the original width at most that")
     return h
 
 
@@ -458,7 +456,13 @@ def LayerNormGrad(outputPdX, resForGamma, inputDy, inputX, inputVariance, inputM
     device = inputX.device
     min_bytes = GetLayerNormGradMaxMinTmpSize([b, s, h, h], _type_size(dtype), reuse)[1]
     _check_tmp_buffer(op, sharedTmpBuffer, min_bytes, device)
-    engine = implementation(op, "layer_norm", None, device)
+    # Padded rows (originH < storageH): sums over the stored width, factors from originH. Only
+    # the reference engine takes origin_h; the kernels leave such calls to it.
+    origin_h = tiling.originalHLength
+    padded = origin_h != h
+    engine = implementation(op, "layer_norm", None, device,
+                            kernel_limit=lambda kernels: "padded rows (originH < storageH)" if padded else None)
+    padding = {"origin_h": origin_h} if padded else {}
     eps = _kernel_eps(epsilon, dtype)
 
     # Each step's float32 working set lives at the tiling's positions: x3 holds pd_x and
@@ -484,7 +488,7 @@ def LayerNormGrad(outputPdX, resForGamma, inputDy, inputX, inputVariance, inputM
             dy_c = region(tiling.tmpTensorPos, rows).copy_(dy_c)
             x_c = region(tiling.tmpTensor1Pos, rows).copy_(x_c)
             var_c, mean_c = var_c.float(), mean_c.float()
-        pd_x, res = engine.layer_norm_grad(dy_c, x_c, var_c, mean_c, gamma, eps, reuse)
+        pd_x, res = engine.layer_norm_grad(dy_c, x_c, var_c, mean_c, gamma, eps, reuse, **padding)
         if reuse:  # the engine overwrote dy_c and x_c; rows of a copy must reach the tensor
             if not dy_rows.is_view:
                 dy_rows.write(r0, r1, dy_c)

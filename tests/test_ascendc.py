@@ -1,6 +1,7 @@
 """gradops.ascendc: the tiling host functions against CANN's formulas (written out again here,
 independently of the implementation), the worked examples of CANN's LayerNormGrad and
 LayerNormGradBeta pages, and the tiled kernel functions against a float64 oracle."""
+import dataclasses
 import math
 import struct
 
@@ -469,7 +470,8 @@ def grad_call(**over):
     (dict(sharedTmpBuffer=torch.zeros(10, dtype=torch.uint8)), INVALID, "sharedTmpBuffer"),
     (dict(sharedTmpBuffer=torch.zeros(4096, dtype=torch.float32)), INVALID, "sharedTmpBuffer"),
     (dict(tiling=LayerNormGradBetaTiling()), INVALID, "tiling"),
-    (dict(tiling=GetLayerNormGradNDTilingInfo([2, 4, 8, 6], 4096, 4, False)), INVALID, "originalHLength"),
+    (dict(tiling=dataclasses.replace(GetLayerNormGradNDTilingInfo([2, 4, 8, 8], 4096, 4, False),
+                                     originalHLength=9)), INVALID, "originalHLength"),
     (dict(tiling=GetLayerNormGradNDTilingInfo([2, 5, 8, 8], 4096, 4, False)), INVALID, "tiling"),
 ])
 def test_layer_norm_grad_kernel_errors_write_nothing(change, status, word):
@@ -523,3 +525,45 @@ def test_empty_tiling_is_refused_before_anything_runs():
     with pytest.raises(gradops.AclnnError) as e:
         LayerNormGradBeta(pg, pg.clone(), empty, empty.clone(), None, t)
     assert e.value.status == INVALID and "tiling.bLength" in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_layer_norm_grad_padded_rows_follow_cann(dtype):
+    """Rows stored 16 wide holding 13 values and zero padding (srcShape [B, S, 16, 13]): sums
+    run over the stored width, the factors 1/H and 2/H use originH (OPERATORS.md section 2).
+    Expected values from that formula, written out here in float64."""
+    b, s, h, oh = 4, 10, 16, 13
+    g = torch.Generator().manual_seed(7)
+    x = torch.zeros(b, s, h, dtype=torch.float64)
+    dy = torch.zeros(b, s, h, dtype=torch.float64)
+    x[..., :oh] = torch.randn(b, s, oh, generator=g, dtype=torch.float64)
+    dy[..., :oh] = torch.randn(b, s, oh, generator=g, dtype=torch.float64)
+    gamma = torch.zeros(h, dtype=torch.float64)
+    gamma[:oh] = torch.randn(oh, generator=g, dtype=torch.float64)
+    x, dy, gamma = x.to(dtype), dy.to(dtype), gamma.to(dtype)  # the values the kernel sees
+    mean = x.double()[..., :oh].mean(-1).to(dtype)
+    var = x.double()[..., :oh].var(-1, unbiased=False).to(dtype)
+    eps = float(torch.tensor(1e-5, dtype=dtype))
+
+    xd, dyd, gd = x.double(), dy.double(), gamma.double()
+    r = (var.double()[..., None] + eps) ** -0.5
+    x2 = xd - mean.double()[..., None]  # the padding's x - mean is -mean: CANN sums it too
+    x1 = dyd * gd
+    pd_var = (-0.5 * x1 * x2 * r ** 3).sum(-1, keepdim=True)
+    pd_mean = (-x1 * r).sum(-1, keepdim=True) + pd_var * (1 / oh) * (-2 * x2).sum(-1, keepdim=True)
+    want_pdx = x1 * r + pd_var * (2 / oh) * x2 + pd_mean / oh
+    want_res = x2 * r
+
+    type_size = 2 if dtype == torch.float16 else 4
+    mn = GetLayerNormGradMaxMinTmpSize([b, s, h, oh], type_size, False)[1]
+    tiling = GetLayerNormGradNDTilingInfo([b, s, h, oh], mn, type_size, False)
+    assert tiling.originalHLength == oh and tiling.loopNum >= 1
+    pdx = torch.full((b, s, h), 7.0, dtype=dtype)
+    res = torch.full((b, s, h), 7.0, dtype=dtype)
+    LayerNormGrad(pdx, res, dy, x, var, mean, gamma, torch.zeros(mn, dtype=torch.uint8), eps, tiling)
+    tol = 2e-5 if dtype == torch.float32 else 2e-3
+    assert (pdx.double() - want_pdx).abs().max() <= tol * want_pdx.abs().max()
+    assert (res.double() - want_res).abs().max() <= tol * want_res.abs().max()
+    # the padding matters: unpadded rows of 13 give a pd_x outside the tolerance of this one
+    unpadded, _ = gradops.layer_norm_grad(dy[..., :oh], x[..., :oh], var, mean, gamma[:oh], eps)
+    assert (pdx[..., :oh].double() - unpadded.double()).abs().max() > 3 * tol * want_pdx.abs().max()

@@ -52,11 +52,16 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
     return dx, dw, db
 
 
-def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source):
+def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source, origin_h=None):
     """AscendC LayerNormGrad, literally: the variance (not rstd) comes in, eps is added here,
-    and pd_mean keeps the term CANN computes even though it is analytically zero."""
+    and pd_mean keeps the term CANN computes even though it is analytically zero.
+
+    ``origin_h`` (reference backend only; gradops.ascendc passes it for padded tilings): rows
+    are stored ``x.shape[1]`` wide with zero padding, sums run over the stored width and the
+    factors 1/H, 2/H use the original width, as CANN's kernel does.
+    """
     acc = stat_dtype(x.dtype)
-    h = x.shape[1]
+    h = x.shape[1] if origin_h is None else origin_h
     dyf, xf, gf = dy.to(acc), x.to(acc), gamma.to(acc)
     r = torch.rsqrt(variance.to(acc)[:, None] + eps)
     x2 = xf - mean.to(acc)[:, None]
