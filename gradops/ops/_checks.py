@@ -17,6 +17,8 @@ from ..errors import (
     AclnnError,
 )
 
+TILING = ACLNN_ERR_INNER_TILING_ERROR  # shape rules CANN checks at tiling (OPERATORS.md)
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -62,12 +64,6 @@ def require_tensor(op: str, name: str, t, *, optional: bool = False) -> Optional
     if not isinstance(t, torch.Tensor):
         invalid(op, f"{name} is a {type(t).__name__}, expected a torch.Tensor")
     return t
-
-
-def require_not_none(op: str, name: str, value):
-    if value is None:
-        fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None")
-    return value
 
 
 def check_dtype(op: str, name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]):
@@ -129,19 +125,3 @@ def check_float_attr(op: str, name: str, value) -> float:
         invalid(op, f"{name} is {value!r}, expected a float")
     return float(value)
 
-
-def check_out(op: str, name: str, out: Optional[torch.Tensor], shape, dtype, device):
-    """An ``out=`` tensor must match what the operator produces exactly."""
-    if out is None:
-        return None
-    require_tensor(op, name, out)
-    if tuple(out.shape) != tuple(shape):
-        invalid(op, f"{name} has shape {tuple(out.shape)}, expected {tuple(shape)}")
-    if out.dtype != dtype:
-        invalid(op, f"{name} has dtype {dtype_name(out.dtype)}, expected dtype {dtype_name(dtype)}")
-    if out.device != device:
-        invalid(op, f"{name} is on {out.device}, expected {device}")
-    return out
-
-
-TILING = ACLNN_ERR_INNER_TILING_ERROR

@@ -56,11 +56,6 @@ def check_stat(op: str, name: str, t: torch.Tensor, x: torch.Tensor, n_norm: int
                          f"or its keepdim form {allowed[1]}")
 
 
-def rows_view(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """``t`` as ``[rows, cols]``: a view when the strides allow, else a copy."""
-    return t.reshape(rows, cols)
-
-
 def as_bool_triple(op: str, name: str, value) -> Tuple[bool, bool, bool]:
     if value is None:
         fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected 3 bools")
