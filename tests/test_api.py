@@ -76,3 +76,14 @@ def test_kernel_limits_route_auto_to_the_reference_and_refuse_explicit_triton(mo
     impl = _backend.implementation("floyd_attention", "floyd_attention", "auto", torch.device("cuda"),
                                    kernel_limit=lambda kernels: kernels.unsupported(q))
     assert impl.__name__ == "gradops.kernels.floyd_attention"
+
+
+def test_operators_build_no_autograd_graph_and_write_in_place_into_grad_tensors():
+    x = rand((4, 8)).requires_grad_()
+    g = torch.ones(8, requires_grad=True)
+    y, rstd = gradops.rms_norm(x, g)
+    assert y.grad_fn is None and not y.requires_grad
+    dy = rand((4, 8)).requires_grad_()
+    want = gradops.rms_norm_grad(dy.detach(), x.detach(), rstd, g.detach())[0]
+    dx, _ = gradops.rms_norm_grad(dy, x, rstd, g, in_place=True)
+    assert dx is dy and torch.equal(dy.detach(), want)

@@ -28,4 +28,8 @@ class Prepared:
         return "triton" if ".kernels." in self.backend.__name__ else "reference"
 
     def run(self):
-        return self._run()
+        # These are gradient operators, not differentiable functions (gradops.nn is that):
+        # no autograd graph, and in-place writes (in_place, reuse_source) are allowed on
+        # tensors that require grad.
+        with torch.no_grad():
+            return self._run()
