@@ -360,3 +360,16 @@ def test_autocast_matmul_like_ops_take_the_autocast_dtype():
     # the float64 formula on the bf16-rounded inputs bounds the error by bf16 output rounding
     ref = nsa_oracle(x.detach().bfloat16().to(f64), w.detach().bfloat16().to(f64), 4, 4, [12])
     torch.testing.assert_close(out.to(f64), ref, atol=2e-2, rtol=1e-2)
+
+
+def test_rms_norm_widens_a_half_weight_beside_float32_input_as_torch_does():
+    import torch.nn.functional as F
+    from gradops.nn import functional as GF
+    x = torch.randn(3, 8, dtype=torch.float32, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64).to(torch.bfloat16).requires_grad_()
+    y = GF.rms_norm(x, [8], w, 1e-6)
+    ref = F.rms_norm(x.detach().double(), [8], w.detach().double(), 1e-6)
+    assert y.dtype == torch.float32
+    assert (y.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
+    y.sum().backward()
+    assert w.grad is not None and w.grad.dtype == torch.bfloat16

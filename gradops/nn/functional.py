@@ -261,6 +261,12 @@ def rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Si
     elif tuple(weight.shape) != shape:
         raise AclnnError(ACLNN_ERR_INNER_TILING_ERROR,
                          f"{op}: weight has shape {tuple(weight.shape)}, expected normalized_shape == {shape}")
+    elif (input.dtype in (torch.float32, torch.float64) and weight.is_floating_point()
+          and weight.dtype.itemsize < input.dtype.itemsize):
+        # torch.nn.functional.rms_norm computes a float32/float64 input with a half weight in
+        # the input's precision; CANN's table has no such pair, so widen the weight (exactly;
+        # its gradient flows back through the cast)
+        weight = weight.to(input.dtype)
     y, _ = torch.ops.gradops.rms_norm(input, weight, float(eps), backend)
     return y
 
