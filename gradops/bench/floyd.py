@@ -176,7 +176,11 @@ def run(shapes: Sequence[Shape], dtype: torch.dtype, device: str, impls: Sequenc
 # ---------------------------------------------------------------------------------------------
 # Stride arguments the JIT turns into the constant 1 for contiguous tensors.
 _UNIT_STRIDES = ("sq_d", "sk1_d", "sv1_d", "sk2_d", "sv2_d", "so_d", "sdy_d", "sdq_d", "sg_d", "smk_k",
-                 "sst_m", "smax_m", "ssum_m")
+                 "sst_m", "smax_m", "ssum_m", "sok_d", "sov_d", "sxk_d", "sxv_d")
+# _bwd_dkv_kernel sees the [B,H,N,M] statistics and Dr as [own, loop]: m, their unit stride,
+# is the looped axis of the dK1/dV1 launch and the own axis of the dK2/dV2 launch.
+_UNIT_STRIDES_DKV = {"bwd_dk1": ("smax_loop", "ssum_loop", "sdr_loop"),
+                     "bwd_dk2": ("smax_own", "ssum_own", "sdr_own")}
 
 
 def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dict]:
@@ -201,17 +205,20 @@ def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dic
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     rows = []
     for name, kernel in (("fwd", fa._fwd_kernel), ("bwd_dq", fa._bwd_dq_kernel),
-                         ("bwd_dk1", fa._bwd_dk1_kernel), ("bwd_dk2", fa._bwd_dk2_kernel)):
+                         ("bwd_dk1", fa._bwd_dkv_kernel), ("bwd_dk2", fa._bwd_dkv_kernel)):
         cfg = floyd_config(name, head_dim, torch.empty((), dtype=dtype).element_size())
         consts = dict(HAS_MASK=True, PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32",
-                      ACC=tl.float64 if dtype == torch.float64 else tl.float32, IDX=tl.int32, UPCAST=False,
-                      BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
-                      GROUP=cfg.group)
+                      ACC=tl.float64 if dtype == torch.float64 else tl.float32, IDX=tl.int32, UPCAST=False)
+        if kernel is fa._bwd_dkv_kernel:
+            consts.update({k: v for k, v in fa._dkv_meta(name, cfg).items() if k not in ("num_warps", "num_stages")})
+        else:
+            consts.update(BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
+                          GROUP=cfg.group)
         sig, attrs = {}, {}
         for idx, arg in enumerate(kernel.arg_names):
             if kernel.params[idx].is_constexpr:
                 continue
-            if arg in _UNIT_STRIDES:
+            if arg in _UNIT_STRIDES or arg in _UNIT_STRIDES_DKV.get(name, ()):
                 sig[arg], consts[arg] = "constexpr", 1
                 continue
             if arg.endswith("_ptr"):

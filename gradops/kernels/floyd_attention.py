@@ -21,8 +21,9 @@ cores with float32 accumulation; nothing is wasted, so the executed FLOPs are th
 - backward, without atomics (deterministic: every output element is reduced by exactly one
   program, in a fixed order), each kernel recomputing P = exp(S - max) / sum:
   ``_bwd_dq_kernel`` per (n-tile, m-tile), looping over k: dQ, and Dr = rowsum(dY * Y),
-  which it writes for the other two; ``_bwd_dk1_kernel`` per (n-tile, k-tile), looping
-  over m: dK1, dV1; ``_bwd_dk2_kernel`` per (k-tile, m-tile), looping over n: dK2, dV2.
+  which it writes for the other two; ``_bwd_dkv_kernel``, launched twice: per (n-tile,
+  k-tile) looping over m for dK1, dV1, and per (m-tile, k-tile) looping over n for dK2, dV2
+  (the problem is symmetric under swapping n and m with the two key/value pairs).
 
 Masking: a masked score is -FLT_MAX exactly as CANN, so a fully masked row has max -FLT_MAX,
 sum K and a uniform P. Tails (indices past N, M, K, D) are excluded entirely (their
@@ -264,149 +265,98 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _bwd_dk1_kernel(
-    q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, dy_ptr, max_ptr, sum_ptr, dr_ptr,
-    dk1_ptr, dv1_ptr,
-    sq_b, sq_h, sq_n, sq_m, sq_d,
-    sk1_b, sk1_h, sk1_n, sk1_k, sk1_d,
-    sv1_b, sv1_h, sv1_n, sv1_k, sv1_d,
-    sk2_b, sk2_h, sk2_k, sk2_m, sk2_d,
-    sv2_b, sv2_h, sv2_k, sv2_m, sv2_d,
+def _bwd_dkv_kernel(
+    q_ptr, dy_ptr, own_k_ptr, own_v_ptr, other_k_ptr, other_v_ptr, mask_ptr, max_ptr, sum_ptr,
+    dr_ptr, dk_ptr, dv_ptr,
+    sq_b, sq_h, sq_own, sq_loop, sq_d,
+    sdy_b, sdy_h, sdy_own, sdy_loop, sdy_d,
+    sok_b, sok_h, sok_own, sok_k, sok_d,
+    sov_b, sov_h, sov_own, sov_k, sov_d,
+    sxk_b, sxk_h, sxk_loop, sxk_k, sxk_d,
+    sxv_b, sxv_h, sxv_loop, sxv_k, sxv_d,
     smk_b, smk_n, smk_k,
-    sdy_b, sdy_h, sdy_n, sdy_m, sdy_d,
-    smax_b, smax_h, smax_n, smax_m,
-    ssum_b, ssum_h, ssum_n, ssum_m,
-    sg_b, sg_h, sg_n, sg_k, sg_d,  # dK1 and dV1: the launcher's, same strides
-    H, N, M, K, D, scale_ptr,
-    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    smax_b, smax_h, smax_own, smax_loop,
+    ssum_b, ssum_h, ssum_own, ssum_loop,
+    sdr_b, sdr_h, sdr_own, sdr_loop,
+    sg_b, sg_h, sg_own, sg_k, sg_d,  # dK and dV: the launcher's, same strides
+    H, OWN, LOOP, K, D, scale_ptr,
+    HAS_MASK: tl.constexpr, MASK_ON_LOOP: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_OWN: tl.constexpr, BLOCK_LOOP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, IDX: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """dK1[n,k] = sum_m dS Q[n,m], dV1[n,k] = sum_m P dY[n,m]; one program per (n-tile, k-tile).
+    """dK[j,k] = sum_l dS Q[j,l], dV[j,k] = sum_l P dY[j,l]: one program per (j-tile, k-tile).
 
-    The score tile is held as [BN, BK, BM] (pivot before m) so both reductions over m are
-    batched products over n with m as the contraction.
+    The gradients of one side's keys and values. The score is symmetric under swapping n
+    and m together with (K1, V1)[n,k] and (K2, V2)[k,m], so one kernel serves both sides:
+    j is the side's *own* axis (n for dK1/dV1, m for dK2/dV2) and l the *looped* axis (the
+    other one); "own" keys/values are indexed [j, k], "other" ones [l, k], and Q, dY, the
+    statistics and Dr [j, l], all through the strides the launcher permutes. Only the mask
+    [B,1,N,1,K] breaks the symmetry: ``MASK_ON_LOOP`` says that n is the looped axis, so the
+    mask is loaded per step rather than once.
+
+    The score tile is held as [BJ, BK, BL] (pivot before l) so both reductions over l are
+    batched products over j with l as the contraction.
     """
-    bh, tn, tk = _program_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K), GROUP)
+    bh, tj, tk = _program_tile(tl.program_id(0), tl.cdiv(OWN, BLOCK_OWN), tl.cdiv(K, BLOCK_K), GROUP)
     scale = tl.load(scale_ptr)  # in ACC: a float argument would be rounded to float32
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    n_idx = (tn * BLOCK_N + tl.arange(0, BLOCK_N)).to(IDX)
+    j_idx = (tj * BLOCK_OWN + tl.arange(0, BLOCK_OWN)).to(IDX)
     k_idx = (tk * BLOCK_K + tl.arange(0, BLOCK_K)).to(IDX)
     d_idx = (tl.arange(0, BLOCK_D)).to(IDX)
     q_ptr += b * sq_b + h * sq_h
     dy_ptr += b * sdy_b + h * sdy_h
-    k2_ptr += b * sk2_b + h * sk2_h
-    v2_ptr += b * sv2_b + h * sv2_h
-    max_ptr += b * smax_b + h * smax_h
-    sum_ptr += b * ssum_b + h * ssum_h
-    dr_ptr += bh.to(tl.int64) * N * M
-
-    k1 = _tile3(k1_ptr + b * sk1_b + h * sk1_h, n_idx, k_idx, d_idx, sk1_n, sk1_k, sk1_d, N, K, D, UPCAST)
-    v1 = _tile3(v1_ptr + b * sv1_b + h * sv1_h, n_idx, k_idx, d_idx, sv1_n, sv1_k, sv1_d, N, K, D, UPCAST)
-    user = tl.zeros([BLOCK_N, BLOCK_K, 1], tl.int1)
-    if HAS_MASK:
-        user = _masked_out(mask_ptr + b * smk_b, n_idx, k_idx, smk_n, smk_k, N, K)[:, :, None]
-    k_ok = (k_idx < K)[None, :, None]
-
-    dk1 = tl.zeros([BLOCK_N, BLOCK_K, BLOCK_D], ACC)
-    dv1 = tl.zeros([BLOCK_N, BLOCK_K, BLOCK_D], ACC)
-    for m0 in range(0, M, BLOCK_M):
-        m_idx = (m0 + tl.arange(0, BLOCK_M)).to(IDX)
-        q = _tile3(q_ptr, n_idx, m_idx, d_idx, sq_n, sq_m, sq_d, N, M, D, UPCAST)  # [BN,BM,BD]
-        dy = _tile3(dy_ptr, n_idx, m_idx, d_idx, sdy_n, sdy_m, sdy_d, N, M, D, UPCAST)
-        k2 = _tile3(k2_ptr, m_idx, k_idx, d_idx, sk2_m, sk2_k, sk2_d, M, K, D, UPCAST)  # [BM,BK,BD]
-        v2 = _tile3(v2_ptr, m_idx, k_idx, d_idx, sv2_m, sv2_k, sv2_d, M, K, D, UPCAST)
-        s = tl.dot(k1, tl.permute(q, (0, 2, 1)), input_precision=PRECISION)  # [BN,BK,BM]
-        s += tl.permute(tl.dot(k2, tl.permute(q, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
-        s = tl.where(user, _NEG_FLT_MAX, s * scale)
-        mx = _tile2(max_ptr, n_idx, m_idx, smax_n, smax_m, N, M, 0.0)[:, None, :]
-        sm = _tile2(sum_ptr, n_idx, m_idx, ssum_n, ssum_m, N, M, 1.0)[:, None, :]
-        dr = _tile2(dr_ptr, n_idx, m_idx, M, 1, N, M, 0.0)[:, None, :]
-        live = k_ok & (m_idx < M)[None, None, :]  # rows past M must add nothing to the sums
-        p = tl.exp(tl.where(live, s, float("-inf")) - mx) / sm
-        dp = tl.dot(v1, tl.permute(dy, (0, 2, 1)), input_precision=PRECISION)
-        dp += tl.permute(tl.dot(v2, tl.permute(dy, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
-        ds = tl.where(user, 0.0, p * (dp - dr) * scale)
-        dv1 = tl.dot(p.to(dy.dtype), dy, dv1, input_precision=PRECISION)
-        dk1 = tl.dot(ds.to(q.dtype), q, dk1, input_precision=PRECISION)
-    g_off = b * sg_b + h * sg_h
-    _store3(dk1_ptr + g_off, dk1, n_idx, k_idx, d_idx, sg_n, sg_k, sg_d, N, K, D)
-    _store3(dv1_ptr + g_off, dv1, n_idx, k_idx, d_idx, sg_n, sg_k, sg_d, N, K, D)
-
-
-@triton.jit
-def _bwd_dk2_kernel(
-    q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, dy_ptr, max_ptr, sum_ptr, dr_ptr,
-    dk2_ptr, dv2_ptr,
-    sq_b, sq_h, sq_n, sq_m, sq_d,
-    sk1_b, sk1_h, sk1_n, sk1_k, sk1_d,
-    sv1_b, sv1_h, sv1_n, sv1_k, sv1_d,
-    sk2_b, sk2_h, sk2_k, sk2_m, sk2_d,
-    sv2_b, sv2_h, sv2_k, sv2_m, sv2_d,
-    smk_b, smk_n, smk_k,
-    sdy_b, sdy_h, sdy_n, sdy_m, sdy_d,
-    smax_b, smax_h, smax_n, smax_m,
-    ssum_b, ssum_h, ssum_n, ssum_m,
-    sg_b, sg_h, sg_k, sg_m, sg_d,  # dK2 and dV2: the launcher's, same strides
-    H, N, M, K, D, scale_ptr,
-    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr, IDX: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """dK2[k,m] = sum_n dS Q[n,m], dV2[k,m] = sum_n P dY[n,m]; one program per (k-tile, m-tile).
-
-    The score tile is held as [BM, BK, BN] so both reductions over n are batched products
-    over m with n as the contraction.
-    """
-    bh, tk, tm = _program_tile(tl.program_id(0), tl.cdiv(K, BLOCK_K), tl.cdiv(M, BLOCK_M), GROUP)
-    scale = tl.load(scale_ptr)  # in ACC: a float argument would be rounded to float32
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    k_idx = (tk * BLOCK_K + tl.arange(0, BLOCK_K)).to(IDX)
-    m_idx = (tm * BLOCK_M + tl.arange(0, BLOCK_M)).to(IDX)
-    d_idx = (tl.arange(0, BLOCK_D)).to(IDX)
-    q_ptr += b * sq_b + h * sq_h
-    dy_ptr += b * sdy_b + h * sdy_h
-    k1_ptr += b * sk1_b + h * sk1_h
-    v1_ptr += b * sv1_b + h * sv1_h
+    other_k_ptr += b * sxk_b + h * sxk_h
+    other_v_ptr += b * sxv_b + h * sxv_h
     mask_ptr += b * smk_b
     max_ptr += b * smax_b + h * smax_h
     sum_ptr += b * ssum_b + h * ssum_h
-    dr_ptr += bh.to(tl.int64) * N * M
+    dr_ptr += b * sdr_b + h * sdr_h
 
-    k2 = _tile3(k2_ptr + b * sk2_b + h * sk2_h, m_idx, k_idx, d_idx, sk2_m, sk2_k, sk2_d, M, K, D, UPCAST)
-    v2 = _tile3(v2_ptr + b * sv2_b + h * sv2_h, m_idx, k_idx, d_idx, sv2_m, sv2_k, sv2_d, M, K, D, UPCAST)
+    own_k = _tile3(own_k_ptr + b * sok_b + h * sok_h, j_idx, k_idx, d_idx, sok_own, sok_k, sok_d,
+                   OWN, K, D, UPCAST)  # [BJ,BK,BD]
+    own_v = _tile3(own_v_ptr + b * sov_b + h * sov_h, j_idx, k_idx, d_idx, sov_own, sov_k, sov_d,
+                   OWN, K, D, UPCAST)
+    # The mask's n is j here (this program's own tile, loaded once) or l (a tile per step).
+    own_user = tl.zeros([BLOCK_OWN, BLOCK_K, 1], tl.int1)
+    if not MASK_ON_LOOP:
+        if HAS_MASK:
+            own_user = _masked_out(mask_ptr, j_idx, k_idx, smk_n, smk_k, OWN, K)[:, :, None]
     k_ok = (k_idx < K)[None, :, None]
 
-    dk2 = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_D], ACC)
-    dv2 = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_D], ACC)
-    for n0 in range(0, N, BLOCK_N):
-        n_idx = (n0 + tl.arange(0, BLOCK_N)).to(IDX)
-        q = _tile3(q_ptr, m_idx, n_idx, d_idx, sq_m, sq_n, sq_d, M, N, D, UPCAST)  # [BM,BN,BD]
-        dy = _tile3(dy_ptr, m_idx, n_idx, d_idx, sdy_m, sdy_n, sdy_d, M, N, D, UPCAST)
-        k1 = _tile3(k1_ptr, n_idx, k_idx, d_idx, sk1_n, sk1_k, sk1_d, N, K, D, UPCAST)  # [BN,BK,BD]
-        v1 = _tile3(v1_ptr, n_idx, k_idx, d_idx, sv1_n, sv1_k, sv1_d, N, K, D, UPCAST)
-        s = tl.dot(k2, tl.permute(q, (0, 2, 1)), input_precision=PRECISION)  # [BM,BK,BN]
-        s += tl.permute(tl.dot(k1, tl.permute(q, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
+    dk = tl.zeros([BLOCK_OWN, BLOCK_K, BLOCK_D], ACC)
+    dv = tl.zeros([BLOCK_OWN, BLOCK_K, BLOCK_D], ACC)
+    for l0 in range(0, LOOP, BLOCK_LOOP):
+        l_idx = (l0 + tl.arange(0, BLOCK_LOOP)).to(IDX)
+        q = _tile3(q_ptr, j_idx, l_idx, d_idx, sq_own, sq_loop, sq_d, OWN, LOOP, D, UPCAST)  # [BJ,BL,BD]
+        dy = _tile3(dy_ptr, j_idx, l_idx, d_idx, sdy_own, sdy_loop, sdy_d, OWN, LOOP, D, UPCAST)
+        # [BL,BK,BD]
+        other_k = _tile3(other_k_ptr, l_idx, k_idx, d_idx, sxk_loop, sxk_k, sxk_d, LOOP, K, D, UPCAST)
+        other_v = _tile3(other_v_ptr, l_idx, k_idx, d_idx, sxv_loop, sxv_k, sxv_d, LOOP, K, D, UPCAST)
+        s = tl.dot(own_k, tl.permute(q, (0, 2, 1)), input_precision=PRECISION)  # [BJ,BK,BL]
+        s += tl.permute(tl.dot(other_k, tl.permute(q, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
         s = s * scale
-        user = tl.zeros([1, BLOCK_K, BLOCK_N], tl.int1)
+        if MASK_ON_LOOP:
+            user = tl.zeros([1, BLOCK_K, BLOCK_LOOP], tl.int1)
+            if HAS_MASK:
+                user = _masked_out(mask_ptr, k_idx, l_idx, smk_k, smk_n, K, LOOP)[None, :, :]
+        else:
+            user = own_user
         if HAS_MASK:
-            user = _masked_out(mask_ptr, k_idx, n_idx, smk_k, smk_n, K, N)[None, :, :]
             s = tl.where(user, _NEG_FLT_MAX, s)
-        mx = _tile2(max_ptr, m_idx, n_idx, smax_m, smax_n, M, N, 0.0)[:, None, :]
-        sm = _tile2(sum_ptr, m_idx, n_idx, ssum_m, ssum_n, M, N, 1.0)[:, None, :]
-        dr = _tile2(dr_ptr, m_idx, n_idx, 1, M, M, N, 0.0)[:, None, :]
-        live = k_ok & (n_idx < N)[None, None, :]  # rows past N must add nothing to the sums
+        mx = _tile2(max_ptr, j_idx, l_idx, smax_own, smax_loop, OWN, LOOP, 0.0)[:, None, :]
+        sm = _tile2(sum_ptr, j_idx, l_idx, ssum_own, ssum_loop, OWN, LOOP, 1.0)[:, None, :]
+        dr = _tile2(dr_ptr, j_idx, l_idx, sdr_own, sdr_loop, OWN, LOOP, 0.0)[:, None, :]
+        live = k_ok & (l_idx < LOOP)[None, None, :]  # rows past the loop's end must add nothing
         p = tl.exp(tl.where(live, s, float("-inf")) - mx) / sm
-        dp = tl.dot(v2, tl.permute(dy, (0, 2, 1)), input_precision=PRECISION)
-        dp += tl.permute(tl.dot(v1, tl.permute(dy, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
+        dp = tl.dot(own_v, tl.permute(dy, (0, 2, 1)), input_precision=PRECISION)
+        dp += tl.permute(tl.dot(other_v, tl.permute(dy, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
         ds = tl.where(user, 0.0, p * (dp - dr) * scale)
-        dv2 = tl.dot(p.to(dy.dtype), dy, dv2, input_precision=PRECISION)
-        dk2 = tl.dot(ds.to(q.dtype), q, dk2, input_precision=PRECISION)
+        dv = tl.dot(p.to(dy.dtype), dy, dv, input_precision=PRECISION)
+        dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=PRECISION)
     g_off = b * sg_b + h * sg_h
-    _store3(dk2_ptr + g_off, dk2, m_idx, k_idx, d_idx, sg_m, sg_k, sg_d, M, K, D)
-    _store3(dv2_ptr + g_off, dv2, m_idx, k_idx, d_idx, sg_m, sg_k, sg_d, M, K, D)
+    _store3(dk_ptr + g_off, dk, j_idx, k_idx, d_idx, sg_own, sg_k, sg_d, OWN, K, D)
+    _store3(dv_ptr + g_off, dv, j_idx, k_idx, d_idx, sg_own, sg_k, sg_d, OWN, K, D)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,6 +401,16 @@ def _mask_arg(mask, like: torch.Tensor):
 def _meta(cfg):
     return dict(BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
                 GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _dkv_meta(kernel: str, cfg):
+    """``_bwd_dkv_kernel``'s constexprs and launch options for its "bwd_dk1" launch (own axis
+    n, looped m) or its "bwd_dk2" launch (own axis m, looped n; the mask, indexed by n,
+    then belongs to the looped axis)."""
+    n_is_loop = kernel == "bwd_dk2"
+    block_own, block_loop = (cfg.block_m, cfg.block_n) if n_is_loop else (cfg.block_n, cfg.block_m)
+    return dict(MASK_ON_LOOP=n_is_loop, BLOCK_OWN=block_own, BLOCK_LOOP=block_loop, BLOCK_K=cfg.block_k,
+                BLOCK_D=cfg.block_d, GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def unsupported(q) -> "str | None":
@@ -511,30 +471,40 @@ def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, m
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
     dr = torch.empty((B, H, N, M), dtype=acc, device=dev)  # rowsum(dY * Y), contiguous
     consts["IDX"] = _index_dtype(q, k1, v1, k2, v2, mask, dy, out, softmax_max, softmax_sum, dq, dk1, dk2)
-    in_strides = (*q.stride(), *k1.stride(), *v1.stride(), *k2.stride(), *v2.stride(), *mask_strides,
-                  *dy.stride())
-    stat_strides = (*softmax_max.stride(), *softmax_sum.stride())
-    tail = (H, N, M, K, D, scale_t)
 
-    cfg = floyd_config("bwd_dq", D, q.element_size())  # first: it writes Dr, which the other two read
+    def strides(*tensors):
+        return [stride for t in tensors for stride in t.stride()]
+
+    cfg = floyd_config("bwd_dq", D, q.element_size())  # first: it writes Dr, which the dK/dV launches read
     grid = (B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(M, cfg.block_m),)
     _bwd_dq_kernel[grid](
         q, k1, v1, k2, v2, mask_t, dy, out, softmax_max, softmax_sum, dr, dq,
-        *in_strides, *out.stride(), *stat_strides, *dq.stride(), *tail,
-        HAS_MASK=has_mask, **consts, **_meta(cfg),
+        *strides(q, k1, v1, k2, v2), *mask_strides, *strides(dy, out, softmax_max, softmax_sum, dq),
+        H, N, M, K, D, scale_t, HAS_MASK=has_mask, **consts, **_meta(cfg),
     )
-    cfg = floyd_config("bwd_dk1", D, q.element_size())
-    grid = (B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(K, cfg.block_k),)
-    _bwd_dk1_kernel[grid](
-        q, k1, v1, k2, v2, mask_t, dy, softmax_max, softmax_sum, dr, dk1, dv1,
-        *in_strides, *stat_strides, *dk1.stride(), *tail,
-        HAS_MASK=has_mask, **consts, **_meta(cfg),
-    )
-    cfg = floyd_config("bwd_dk2", D, q.element_size())
-    grid = (B * H * triton.cdiv(K, cfg.block_k) * triton.cdiv(M, cfg.block_m),)
-    _bwd_dk2_kernel[grid](
-        q, k1, v1, k2, v2, mask_t, dy, softmax_max, softmax_sum, dr, dk2, dv2,
-        *in_strides, *stat_strides, *dk2.stride(), *tail,
-        HAS_MASK=has_mask, **consts, **_meta(cfg),
-    )
+    # dK/dV one side per launch of the same kernel, in terms of the side's own axis (n for
+    # K1/V1, m for K2/V2) and the looped one: its own keys/values are indexed [own, k], the
+    # other side's [loop, k], Q, dY and the statistics [own, loop]. The K2/V2 side sees
+    # those tensors with n and m swapped: a transposed view, a change of strides only.
+    # K2/V2 are stored [k, m], so they are swapped on both sides.
+    def swap(t):
+        return t.transpose(2, 3)
+
+    def unchanged(t):
+        return t
+
+    for name, view, own_kv, other_kv, grads in (
+        ("bwd_dk1", unchanged, (k1, v1), (swap(k2), swap(v2)), (dk1, dv1)),
+        ("bwd_dk2", swap, (swap(k2), swap(v2)), (k1, v1), (swap(dk2), swap(dv2))),
+    ):
+        rows = [view(t) for t in (q, dy)]
+        stats = [view(t) for t in (softmax_max, softmax_sum, dr)]
+        own_len, loop_len = rows[0].shape[2:4]
+        meta = _dkv_meta(name, floyd_config(name, D, q.element_size()))
+        grid = (B * H * triton.cdiv(own_len, meta["BLOCK_OWN"]) * triton.cdiv(K, meta["BLOCK_K"]),)
+        _bwd_dkv_kernel[grid](
+            *rows, *own_kv, *other_kv, mask_t, *stats, *grads,
+            *strides(*rows, *own_kv, *other_kv), *mask_strides, *strides(*stats), *grads[0].stride(),
+            H, own_len, loop_len, K, D, scale_t, HAS_MASK=has_mask, **consts, **meta,
+        )
     return dq, dk1, dv1, dk2, dv2

@@ -37,8 +37,8 @@ from typing import Dict, Tuple
 
 import triton
 
-# The kernels: forward; backward dQ (also writes Dr = rowsum(dY*Y)); backward dK1/dV1;
-# backward dK2/dV2.
+# The kernel launches: forward; backward dQ (also writes Dr = rowsum(dY*Y)); backward dK1/dV1
+# and backward dK2/dV2 (two launches of one kernel, mirror images of each other).
 KERNELS = ("fwd", "bwd_dq", "bwd_dk1", "bwd_dk2")
 
 # (major, minor, step) per kernel and width = block_d * element_size / 2, from the
