@@ -40,7 +40,6 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
 def layer_norm_backward(dy, x, normalized_shape, weight=None, eps=1e-5):
     """``(dx, dw, db)`` by ATen's native_layer_norm_backward in float64 (statistics recomputed
     from x in float64). dw/db are returned even when weight is None (as ones)."""
-    n = len(normalized_shape)
     w = torch.ones(normalized_shape, dtype=F64, device=x.device) if weight is None else weight.to(F64)
     b = torch.zeros(normalized_shape, dtype=F64, device=x.device)
     _, mean, rstd = torch.native_layer_norm(x.to(F64), list(normalized_shape), w, b, eps)

@@ -189,8 +189,8 @@ def _block_and_layer(c, heads, bias):
             p.copy_(torch.randn_like(p) * 0.3)
     layer = FloydAttention(c, heads, bias=bias, dtype=f64).eval()
     keys = {k: v for k, v in block.state_dict().items() if k.startswith(("c_qkv.", "c_proj."))}
-    missing, unexpected = layer.load_state_dict(keys, strict=True), None
-    assert not missing.missing_keys and not missing.unexpected_keys
+    loaded = layer.load_state_dict(keys, strict=True)
+    assert not loaded.missing_keys and not loaded.unexpected_keys
     # and back: FloydAttention's state_dict loads into FloydNet's block (non-strict: the block
     # has c_mix and norm1 too)
     result = block.load_state_dict(layer.state_dict(), strict=False)

@@ -1,7 +1,6 @@
 """gradops.nn.functional: gradcheck in float64, values and gradients against independent
 float64 PyTorch formulas, the library's backward operators really being the ones called,
 double backward refused, custom-op registrations (opcheck) and the autocast policy."""
-import math
 
 import pytest
 import torch

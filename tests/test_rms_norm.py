@@ -11,7 +11,7 @@ from gradops.errors import (
     ACLNN_ERR_PARAM_NULLPTR as NULLPTR,
 )
 
-from helpers import DTYPES, assert_close, raises_status, rand
+from helpers import assert_close, raises_status, rand
 
 # (x dtype, gamma dtype) pairs of CANN's table, plus float64 throughout
 TABLE = [

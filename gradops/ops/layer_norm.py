@@ -130,13 +130,13 @@ def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None
     return Prepared(op, x.device, impl, outputs, run)
 
 
-def _check_ascendc_rows(op, x, dy, h_name="x"):
+def _check_ascendc_rows(op, x, dy):
     """x/dy ``[..., H]`` of one float dtype (AscendC T; float64 too in the Python API)."""
     check_dtype(op, "x", x, FLOAT_DTYPES)
     check_same_dtype(op, "dy", dy, "x", x)
     check_shape(op, "dy", dy, x.shape, "x.shape")
     if x.dim() < 1:
-        invalid(op, f"x has 0 dims, expected [..., H]")
+        invalid(op, "x has 0 dims, expected [..., H]")
 
 
 def _check_reuse(op, reuse_source, dtype):

@@ -3,7 +3,7 @@ aclnnNsaCompressGrad, OPERATORS.md section 4). Layout TND, packed variable-lengt
 All rules here are 161002 (CANN checks weight, actSeqLen, type and layout in its op API)."""
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List
 
 import torch
 

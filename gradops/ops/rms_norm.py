@@ -41,7 +41,7 @@ def _check_dtypes(op, x, gamma):
 
 def _check_gamma_shape(op, x, gamma):
     if gamma.dim() < 1:
-        invalid(op, f"gamma has 0 dims, expected x.shape[-n:] with n >= 1", status=TILING)
+        invalid(op, "gamma has 0 dims, expected x.shape[-n:] with n >= 1", status=TILING)
     check_trailing(op, "gamma", x, "x", tuple(gamma.shape), status=TILING, verb="has shape")
 
 
