@@ -245,11 +245,19 @@ def run(args) -> Run:
     return result
 
 
+_LONG_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
+def _short_dtype(name: str) -> str:
+    return _LONG_NAMES.get(name, name)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="gradops bench norm", description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
-    p.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=None,
-                   help="default: bf16 fp32 on a GPU, fp32 bf16 on a CPU")
+    # --dtype as in `gradops bench nsa|floyd`; the full torch names are accepted too
+    p.add_argument("--dtype", "--dtypes", dest="dtypes", nargs="+", type=_short_dtype, choices=tuple(DTYPES),
+                   default=None, help="default: bf16 fp32 on a GPU, fp32 bf16 on a CPU")
     p.add_argument("--widths", nargs="+", type=int, default=None,
                    help=f"row widths N (default on a GPU: {' '.join(map(str, GPU_WIDTHS))})")
     p.add_argument("--rows", type=int, default=None, help=f"rows M at most (default {GPU_ROWS} on a GPU)")
