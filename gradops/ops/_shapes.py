@@ -6,19 +6,21 @@ from typing import Tuple
 
 import torch
 
-from ._checks import fail, invalid, ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR
+from ._checks import fail, invalid, dtype_name, ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR
 
 
-def as_int_tuple(op: str, name: str, value) -> Tuple[int, ...]:
-    """An int, a sequence of ints or a torch.Size -> tuple of ints (None -> 161001)."""
+def int_sequence(op: str, name: str, value, *, scalar_ok: bool = False) -> Tuple[int, ...]:
+    """A sequence of ints (a list, tuple, torch.Size) or a 1-D integer tensor -> tuple of ints;
+    with ``scalar_ok`` a bare int too. None -> 161001, anything else -> 161002."""
     if value is None:
         fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected a sequence of ints")
-    if isinstance(value, int) and not isinstance(value, bool):
+    if scalar_ok and isinstance(value, int) and not isinstance(value, bool):
         return (value,)
     if isinstance(value, torch.Tensor):
-        if value.dim() > 1 or value.is_floating_point():
-            invalid(op, f"{name} is a tensor of shape {tuple(value.shape)}, expected a 1-D integer sequence")
-        value = value.reshape(-1).tolist()
+        if value.dim() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            invalid(op, f"{name} is a {dtype_name(value.dtype)} tensor of shape {tuple(value.shape)}, "
+                        f"expected a 1-D integer tensor")
+        return tuple(int(v) for v in value.tolist())
     try:
         items = tuple(value)
     except TypeError:
@@ -27,6 +29,11 @@ def as_int_tuple(op: str, name: str, value) -> Tuple[int, ...]:
         if isinstance(v, bool) or not isinstance(v, int):
             invalid(op, f"{name} is {value!r}, expected a sequence of ints")
     return items
+
+
+def as_int_tuple(op: str, name: str, value) -> Tuple[int, ...]:
+    """A shape: an int, a sequence of ints or a torch.Size -> tuple of ints."""
+    return int_sequence(op, name, value, scalar_ok=True)
 
 
 def check_trailing(op: str, name: str, x: torch.Tensor, x_name: str, shape: Tuple[int, ...],

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import List
 
-import torch
 
 from .._backend import implementation
 from ._checks import (
@@ -16,12 +15,11 @@ from ._checks import (
     check_same_device,
     check_same_dtype,
     check_shape,
-    fail,
     invalid,
     require_tensor,
-    ACLNN_ERR_PARAM_NULLPTR,
 )
 from ._prepared import Prepared
+from ._shapes import int_sequence
 from ..reference.nsa_compress import blocks_per_sequence
 
 FAMILY = "nsa_compress"
@@ -39,22 +37,7 @@ def seq_lens_type_code(op: str, seq_lens_type) -> int:
 
 def seq_lens_to_list(op: str, seq_lens) -> List[int]:
     """A list/tuple of ints or a 1-D integer tensor -> list of ints (host metadata)."""
-    if seq_lens is None:
-        fail(op, ACLNN_ERR_PARAM_NULLPTR, "seq_lens is None, expected a list of ints or a 1-D integer tensor")
-    if isinstance(seq_lens, torch.Tensor):
-        if seq_lens.dim() != 1 or seq_lens.is_floating_point() or seq_lens.is_complex() \
-                or seq_lens.dtype == torch.bool:
-            invalid(op, f"seq_lens is a {seq_lens.dtype} tensor of shape {tuple(seq_lens.shape)}, "
-                        f"expected a 1-D integer tensor")
-        return [int(v) for v in seq_lens.tolist()]
-    try:
-        values = list(seq_lens)
-    except TypeError:
-        invalid(op, f"seq_lens is {seq_lens!r}, expected a list of ints or a 1-D integer tensor")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
-            invalid(op, f"seq_lens is {seq_lens!r}, expected a list of ints")
-    return values
+    return list(int_sequence(op, "seq_lens", seq_lens))
 
 
 def cu_seqlens(op: str, seq_lens, seq_lens_type, total: int) -> List[int]:
