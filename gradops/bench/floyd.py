@@ -20,14 +20,13 @@ on the CPU in well under a minute (reference against einsum).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import os
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .harness import OURS, Run, progress
+from .harness import OURS, RESULTS_DIR, Run, progress
 
 FAMILY = "floyd"
 IMPLS = (OURS, "reference", "einsum", "compiled")
@@ -333,14 +332,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("(CPU timings: the Triton kernels' real speed is only measured on a GPU)")
     json_path = args.json
     if json_path is None and on_gpu and not args.no_json:
-        gpu = torch.cuda.get_device_name().replace(" ", "_")
-        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        json_path = os.path.join("benchmarks", "results", f"floyd-{gpu}-{stamp}.json")
+        json_path = os.path.join(RESULTS_DIR, bench.result_stem("floyd") + ".json")
     if json_path and not args.no_json:
         print(f"wrote {bench.write_json(json_path)}")
     if args.plot:
         print(f"plot: {bench.plot(args.plot, 'N', metric='tflops', group_keys=('op', 'D'))}")
-    return 0
+    return bench.exit_status()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 import torch
 
 OURS = "gradops"
+RESULTS_DIR = os.path.join("benchmarks", "results")  # committed GPU results (benchmarks/README.md)
 
 
 def device_info(device: str) -> dict:
@@ -208,6 +209,20 @@ class Run:
                 f"{fmt(row['gbps'], '%8.1f'):>8} {fmt(row['tflops'], '%8.2f'):>8} "
                 f"{fmt(peak, '%9.1f'):>9} {fmt(row['speedup_of_ours'], '%6.2fx'):>7}")
         return "\n".join(lines)
+
+    def result_stem(self, family: str) -> str:
+        """``<family>-<device name>-<UTC time>``: the file name stem of this run's results."""
+        device = str(self.meta.get("device_name") or self.device)
+        device = device.replace(" ", "_").replace("/", "_")
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        return f"{family}-{device}-{stamp}"
+
+    def exit_status(self) -> int:
+        """1 (after naming each on stderr) when one of our own measurements failed, else 0."""
+        failed = [r for r in self.records if r.impl == OURS and r.error]
+        for r in failed:
+            print(f"gradops failed on {r.op} {r.case}: {r.error}", file=sys.stderr)
+        return 1 if failed else 0
 
     def write_json(self, path: str) -> str:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

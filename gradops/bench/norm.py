@@ -19,7 +19,6 @@ Bytes follow ../shared/spec/PERFORMANCE.md: backward ``3*M*N*e + 2*N*w_e``, forw
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import os
 import sys
 from typing import Callable, Dict, List, Optional
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from . import harness
-from .harness import OURS, Run
+from .harness import OURS, RESULTS_DIR, Run
 
 OPS = ("rms_bwd", "ln_bwd", "rms_fwd", "ln_fwd")
 PEERS = ("autograd", "aten", "compile", "liger")
@@ -273,7 +272,7 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--max-seconds", type=float, default=None, help="time budget per measurement")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="folder for JSON and PNG")
+    p.add_argument("--out", default=RESULTS_DIR, help="folder for JSON and PNG")
     p.add_argument("--tag", default=None, help="file name stem (default: norm-<device>-<date>)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--check", action="store_true",
@@ -297,18 +296,13 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     result = run(args)
     print(result.table())
-    stem = args.tag or "norm-{}-{}".format(
-        (result.meta.get("device_name") or result.device).replace(" ", "_").replace("/", "_"),
-        _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
+    stem = args.tag or result.result_stem("norm")
     path = result.write_json(os.path.join(args.out, stem + ".json"))
     print(f"wrote {path}")
     if not args.no_plot:
         png = result.plot(os.path.join(args.out, stem + ".png"), x_key="N", group_keys=("op", "dtype"), panels=True)
         print(f"wrote {png}" if png else "no plot (matplotlib is not installed)")
-    failed = [r for r in result.records if r.impl == OURS and r.error]
-    for r in failed:
-        print(f"gradops failed on {r.op} {r.case}: {r.error}", file=sys.stderr)
-    return 1 if failed else 0
+    return result.exit_status()
 
 
 if __name__ == "__main__":

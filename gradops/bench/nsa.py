@@ -12,13 +12,12 @@ interpreter, so their CPU times say nothing about GPU speed).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import os
 import random
 import sys
 from typing import Callable, Dict, List, Optional
 
-from .harness import OURS, Run, progress
+from .harness import OURS, RESULTS_DIR, Run, progress
 
 # HBM bandwidth of the GPUs PERFORMANCE.md sets goals on, GB/s (nominal, not a copy).
 HBM_PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0}
@@ -231,18 +230,13 @@ def main(argv=None) -> int:
                 print(f"  {r.op:<18} {case:<60} {r.gbps:8.1f} GB/s  {100 * r.gbps / peak:5.1f} %")
     path = args.json
     if path is None and device == "cuda" and not args.quick:
-        gpu = str(run.meta.get("device_name", "gpu")).replace(" ", "_")
-        date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M")
-        path = os.path.join("benchmarks", "results", f"nsa-{gpu}-{date}.json")
+        path = os.path.join(RESULTS_DIR, run.result_stem("nsa") + ".json")
     if path:
         print(f"\nresults: {run.write_json(path)}")
     if args.plot:
         written = run.plot(args.plot, "T", "gbps", group_keys=("op", "N", "D"))
         print(f"plot: {written}" if written else "plot: matplotlib is not installed")
-    failed = [r for r in run.records if r.impl == OURS and r.error]
-    for r in failed:
-        print(f"ours failed on {r.case}: {r.error}", file=sys.stderr)
-    return 1 if failed else 0
+    return run.exit_status()
 
 
 if __name__ == "__main__":
