@@ -12,6 +12,7 @@ from .api import (
     rms_norm,
     rms_norm_grad,
 )
+from ._backend import default_backend, set_default_backend, use_backend
 from .errors import (
     ACLNN_ERR_INNER,
     ACLNN_ERR_INNER_TILING_ERROR,
@@ -46,6 +47,9 @@ __all__ = [
     "floyd_attention",
     "floyd_attention_grad",
     "pivotal_attention",
+    "use_backend",
+    "set_default_backend",
+    "default_backend",
     "nn",
     "aclnn",
     "ascendc",

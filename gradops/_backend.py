@@ -8,9 +8,10 @@ Both expose the same functions with the same canonical arguments (see docs/backe
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -18,6 +19,48 @@ from .errors import ACLNN_ERR_PARAM_INVALID, AclnnError
 
 BACKENDS = ("auto", "reference", "triton")
 FAMILIES = ("layer_norm", "rms_norm", "nsa_compress", "floyd_attention")
+
+# What backend=None means: "auto" unless set_default_backend/use_backend chose otherwise. One
+# process-wide value (like torch.backends flags), so that autograd's backward threads and
+# torch.compile see the same choice as the code that set it.
+_default_backend = "auto"
+
+
+def _check_name(op: str, backend) -> str:
+    if backend not in BACKENDS:
+        raise AclnnError(ACLNN_ERR_PARAM_INVALID,
+                         f"{op}: backend is {backend!r}, expected one of {BACKENDS} or None")
+    return backend
+
+
+def default_backend() -> str:
+    """The backend that calls with ``backend=None`` use (the modules, pivotal_attention,
+    aclnn, ascendc and torch_npu always do)."""
+    return _default_backend
+
+
+def set_default_backend(backend: Optional[str]) -> str:
+    """Make ``backend`` ("auto", "reference" or "triton"; None means "auto") what calls
+    without an explicit backend use, process-wide; returns the previous default."""
+    global _default_backend
+    previous = _default_backend
+    _default_backend = _check_name("set_default_backend", "auto" if backend is None else backend)
+    return previous
+
+
+@contextlib.contextmanager
+def use_backend(backend: Optional[str]) -> Iterator[str]:
+    """``with gradops.use_backend("triton"): ...``: set_default_backend for a block."""
+    previous = set_default_backend(backend)
+    try:
+        yield default_backend()
+    finally:
+        set_default_backend(previous)
+
+
+def requested(backend: Optional[str]) -> str:
+    """The backend a call asks for: its own argument, else the default."""
+    return _default_backend if backend is None else backend
 
 
 def triton_available() -> bool:
@@ -57,12 +100,8 @@ def implementation(op: str, family: str, backend: Optional[str], device: torch.d
     particular call (None when they can): "auto" then falls back to the reference, and an
     explicit backend="triton" is refused with that reason.
     """
-    if backend is None:
-        backend = "auto"
-    requested = backend
-    if backend not in BACKENDS:
-        raise AclnnError(ACLNN_ERR_PARAM_INVALID,
-                         f"{op}: backend is {backend!r}, expected one of {BACKENDS} or None")
+    backend = _check_name(op, requested(backend))
+    explicit = backend
     if backend == "auto":
         use_triton = device.type == "cuda" and has_triton_kernels(family)
         backend = "triton" if use_triton else "reference"
@@ -81,7 +120,7 @@ def implementation(op: str, family: str, backend: Optional[str], device: torch.d
     if backend == "triton" and kernel_limit is not None:
         reason = kernel_limit(module)
         if reason is not None:
-            if requested == "triton":
+            if explicit == "triton":
                 raise AclnnError(ACLNN_ERR_PARAM_INVALID,
                                  f"{op}: backend='triton' cannot run this call: {reason}; use backend='reference'")
             module = importlib.import_module(f"gradops.reference.{family}")

@@ -3,6 +3,11 @@
 By default every test runs on CPU tensors, and the Triton kernels run through the Triton
 interpreter, which must be switched on before triton is first imported. Set
 GRADOPS_TEST_DEVICE=cuda to run the same tests on a GPU with compiled kernels.
+
+Tests of the layers users call (gradops.nn, the modules, pivotal_attention, aclnn, ascendc,
+torch_npu) take the ``backend`` fixture: they run once per backend, with that backend as
+the default of every gradops call that does not name one. On CPU the "triton" run goes
+through the interpreter, so those tests keep their shapes small.
 """
 import os
 
@@ -13,10 +18,24 @@ if TEST_DEVICE == "cpu":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import gradops  # noqa: E402
+from gradops._backend import triton_available  # noqa: E402
+
+BACKENDS = ("reference", "triton")
+
 
 @pytest.fixture
 def device():
     return TEST_DEVICE
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Each backend in turn, as gradops' default backend for the test."""
+    if request.param == "triton" and not triton_available():
+        pytest.skip("triton is not installed: pip install -e '.[test]'")
+    with gradops.use_backend(request.param):
+        yield request.param
 
 
 @pytest.fixture(autouse=True)

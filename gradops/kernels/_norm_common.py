@@ -42,10 +42,12 @@ def dx_target(dx_out, like: torch.Tensor):
 
 
 @triton.jit
-def _sum_rows_kernel(P, OUT, R, N, stride_p,
+def _sum_rows_kernel(P, OUT_A, OUT_B, R, N, N_A, stride_p,
                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     # One program per column block sums R partial rows in a fixed order (row blocks in
     # sequence, then one tree reduction): no atomics, so every run gives the same bits.
+    # Columns [0, N_A) go to OUT_A, the rest to OUT_B: two results (dweight and dbias) from
+    # one launch, in separate tensors.
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -54,20 +56,29 @@ def _sum_rows_kernel(P, OUT, R, N, stride_p,
         rows = r0 + tl.arange(0, BLOCK_R)
         mask = (rows < R)[:, None] & cmask[None, :]
         acc += tl.load(P + rows.to(tl.int64)[:, None] * stride_p + cols[None, :], mask=mask, other=0.0)
-    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=cmask)
+    total = tl.sum(acc, axis=0)
+    in_a = cols < N_A
+    tl.store(OUT_A + cols, total.to(OUT_A.dtype.element_ty), mask=cmask & in_a)
+    tl.store(OUT_B + (cols - N_A), total.to(OUT_B.dtype.element_ty), mask=cmask & (cols >= N_A))
 
 
-def sum_partial_rows(partial: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Column sums of a contiguous ``[R, N]`` partial buffer, as a fresh ``[N]`` tensor."""
-    r, n = partial.shape
-    if r == 1 and partial.dtype == out_dtype:
+def sum_partial_rows(partial: torch.Tensor, out_dtype: torch.dtype, parts: int = 1):
+    """Column sums of a contiguous ``[R, parts * n]`` partial buffer.
+
+    ``parts=1``: one fresh ``[n]`` tensor. ``parts=2``: a tuple of two fresh ``[n]`` tensors
+    (never views of one buffer: the nn layer's custom ops may not return aliases)."""
+    r, width = partial.shape
+    n = width // parts
+    if parts == 1 and r == 1 and partial.dtype == out_dtype:
         return partial[0]  # one program wrote the whole sum: no second launch (small calls)
-    out = torch.empty(n, dtype=out_dtype, device=partial.device)
+    outs = [torch.empty(n, dtype=out_dtype, device=partial.device) for _ in range(parts)]
     if n == 0:
-        return out
-    if r == 0:
-        return out.zero_()
-    cfg = norm_config.reduce_config(r, n, partial.device)
-    _sum_rows_kernel[(cfg.grid,)](partial, out, r, n, partial.stride(0),
-                                  BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
-    return out
+        pass
+    elif r == 0:
+        for out in outs:
+            out.zero_()
+    else:
+        cfg = norm_config.reduce_config(r, width, partial.device)
+        _sum_rows_kernel[(cfg.grid,)](partial, outs[0], outs[-1], r, width, n, partial.stride(0),
+                                      BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+    return outs[0] if parts == 1 else tuple(outs)

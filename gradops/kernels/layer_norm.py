@@ -302,10 +302,11 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
 
     if want_dx:
         dx = dx_out.copy_(dx_buf) if copy_back else dx_buf
-    if n_partials:
+    if n_partials == 2:
+        dw, db = sum_partial_rows(partial, acc, parts=2)
+    elif n_partials:
         sums = sum_partial_rows(partial, acc)
-        dw = sums[:n] if want_dw else None
-        db = (sums[n:] if want_dw else sums) if want_db else None
+        dw, db = (sums, None) if want_dw else (None, sums)
     return dx, dw, db
 
 
@@ -501,5 +502,4 @@ def layer_norm_grad_beta(res_for_gamma, dy, reuse_source):
         REUSE=bool(reuse_source), ACC=tl_acc(dy.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
     if reuse_source and res_copied:
         res_for_gamma.copy_(res_rows)
-    sums = sum_partial_rows(partial, acc).to(dy.dtype)
-    return sums[:h], sums[h:]
+    return sum_partial_rows(partial, dy.dtype, parts=2)

@@ -14,6 +14,9 @@ backward op), so that
 - double backward (gradients of gradients) raises a clear error instead of silently
   differentiating the wrong thing: the backward operators have no derivative of their own.
 
+``backend=None`` is resolved (to gradops' default backend, see ``gradops.use_backend``) when
+the forward is called and saved for the backward, so both run on the same backend.
+
 Autocast policy (see docs/nn.md): the norms are autocast-neutral (they run in the dtype
 their input arrives in, always computing in float32 inside, as torch does on CPU);
 ``nsa_compress`` and ``floyd_attention`` are matmul-like and, like ``torch.matmul`` and
@@ -29,6 +32,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from .._backend import requested
 from ..errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, AclnnError
 from ..ops import floyd_attention as _floyd_ops
 from ..ops import layer_norm as _ln_ops
@@ -71,12 +75,19 @@ def _double_backward_error(name: str, alternative: str):
     return backward
 
 
+def autocast_eligible(t, device_type: str) -> bool:
+    """Whether torch's autocast would cast ``t`` for an op on ``device_type``: a floating
+    tensor on that device, float64 excepted (autocast never lowers float64)."""
+    return (isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
+            and t.device.type == device_type)
+
+
 def _register_autocast(op_name: str, cast_to_autocast_dtype: bool):
     """Autocast kernels for ``gradops::<op_name>`` on CPU and CUDA.
 
     With ``cast_to_autocast_dtype`` the floating tensor arguments are cast to the active
-    autocast dtype (bf16 or fp16, whichever the user chose) before the op runs; without it
-    they pass unchanged. Either way the op itself then runs with autocast excluded, so the
+    autocast dtype (bf16 or fp16, whichever the user chose) before the op runs, float64
+    excepted (torch's autocast leaves float64 alone too); without it they pass unchanged. Either way the op itself then runs with autocast excluded, so the
     backend's internal float32 math is not lowered by autocast.
     """
     op = getattr(torch.ops.gradops, op_name).default
@@ -88,8 +99,7 @@ def _register_autocast(op_name: str, cast_to_autocast_dtype: bool):
             if cast_to_autocast_dtype:
                 dtype = torch.get_autocast_dtype(_device_type)
                 args = tuple(
-                    a.to(dtype) if isinstance(a, Tensor) and a.is_floating_point()
-                    and a.device.type == _device_type else a
+                    a.to(dtype) if autocast_eligible(a, _device_type) else a
                     for a in args)
             with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_key)):
                 return _op(*args)
@@ -178,7 +188,7 @@ def layer_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.
     gradients come back in their own dtype.
     """
     shape = _normalized_shape("layer_norm", normalized_shape)
-    y, _, _ = torch.ops.gradops.layer_norm(input, shape, weight, bias, float(eps), backend)
+    y, _, _ = torch.ops.gradops.layer_norm(input, shape, weight, bias, float(eps), requested(backend))
     return y
 
 
@@ -267,7 +277,7 @@ def rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Si
         # the input's precision; CANN's table has no such pair, so widen the weight (exactly;
         # its gradient flows back through the cast)
         weight = weight.to(input.dtype)
-    y, _ = torch.ops.gradops.rms_norm(input, weight, float(eps), backend)
+    y, _ = torch.ops.gradops.rms_norm(input, weight, float(eps), requested(backend))
     return y
 
 
@@ -410,9 +420,9 @@ def nsa_compress(x: Tensor, weight: Tensor, block_size: int, stride: int,
     type_name = "lengths" if code == 1 else "cumsum"
     if isinstance(seq_lens, Tensor):
         return torch.ops.gradops.nsa_compress_seqlens_tensor(x, weight, block_size, stride, seq_lens,
-                                                             type_name, backend)
+                                                             type_name, requested(backend))
     seq_lens = _nsa_ops.seq_lens_to_list(op, seq_lens)
-    return torch.ops.gradops.nsa_compress(x, weight, block_size, stride, seq_lens, type_name, backend)
+    return torch.ops.gradops.nsa_compress(x, weight, block_size, stride, seq_lens, type_name, requested(backend))
 
 
 # --------------------------------------------------------------------------------------------
@@ -488,7 +498,7 @@ def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, m
     For FloydNet's argument order, default scale and general masks use
     :func:`gradops.pivotal_attention`.
     """
-    out, _, _ = torch.ops.gradops.floyd_attention(q, k1, v1, k2, v2, mask, float(scale), backend)
+    out, _, _ = torch.ops.gradops.floyd_attention(q, k1, v1, k2, v2, mask, float(scale), requested(backend))
     return out
 
 

@@ -31,8 +31,8 @@ Two paths:
   Half-precision inputs compute in float32 there, as in the fused operator.
 
 Under ``torch.autocast`` both paths first cast the floating inputs to the autocast dtype
-(attention is matmul-like, as ``scaled_dot_product_attention``) and then compute in
-float32 inside.
+(attention is matmul-like, as ``scaled_dot_product_attention``; float64 inputs stay float64,
+as torch's autocast leaves them) and then compute in float32 inside.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ import torch.nn.functional as torch_F
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, AclnnError
-from .functional import floyd_attention
+from .functional import autocast_eligible, floyd_attention
 
 __all__ = ["pivotal_attention", "TILE_ELEMENTS", "FUSED_MIN_INF"]
 
@@ -200,6 +200,6 @@ def pivotal_attention(
     dtype = _autocast_dtype(q_ik.device.type)
     tensors = (q_ik, k_ij, k_jk, v_ij, v_jk)
     if dtype is not None:
-        tensors = tuple(t.to(dtype) for t in tensors)
+        tensors = tuple(t.to(dtype) if autocast_eligible(t, q_ik.device.type) else t for t in tensors)
     with torch.autocast(device_type=q_ik.device.type, enabled=False):
         return _chunked(*tensors, mask, float(scale), float(softmax_cap), float(inf), float(dropout))
