@@ -6,9 +6,11 @@ GRADOPS_TEST_DEVICE=cuda to run the same tests on a GPU with compiled kernels.
 
 Tests of the layers users call (gradops.nn, the modules, pivotal_attention, aclnn, ascendc,
 torch_npu) take the ``backend`` fixture: they run once per backend, with that backend as
-the default of every gradops call that does not name one. On CPU the "triton" run goes
-through the interpreter, so those tests keep their shapes small.
+the default of every gradops call that does not name one, and (on a GPU) with the test
+device as torch's default device. On CPU the "triton" run goes through the interpreter, so
+those tests keep their shapes small.
 """
+import contextlib
 import os
 
 TEST_DEVICE = os.environ.get("GRADOPS_TEST_DEVICE", "cpu")
@@ -20,6 +22,11 @@ import torch  # noqa: E402
 
 import gradops  # noqa: E402
 from gradops._backend import triton_available  # noqa: E402
+
+if TEST_DEVICE == "cpu":
+    import interpreter_fixes  # noqa: E402
+
+    interpreter_fixes.install()  # float32 -> bfloat16 rounds to nearest even, as on a GPU
 
 BACKENDS = ("reference", "triton")
 
@@ -34,7 +41,10 @@ def backend(request):
     """Each backend in turn, as gradops' default backend for the test."""
     if request.param == "triton" and not triton_available():
         pytest.skip("triton is not installed: pip install -e '.[test]'")
-    with gradops.use_backend(request.param):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(gradops.use_backend(request.param))
+        if TEST_DEVICE != "cpu":  # factory calls without a device create tensors on the test device
+            stack.enter_context(torch.device(TEST_DEVICE))
         yield request.param
 
 

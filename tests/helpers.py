@@ -5,6 +5,8 @@ import torch
 import gradops
 from gradops.oracles import TOLERANCE, rel_error
 
+from conftest import TEST_DEVICE
+
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -37,3 +39,10 @@ def raises_status(status, *words):
                     assert w in str(err), f"{w!r} not in message: {err}"
             return handled
     return _Ctx()
+
+
+def interpreted(backend) -> bool:
+    """True when ``backend`` runs Triton kernels under the interpreter (CPU), which is slow:
+    gradcheck them in fast mode there (a random directional derivative per input instead of
+    the whole Jacobian); the full Jacobian is checked on the reference backend and on a GPU."""
+    return backend == "triton" and TEST_DEVICE == "cpu"

@@ -67,7 +67,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_fullgraph_keeps_the_custom_ops_and_their_backwards():
+def test_fullgraph_keeps_the_custom_ops_and_their_backwards(backend):
     torch.manual_seed(0)
     model = PairModel()
     x = torch.randn(2, 4, 4, 8)
@@ -84,7 +84,7 @@ def test_fullgraph_keeps_the_custom_ops_and_their_backwards():
                             "nsa_compress_backward"}
 
 
-def test_nsa_seq_lens_tensor_compiles_without_recompiling():
+def test_nsa_seq_lens_tensor_compiles_without_recompiling(backend):
     """seq_lens as a tensor: the output length is data-dependent (an unbacked size), so one
     graph serves every seq_lens of the same length."""
     torch.manual_seed(0)
@@ -104,7 +104,7 @@ def test_nsa_seq_lens_tensor_compiles_without_recompiling():
     assert counter.frame_count == 1
 
 
-def test_chunked_pivotal_path_compiles():
+def test_chunked_pivotal_path_compiles(backend):
     """Dropout-free chunked path (cap + additive mask, checkpointed tiles) under fullgraph."""
     torch.manual_seed(0)
     ins = [torch.randn(1, 2, 3, 4, 4) for _ in range(5)]
@@ -126,7 +126,7 @@ def test_chunked_pivotal_path_compiles():
         torch.testing.assert_close(a.grad, b.grad)
 
 
-def test_autocast_under_compile_matches_eager_autocast():
+def test_autocast_under_compile_matches_eager_autocast(backend):
     torch.manual_seed(0)
     model = PairModel()
     x = torch.randn(1, 4, 4, 8)
@@ -138,7 +138,7 @@ def test_autocast_under_compile_matches_eager_autocast():
     assert_same(eager, compiled, atol=1e-2, rtol=1e-2)  # bf16 casts may round differently in fused code
 
 
-def test_inductor_end_to_end():
+def test_inductor_end_to_end(backend):
     """The default backend (inductor, CPU code generation) around the opaque gradops ops."""
     torch.manual_seed(0)
     model = PairModel()

@@ -12,6 +12,8 @@ import gradops.ops.rms_norm as rms_ops
 from gradops.errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, AclnnError
 from gradops.nn import functional as F
 
+from helpers import interpreted
+
 f64 = torch.float64
 
 
@@ -86,7 +88,7 @@ def assert_grads_match(fn, oracle, inputs, atol=1e-10, rtol=1e-10):
 # ---------------------------------------------------------------- gradcheck (float64)
 
 @pytest.mark.parametrize("shape,affine", [((8,), "wb"), ((3, 4), "wb"), ((8,), "w"), ((8,), "b"), ((8,), "")])
-def test_layer_norm_gradcheck(shape, affine):
+def test_layer_norm_gradcheck(backend, shape, affine):
     x = torch.randn((2, 3) + shape, dtype=f64, requires_grad=True)
     w = torch.randn(shape, dtype=f64, requires_grad=True) if "w" in affine else None
     b = torch.randn(shape, dtype=f64, requires_grad=True) if "b" in affine else None
@@ -103,7 +105,7 @@ def test_layer_norm_gradcheck(shape, affine):
 
 
 @pytest.mark.parametrize("shape,with_weight", [((8,), True), ((2, 4), True), ((8,), False)])
-def test_rms_norm_gradcheck(shape, with_weight):
+def test_rms_norm_gradcheck(backend, shape, with_weight):
     x = torch.randn((3, 2) + shape, dtype=f64, requires_grad=True)
     if with_weight:
         w = torch.randn(shape, dtype=f64, requires_grad=True)
@@ -114,40 +116,42 @@ def test_rms_norm_gradcheck(shape, with_weight):
 
 @pytest.mark.parametrize("seq_lens,kind", [([9, 20], "cumsum"), ([9, 0, 11], "lengths"),
                                            (torch.tensor([7, 20]), "cumsum")])
-def test_nsa_compress_gradcheck(seq_lens, kind):
+def test_nsa_compress_gradcheck(backend, seq_lens, kind):
     x = torch.randn(20, 2, 3, dtype=f64, requires_grad=True)
     w = torch.randn(4, 2, dtype=f64, requires_grad=True)  # block 4 > stride 2: overlapping windows
-    assert torch.autograd.gradcheck(lambda x, w: F.nsa_compress(x, w, 4, 2, seq_lens, kind), (x, w))
+    assert torch.autograd.gradcheck(lambda x, w: F.nsa_compress(x, w, 4, 2, seq_lens, kind), (x, w),
+                                    fast_mode=interpreted(backend))
 
 
 @pytest.mark.parametrize("masked", ["none", "some", "full_row"])
-def test_floyd_attention_gradcheck(masked):
+def test_floyd_attention_gradcheck(backend, masked):
     ins = leaves(*floyd_inputs())
     mask = None
     if masked != "none":
         mask = torch.rand(1, 1, 3, 1, 5) < 0.4
         if masked == "full_row":
             mask[0, 0, 1] = True  # every pivot of row n=1 removed: uniform softmax
-    assert torch.autograd.gradcheck(lambda *t: F.floyd_attention(*t, mask=mask, scale=0.6), ins)
+    assert torch.autograd.gradcheck(lambda *t: F.floyd_attention(*t, mask=mask, scale=0.6), ins,
+                                    fast_mode=interpreted(backend))
 
 
 # ---------------------------------------------------------------- against float64 formulas
 
-def test_layer_norm_matches_formula_and_torch():
+def test_layer_norm_matches_formula_and_torch(backend):
     x, w, b = torch.randn(4, 5, 6, dtype=f64), torch.randn(5, 6, dtype=f64), torch.randn(5, 6, dtype=f64)
     assert_grads_match(lambda x, w, b: F.layer_norm(x, (5, 6), w, b, 1e-3),
                        lambda x, w, b: ln_oracle(x, (5, 6), w, b, 1e-3), (x, w, b))
     torch.testing.assert_close(F.layer_norm(x, [5, 6], w, b), torch.nn.functional.layer_norm(x, [5, 6], w, b))
 
 
-def test_rms_norm_matches_formula_and_default_eps():
+def test_rms_norm_matches_formula_and_default_eps(backend):
     x, w = torch.randn(4, 7, dtype=f64) * 1e-9, torch.randn(7, dtype=f64)  # tiny x: eps matters
     assert_grads_match(lambda x, w: F.rms_norm(x, 7, w), lambda x, w: rms_oracle(x, (7,), w, None), (x, w))
     x32 = torch.randn(4, 7) * 1e-4
     torch.testing.assert_close(F.rms_norm(x32, [7]), torch.nn.functional.rms_norm(x32, [7]))
 
 
-def test_nsa_compress_matches_formula():
+def test_nsa_compress_matches_formula(backend):
     x, w = torch.randn(37, 3, 4, dtype=f64), torch.randn(5, 3, dtype=f64)
     ends = [12, 12, 30, 37]  # an empty sequence and a tail that fills no block
     assert_grads_match(lambda x, w: F.nsa_compress(x, w, 5, 3, ends),
@@ -157,7 +161,7 @@ def test_nsa_compress_matches_formula():
                        lambda x, w: nsa_oracle(x, w, 5, 3, ends), (x, w))
 
 
-def test_floyd_attention_matches_formula_on_views():
+def test_floyd_attention_matches_formula_on_views(backend):
     q, k1, v1, k2, v2 = floyd_inputs(b=2, h=2, n=4, m=3, k=5, d=4)
     mask = torch.rand(2, 1, 4, 1, 5) < 0.3
     mask[1, 0, 2] = True
@@ -169,7 +173,7 @@ def test_floyd_attention_matches_formula_on_views():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3), (torch.float32, 1e-5)])
-def test_half_inputs_compute_in_float32(dtype, tol):
+def test_half_inputs_compute_in_float32(backend, dtype, tol):
     """Half activations with float32 master weights: output in the activation dtype, weight
     gradients in float32, values within the dtype's rounding of the float64 result."""
     x = torch.randn(6, 16)
@@ -197,7 +201,7 @@ def test_half_inputs_compute_in_float32(dtype, tol):
 # ---------------------------------------------------------------- the library's backwards
 
 @pytest.mark.parametrize("family", ["layer_norm", "rms_norm", "nsa_compress", "floyd_attention"])
-def test_backward_is_the_library_operator(family, monkeypatch):
+def test_backward_is_the_library_operator(backend, family, monkeypatch):
     """Autograd reaches gradops' backward operator (prepare_*_grad/_backward), once per backward."""
     calls = []
     module, name = {"layer_norm": (ln_ops, "prepare_layer_norm_backward"),
@@ -229,7 +233,7 @@ def test_backward_is_the_library_operator(family, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["layer_norm", "rms_norm", "nsa_compress", "floyd_attention"])
-def test_double_backward_is_a_clear_error(family):
+def test_double_backward_is_a_clear_error(backend, family):
     if family == "layer_norm":
         x, w = leaves(torch.randn(3, 8, dtype=f64), torch.randn(8, dtype=f64))
         y = F.layer_norm(x, 8, w)
@@ -248,7 +252,7 @@ def test_double_backward_is_a_clear_error(family):
         gx.sum().backward()
 
 
-def test_gradients_skip_unneeded_outputs(monkeypatch):
+def test_gradients_skip_unneeded_outputs(backend, monkeypatch):
     """Only the gradients autograd asks for are computed (output_mask follows requires_grad)."""
     seen = []
     real = ln_ops.prepare_layer_norm_backward
@@ -267,7 +271,7 @@ def test_gradients_skip_unneeded_outputs(monkeypatch):
 
 # ---------------------------------------------------------------- errors
 
-def test_errors_carry_cann_status_and_name_the_parameter():
+def test_errors_carry_cann_status_and_name_the_parameter(backend):
     with pytest.raises(AclnnError, match="normalized_shape") as e:
         F.layer_norm(torch.randn(3, 8), (7,))
     assert e.value.status == ACLNN_ERR_PARAM_INVALID
@@ -283,7 +287,7 @@ def test_errors_carry_cann_status_and_name_the_parameter():
 
 # ---------------------------------------------------------------- registrations
 
-def test_custom_op_registrations_pass_opcheck():
+def test_custom_op_registrations_pass_opcheck(backend):
     """Fake implementations, autograd registrations and schemas agree with the real ops."""
     x, w, b = leaves(torch.randn(3, 8), torch.randn(8), torch.randn(8))
     torch.library.opcheck(torch.ops.gradops.layer_norm.default, (x, [8], w, b, 1e-5, None))
@@ -297,7 +301,7 @@ def test_custom_op_registrations_pass_opcheck():
                           (xs, ws, 4, 2, torch.tensor([5, 12]), "cumsum", None))
 
 
-def test_backward_op_registrations_pass_opcheck():
+def test_backward_op_registrations_pass_opcheck(backend):
     """The backward ops (called by the autograd formulas, and traced into compiled backward
     graphs) have consistent fake implementations too. Inputs do not require grad: these ops
     deliberately have no derivative."""
@@ -321,7 +325,7 @@ def test_backward_op_registrations_pass_opcheck():
 
 # ---------------------------------------------------------------- autocast policy
 
-def test_autocast_norms_keep_the_input_dtype():
+def test_autocast_norms_keep_the_input_dtype(backend):
     """Norms are autocast-neutral (torch's CPU behaviour): a float32 input stays float32 and is
     computed exactly as outside autocast; a bf16 input stays bf16."""
     x, w, b = torch.randn(4, 16), torch.randn(16), torch.randn(16)
@@ -335,7 +339,7 @@ def test_autocast_norms_keep_the_input_dtype():
     torch.testing.assert_close(r, F.rms_norm(x, 16, w), atol=0, rtol=0)
 
 
-def test_autocast_matmul_like_ops_take_the_autocast_dtype():
+def test_autocast_matmul_like_ops_take_the_autocast_dtype(backend):
     """nsa_compress and floyd_attention cast float32 inputs to the autocast dtype (as matmul
     and SDPA do); gradients flow back to the float32 leaves in float32; the op's own math is
     not lowered further: the result equals the op run on the bf16-cast inputs outside autocast."""
@@ -361,7 +365,7 @@ def test_autocast_matmul_like_ops_take_the_autocast_dtype():
     torch.testing.assert_close(out.to(f64), ref, atol=2e-2, rtol=1e-2)
 
 
-def test_rms_norm_widens_a_half_weight_beside_float32_input_as_torch_does():
+def test_rms_norm_widens_a_half_weight_beside_float32_input_as_torch_does(backend):
     import torch.nn.functional as F
     from gradops.nn import functional as GF
     x = torch.randn(3, 8, dtype=torch.float32, requires_grad=True)

@@ -11,6 +11,8 @@ from gradops._backend import available_backends
 from gradops.nn import functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from helpers import interpreted
+
 f64 = torch.float64
 
 
@@ -27,7 +29,7 @@ def _leaf(*shape, dtype=f64):
     ((4, 7), (7,), ""),
     ((2, 2, 3), [3], "wb"),
 ])
-def test_layer_norm_gradcheck(x_shape, normalized_shape, affine):
+def test_layer_norm_gradcheck(backend, x_shape, normalized_shape, affine):
     x = _leaf(*x_shape)
     w = _leaf(*normalized_shape) if "w" in affine else None
     b = _leaf(*normalized_shape) if "b" in affine else None
@@ -43,7 +45,7 @@ def test_layer_norm_gradcheck(x_shape, normalized_shape, affine):
     assert torch.autograd.gradcheck(fn, args)
 
 
-def test_layer_norm_gradcheck_non_contiguous_input():
+def test_layer_norm_gradcheck_non_contiguous_input(backend):
     base = torch.randn(5, 3, 4, dtype=f64, requires_grad=True)
     w = _leaf(3, 5)
     assert torch.autograd.gradcheck(lambda t, ww: F.layer_norm(t.transpose(0, 2), (3, 5), ww), (base, w))
@@ -55,7 +57,7 @@ def test_layer_norm_gradcheck_non_contiguous_input():
     ((6, 2, 3), (2, 3), False, None),
     ((3, 9), (9,), True, 0.5),
 ])
-def test_rms_norm_gradcheck(x_shape, normalized_shape, with_weight, eps):
+def test_rms_norm_gradcheck(backend, x_shape, normalized_shape, with_weight, eps):
     x = _leaf(*x_shape)
     if with_weight:
         w = _leaf(*normalized_shape)
@@ -94,7 +96,7 @@ def test_nsa_compress_gradcheck(block, stride, seq_lens, kind, backend):
             lambda a, b, sl=sl: F.nsa_compress(a, b, block, stride, sl, kind, backend=backend), (x, w))
 
 
-def test_nsa_compress_uncovered_tokens_get_zero_gradient():
+def test_nsa_compress_uncovered_tokens_get_zero_gradient(backend):
     # stride 5 > block 3 on one sequence of 13: windows [0,3), [5,8), [10,13)
     x, w = _leaf(13, 2, 3), _leaf(3, 2)
     out = F.nsa_compress(x, w, 3, 5, [13])
@@ -107,7 +109,7 @@ def test_nsa_compress_uncovered_tokens_get_zero_gradient():
     assert (x.grad[covered] != 0).all()
 
 
-def test_nsa_compress_all_sequences_too_short():
+def test_nsa_compress_all_sequences_too_short(backend):
     # no block at all: an empty output, and zero gradients
     x, w = _leaf(5, 2, 3), _leaf(4, 2)
     out = F.nsa_compress(x, w, 4, 2, [3, 5])
@@ -122,19 +124,21 @@ def _floyd(b, h, n, m, k, d):
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8])
-def test_floyd_attention_gradcheck_fully_masked_rows(mask_dtype):
+def test_floyd_attention_gradcheck_fully_masked_rows(backend, mask_dtype):
     b, h, n, m, k, d = 2, 1, 3, 2, 4, 5
     ins = _floyd(b, h, n, m, k, d)
     mask = torch.rand(b, 1, n, 1, k) < 0.4
     mask[1, 0, 2] = True      # every pivot of (b=1, n=2): a uniform row
     mask[0, 0, 0] = False     # and a row with none masked
     mask = mask.to(mask_dtype)
-    assert torch.autograd.gradcheck(lambda *t: F.floyd_attention(*t, mask=mask, scale=0.3), ins)
+    assert torch.autograd.gradcheck(lambda *t: F.floyd_attention(*t, mask=mask, scale=0.3), ins,
+                                    fast_mode=interpreted(backend))
 
 
-def test_floyd_attention_gradcheck_single_pivot_no_mask():
+def test_floyd_attention_gradcheck_single_pivot_no_mask(backend):
     ins = _floyd(1, 3, 2, 3, 1, 2)   # K = 1: softmax over one pivot is constant 1
-    assert torch.autograd.gradcheck(lambda *t: F.floyd_attention(*t), ins)
+    assert torch.autograd.gradcheck(lambda *t: F.floyd_attention(*t), ins,
+                                    fast_mode=interpreted(backend))
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -142,7 +146,7 @@ def test_floyd_attention_gradcheck_single_pivot_no_mask():
     dict(attn_mask="bool_per_k", softmax_cap=1.5),       # chunked path
     dict(attn_mask="additive", scale=0.7),               # chunked path, additive
 ])
-def test_pivotal_attention_gradcheck(kwargs):
+def test_pivotal_attention_gradcheck(backend, kwargs):
     b, h, li, lk, lj, d = 1, 2, 3, 2, 4, 3
     ins = (_leaf(b, h, li, lk, d), _leaf(b, h, li, lj, d), _leaf(b, h, lj, lk, d), _leaf(b, h, li, lj, d),
            _leaf(b, h, lj, lk, d))
@@ -156,7 +160,8 @@ def test_pivotal_attention_gradcheck(kwargs):
         mask[..., 0, :] = True
     else:
         mask = torch.randn(b, h, li, lk, lj, dtype=f64)
-    assert torch.autograd.gradcheck(lambda *t: gradops.pivotal_attention(*t, attn_mask=mask, **kwargs), ins)
+    assert torch.autograd.gradcheck(lambda *t: gradops.pivotal_attention(*t, attn_mask=mask, **kwargs), ins,
+                                    fast_mode=interpreted(backend))
 
 
 # ------------------------------------------------------------------ 2. drop-in norm modules
@@ -250,7 +255,7 @@ def _ctor_args(m):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kwargs", LN_ARGS, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
-def test_layer_norm_module_is_drop_in(kwargs, dtype):
+def test_layer_norm_module_is_drop_in(backend, kwargs, dtype):
     ours, theirs = gnn.LayerNorm(**kwargs), nn.LayerNorm(**kwargs)
     assert isinstance(ours, nn.LayerNorm)
     assert repr(ours).split("(", 1)[1] == repr(theirs).split("(", 1)[1]
@@ -259,14 +264,14 @@ def test_layer_norm_module_is_drop_in(kwargs, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kwargs", RMS_ARGS, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
-def test_rms_norm_module_is_drop_in(kwargs, dtype):
+def test_rms_norm_module_is_drop_in(backend, kwargs, dtype):
     ours, theirs = gnn.RMSNorm(**kwargs), nn.RMSNorm(**kwargs)
     assert isinstance(ours, nn.RMSNorm)
     _check_drop_in(ours, theirs, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
-def test_rms_norm_default_eps_is_torchs_for_every_dtype(dtype):
+def test_rms_norm_default_eps_is_torchs_for_every_dtype(backend, dtype):
     # regression: eps=None took finfo(input dtype).eps (2**-7 for bf16) where torch takes the
     # compute dtype's (float32's 1.2e-7 for half input): with rows of rms ~ 0.03 the two
     # differed by up to ~140% (1.39 absolute against the float64 formula), far beyond rounding
@@ -285,7 +290,7 @@ def test_rms_norm_default_eps_is_torchs_for_every_dtype(dtype):
 
 
 @pytest.mark.parametrize("cls", [gnn.LayerNorm, gnn.RMSNorm])
-def test_norm_module_float32_params_with_bf16_input(cls):
+def test_norm_module_float32_params_with_bf16_input(backend, cls):
     # the mixed-precision layout (fp32 master weights, bf16 activations) torch also accepts
     torch_cls = nn.LayerNorm if cls is gnn.LayerNorm else nn.RMSNorm
     ours, theirs = cls(8), torch_cls(8)
@@ -345,7 +350,7 @@ def fresh_dynamo():
 
 
 @pytest.mark.parametrize("mask_kind", ["fused_bool", "additive"])
-def test_explain_reports_no_graph_break(fresh_dynamo, mask_kind):
+def test_explain_reports_no_graph_break(backend, fresh_dynamo, mask_kind):
     torch.manual_seed(0)
     model = EveryModule()
     x = torch.randn(2, 4, 4, 8)
@@ -356,7 +361,7 @@ def test_explain_reports_no_graph_break(fresh_dynamo, mask_kind):
 
 
 @pytest.mark.parametrize("dynamic", [None, True])
-def test_compile_with_changing_seq_lens_lists(fresh_dynamo, dynamic):
+def test_compile_with_changing_seq_lens_lists(backend, fresh_dynamo, dynamic):
     # regression: after a second distinct seq_lens list (automatic dynamic shapes), or with
     # dynamic=True from the start, dynamo passed symbolic ints to nsa_compress's fake
     # implementation, which rejected them ("seq_lens is [s13, s78], expected a list of
@@ -378,7 +383,7 @@ def test_compile_with_changing_seq_lens_lists(fresh_dynamo, dynamic):
     assert sum(len(g.graph.nodes) > 0 for g in counter.graphs) <= 3
 
 
-def test_compile_dynamic_with_tensor_seq_lens_does_not_recompile(fresh_dynamo):
+def test_compile_dynamic_with_tensor_seq_lens_does_not_recompile(backend, fresh_dynamo):
     torch.manual_seed(0)
     model = EveryModule()
     counter = CompileCounterWithBackend("aot_eager")

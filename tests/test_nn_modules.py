@@ -52,7 +52,7 @@ def round_trip(ours, theirs):
     dict(normalized_shape=[16], bias=False),
     dict(normalized_shape=16, elementwise_affine=False),
 ])
-def test_layer_norm_is_torch_layer_norm(kwargs):
+def test_layer_norm_is_torch_layer_norm(backend, kwargs):
     ours = gnn.LayerNorm(**kwargs, dtype=f64)
     theirs = nn.LayerNorm(**kwargs, dtype=f64)
     assert isinstance(ours, nn.LayerNorm) and repr(ours) == repr(theirs)
@@ -67,7 +67,7 @@ def test_layer_norm_is_torch_layer_norm(kwargs):
     dict(normalized_shape=(4, 6), eps=1e-4),
     dict(normalized_shape=16, elementwise_affine=False),
 ])
-def test_rms_norm_is_torch_rms_norm(kwargs):
+def test_rms_norm_is_torch_rms_norm(backend, kwargs):
     ours = gnn.RMSNorm(**kwargs, dtype=f64)
     theirs = nn.RMSNorm(**kwargs, dtype=f64)
     assert isinstance(ours, nn.RMSNorm) and repr(ours) == repr(theirs)
@@ -77,7 +77,7 @@ def test_rms_norm_is_torch_rms_norm(kwargs):
     assert_same_forward_and_grads(ours, theirs, torch.randn((3, 2) + shape, dtype=f64))
 
 
-def test_float32_norms_match_torch_within_float32_rounding():
+def test_float32_norms_match_torch_within_float32_rounding(backend):
     for ours, theirs in ((gnn.LayerNorm(32), nn.LayerNorm(32)), (gnn.RMSNorm(32), nn.RMSNorm(32))):
         randomize(theirs)
         ours.load_state_dict(theirs.state_dict())
@@ -97,7 +97,7 @@ def nsa_formula(x, w, block, stride, ends):
     return torch.stack(rows)
 
 
-def test_nsa_compress_module():
+def test_nsa_compress_module(backend):
     m = gnn.NsaCompress(block_size=4, stride=2, num_heads=3, dtype=f64)
     assert list(m.state_dict()) == ["weight"] and m.weight.shape == (4, 3)
     x = torch.randn(19, 3, 5, dtype=f64)
@@ -149,7 +149,7 @@ class FloydNetAttention(nn.Module):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_floyd_attention_is_floydnet_attention(bias, masked):
+def test_floyd_attention_is_floydnet_attention(backend, bias, masked):
     c, heads, b, n = 8, 2, 2, 5
     ours = gnn.FloydAttention(c, heads, bias=bias, dtype=f64)
     theirs = FloydNetAttention(c, heads, bias=bias).to(f64)
@@ -163,7 +163,7 @@ def test_floyd_attention_is_floydnet_attention(bias, masked):
     assert_same_forward_and_grads(ours, theirs, torch.randn(b, n, n, c, dtype=f64), **fwd)
 
 
-def test_floyd_attention_dropout_only_while_training():
+def test_floyd_attention_dropout_only_while_training(backend):
     m = gnn.FloydAttention(8, 2, dropout=0.5, dtype=f64)
     x = torch.randn(1, 4, 4, 8, dtype=f64)
     m.eval()
@@ -179,7 +179,7 @@ def test_floyd_attention_dropout_only_while_training():
         m(torch.randn(1, 4, 5, 8, dtype=f64))
 
 
-def test_small_model_trains():
+def test_small_model_trains(backend):
     """A pair-representation model built only from gradops modules learns a fixed target."""
     torch.manual_seed(0)
     model = nn.Sequential(gnn.LayerNorm(8), gnn.FloydAttention(8, 2), gnn.RMSNorm(8), nn.Linear(8, 1))

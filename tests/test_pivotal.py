@@ -93,7 +93,7 @@ MASKS = {
 
 
 @pytest.mark.parametrize("kind", list(MASKS))
-def test_masks_match_floydnet(kind, path_spy):
+def test_masks_match_floydnet(backend, kind, path_spy):
     factory, expected_path = MASKS[kind]
     mask = factory()
     if kind != "bool_full_row" and mask is not None and mask.dtype == torch.bool:
@@ -104,7 +104,7 @@ def test_masks_match_floydnet(kind, path_spy):
 
 @pytest.mark.parametrize("scale", [None, 0.3])
 @pytest.mark.parametrize("cap", [-1, 0.0, 2.0])
-def test_scale_default_and_softmax_cap(scale, cap, path_spy):
+def test_scale_default_and_softmax_cap(backend, scale, cap, path_spy):
     ins = make_inputs()
     with torch.no_grad():
         ins[0].mul_(3.0)  # large logits so the cap bites
@@ -112,13 +112,13 @@ def test_scale_default_and_softmax_cap(scale, cap, path_spy):
     assert path_spy == ["chunked" if cap > 0 else "fused"]
 
 
-def test_scale_default_is_one_over_sqrt_2d():
+def test_scale_default_is_one_over_sqrt_2d(backend):
     ins = [t.detach() for t in make_inputs(d=8)]
     torch.testing.assert_close(pivotal_attention(*ins), pivotal_attention(*ins, scale=1 / math.sqrt(16)),
                                atol=0, rtol=0)
 
 
-def test_small_inf_takes_the_literal_path(path_spy):
+def test_small_inf_takes_the_literal_path(backend, path_spy):
     """With a small ``inf`` a masked pivot keeps a visible share of the softmax (FloydNet's
     finite -inf); the fused operator excludes it exactly, so the literal path runs."""
     mask = bool_mask((2, 1, 4, 1, 5))
@@ -127,7 +127,7 @@ def test_small_inf_takes_the_literal_path(path_spy):
     assert path_spy == ["chunked"]
 
 
-def test_floydnet_block_views(path_spy):
+def test_floydnet_block_views(backend, path_spy):
     """FloydNet's block layout: one [B, N, N, 5C] projection chunked and permuted to five
     non-contiguous [B, H, N, N, D] views, passed with the dropout= keyword."""
     b, n, h, d = 2, 5, 2, 3
@@ -153,7 +153,7 @@ def test_floydnet_block_views(path_spy):
     compare(views, attn_mask=bool_mask((b, h, n, n, n)))
 
 
-def test_chunked_path_tiles_and_bounded_memory(monkeypatch):
+def test_chunked_path_tiles_and_bounded_memory(backend, monkeypatch):
     """Many small tiles: same values and gradients as the whole formula, and no tensor as
     large as the [B,H,L_i,L_k,L_j] scores is ever created, forward or backward."""
     monkeypatch.setattr(pivotal_mod, "TILE_ELEMENTS", 96)
@@ -181,7 +181,7 @@ def test_chunked_path_tiles_and_bounded_memory(monkeypatch):
     assert LargestTensor.largest <= max(inputs_max, 96 * 4) < full
 
 
-def test_dropout_matches_floydnet_with_the_same_generator_state():
+def test_dropout_matches_floydnet_with_the_same_generator_state(backend):
     """One tile: the attention weights are dropped with the very draws FloydNet makes."""
     ins = make_inputs()
     ours_in = [t.detach().clone().requires_grad_(True) for t in ins]
@@ -196,7 +196,7 @@ def test_dropout_matches_floydnet_with_the_same_generator_state():
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
-def test_dropout_backward_reuses_the_forward_mask(monkeypatch):
+def test_dropout_backward_reuses_the_forward_mask(backend, monkeypatch):
     """Tiles are recomputed in backward; the recomputation must drop the same weights. For a
     fixed dropout mask y is linear in (v_ij, v_jk), so <g, y> == <dv_ij, v_ij> + <dv_jk, v_jk>
     exactly when backward saw the forward's mask."""
@@ -215,7 +215,7 @@ def test_dropout_backward_reuses_the_forward_mask(monkeypatch):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("fused", [True, False])
-def test_low_precision_inputs(dtype, tol, fused):
+def test_low_precision_inputs(backend, dtype, tol, fused):
     ins = [t.detach().to(dtype) for t in make_inputs()]
     cap = -1 if fused else 5.0
     y = pivotal_attention(*ins, softmax_cap=cap)
@@ -224,7 +224,7 @@ def test_low_precision_inputs(dtype, tol, fused):
     torch.testing.assert_close(y.to(f64), ref, atol=tol, rtol=tol)
 
 
-def test_autocast_casts_to_the_autocast_dtype_on_both_paths():
+def test_autocast_casts_to_the_autocast_dtype_on_both_paths(backend):
     ins = [t.detach().float() for t in make_inputs()]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fused = pivotal_attention(*ins)
@@ -235,7 +235,7 @@ def test_autocast_casts_to_the_autocast_dtype_on_both_paths():
     torch.testing.assert_close(chunked, pivotal_attention(*bf, softmax_cap=50.0), atol=0, rtol=0)
 
 
-def test_bad_arguments_name_the_parameter():
+def test_bad_arguments_name_the_parameter(backend):
     ins = [t.detach() for t in make_inputs()]
     with pytest.raises(AclnnError, match="k_jk"):
         pivotal_attention(ins[0], ins[1], ins[2].transpose(2, 3), ins[3], ins[4])
@@ -249,6 +249,6 @@ def test_bad_arguments_name_the_parameter():
         pivotal_attention(ins[0][0], *ins[1:])
 
 
-def test_exported_from_gradops_nn():
+def test_exported_from_gradops_nn(backend):
     import gradops.nn
     assert gradops.nn.pivotal_attention is pivotal_attention

@@ -12,7 +12,7 @@ from gradops import torch_npu as npu
 from helpers import assert_close, rand
 
 
-def test_signatures_are_torch_npus():
+def test_signatures_are_torch_npus(backend):
     def params(f):
         return [(p.name, p.kind.name, p.default) for p in inspect.signature(f).parameters.values()]
 
@@ -36,7 +36,7 @@ def test_signatures_are_torch_npus():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_rms_norm_pair(dtype):
+def test_rms_norm_pair(backend, dtype):
     x, gamma, dy = rand((3, 5, 24), dtype), rand((24,), dtype), rand((3, 5, 24), dtype)
     y, rstd = npu.npu_rms_norm(x, gamma)  # default epsilon 1e-6
     want_y, want_rstd = oracles.rms_norm(x, gamma, 1e-6)
@@ -53,7 +53,7 @@ def test_rms_norm_pair(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_nsa_compress_pair_with_cumulative_ends(dtype):
+def test_nsa_compress_pair_with_cumulative_ends(backend, dtype):
     ends = [0, 40, 40, 75]  # an empty first sequence, an empty third
     block, stride = 16, 8
     x, w = rand((75, 3, 16), dtype), rand((block, 3), dtype)
@@ -72,7 +72,7 @@ def test_nsa_compress_pair_with_cumulative_ends(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_floyd_attention_pair(dtype):
+def test_fused_floyd_attention_pair(backend, dtype):
     b, h, n, m, k, d = 2, 2, 4, 6, 5, 8
     q = rand((b, h, n, m, d), dtype, scale=0.5)
     k1, v1 = rand((b, h, n, k, d), dtype, scale=0.5), rand((b, h, n, k, d), dtype)
@@ -100,14 +100,14 @@ def test_fused_floyd_attention_pair(dtype):
         assert_close(g, w, dtype, what=name)
 
 
-def test_fused_floyd_attention_default_scale_is_one():
+def test_fused_floyd_attention_default_scale_is_one(backend):
     q, k1, v1 = rand((1, 1, 2, 3, 4)), rand((1, 1, 2, 5, 4)), rand((1, 1, 2, 5, 4))
     k2, v2 = rand((1, 1, 5, 3, 4)), rand((1, 1, 5, 3, 4))
     _, _, out = npu.npu_fused_floyd_attention(q, k1, v1, k2, v2)
     assert_close(out, oracles.floyd_attention(q, k1, v1, k2, v2, None, 1.0)[0], torch.float32)
 
 
-def test_errors_carry_cann_status():
+def test_errors_carry_cann_status(backend):
     with pytest.raises(gradops.AclnnError) as e:
         npu.npu_rms_norm(rand((2, 8)), rand((4,)))
     assert e.value.status == 561002
