@@ -1,6 +1,8 @@
-"""NSA compression (``gradops.nsa_compress`` / ``nsa_compress_grad``) on the reference backend,
-through the public API, against the independent float64 oracles of ``gradops.oracles``
-(a per-block loop for the forward, autograd through it for the backward)."""
+"""NSA compression (``gradops.nsa_compress`` / ``nsa_compress_grad``) through the public API,
+against the independent float64 oracles of ``gradops.oracles`` (a per-block loop for the
+forward, autograd through it for the backward). Most tests run on the reference backend;
+the NaN-locality, empty-problem and host-transfer tests run on both (``backend`` fixture;
+on CPU the Triton kernels go through the interpreter)."""
 import itertools
 import re
 
@@ -15,13 +17,13 @@ BACKEND = "reference"
 ALL_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
-def compress(x, weight, block_size, stride, seq_lens, seq_lens_type="cumsum"):
-    return gradops.nsa_compress(x, weight, block_size, stride, seq_lens, seq_lens_type, backend=BACKEND)
+def compress(x, weight, block_size, stride, seq_lens, seq_lens_type="cumsum", backend=BACKEND):
+    return gradops.nsa_compress(x, weight, block_size, stride, seq_lens, seq_lens_type, backend=backend)
 
 
-def compress_grad(dout, x, weight, block_size, stride, seq_lens, seq_lens_type="cumsum"):
+def compress_grad(dout, x, weight, block_size, stride, seq_lens, seq_lens_type="cumsum", backend=BACKEND):
     return gradops.nsa_compress_grad(dout, x, weight, block_size, stride, seq_lens, seq_lens_type,
-                                     backend=BACKEND)
+                                     backend=backend)
 
 
 def cumulative(lengths):
@@ -231,49 +233,97 @@ def test_inputs_are_not_modified(device):
         assert torch.equal(old, new)
 
 
-def test_nan_in_x_reaches_exactly_the_blocks_covering_it(device):
-    block_size, stride = 4, 3
-    lengths = [11, 6]
+# ---------------------------------------------------------------------------------------------
+# NaN (and inf) locality: a non-finite input must reach exactly the outputs whose formula
+# has it as a term. Expected patterns come from the block starts alone (the oracle's
+# explicit loop), and the float64 oracle must agree with them.
+
+# (block_size, stride, lengths)
+NAN_PACKINGS = [
+    (4, 3, [13]),                # blocks at 0, 3, 6, 9; token 12 is a tail
+    (5, 2, [0, 11, 3, 0, 9]),    # l % s != 0, empty sequences, one shorter than a block, tails
+    (2, 5, [12, 0, 8]),          # stride > block: gaps no block covers, an empty sequence
+]
+
+
+def expected_non_finite(kind, site, x_shape, block_size, starts):
+    """Masks (out, dx, dweight) of the outputs that one non-finite value at ``site`` of
+    ``kind`` ("x", "weight" or "dout") enters as a term:
+
+        out[c, n, d]  = sum_j w[j, n] x[start_c + j, n, d]
+        dx[t, n, d]   = sum over (c, j) with start_c + j = t of w[j, n] dout[c, n, d]
+        dweight[j, n] = sum_c sum_d dout[c, n, d] x[start_c + j, n, d]
+
+    Every other input is finite and non-zero, and each of these sums has at most one term
+    with the bad value, so the result there is non-finite (NaN for a NaN, +-inf for an inf)."""
+    tokens, heads, dims = x_shape
+    out = torch.zeros(len(starts), heads, dims, dtype=torch.bool)
+    dx = torch.zeros(x_shape, dtype=torch.bool)
+    dweight = torch.zeros(block_size, heads, dtype=torch.bool)
+    if kind == "x":
+        t, n, d = site
+        for c, start in enumerate(starts):
+            if start <= t < start + block_size:
+                out[c, n, d] = True
+                dweight[t - start, n] = True
+    elif kind == "weight":
+        j, n = site
+        out[:, n, :] = True
+        for start in starts:
+            dx[start + j, n, :] = True
+    else:
+        c, n, d = site
+        dx[starts[c]:starts[c] + block_size, n, d] = True
+        dweight[:, n] = True
+    return out, dx, dweight
+
+
+def non_finite_sites(kind, x_shape, block_size, blocks):
+    """Every token, weight row or block, with the head and head-dim index rotating."""
+    tokens, heads, dims = x_shape
+    if kind == "x":
+        return [(t, t % heads, t % dims) for t in range(tokens)]
+    if kind == "weight":
+        return [(j, j % heads) for j in range(block_size)]
+    return [(c, c % heads, c % dims) for c in range(blocks)]
+
+
+def assert_non_finite_pattern(got, want, value, what):
+    got = got.cpu()
+    bad = ~torch.isfinite(got)
+    assert torch.equal(bad, want), (f"{what}: non-finite at {bad.nonzero().tolist()}, "
+                                    f"expected at {want.nonzero().tolist()}")
+    # A NaN stays NaN; a single inf term gives +-inf, never NaN.
+    assert torch.equal(torch.isnan(got), want if value != value else torch.zeros_like(want)), what
+
+
+@pytest.mark.parametrize("kind,value", [("x", float("nan")), ("weight", float("nan")), ("dout", float("nan")),
+                                        ("weight", float("-inf")), ("dout", float("inf"))], ids=str)
+@pytest.mark.parametrize("block_size,stride,lengths", NAN_PACKINGS, ids=str)
+def test_non_finite_values_stay_where_the_formulas_put_them(backend, kind, value, block_size, stride,
+                                                            lengths, device):
     ends, x, weight, dout = random_problem(lengths, 2, 3, block_size, stride, torch.float32, device)
-    cover = covered_tokens(ends, block_size, stride)
-    token = next(t for t, uses in cover.items() if len(uses) == 2)  # a token in two overlapping windows
-    tail = 10  # first sequence: windows at 0, 3, 6 end at token 9; token 10 is a tail
-    assert tail not in cover
-    x[token, 1, 2] = float("nan")
-    x[tail, 0, 0] = float("nan")
-
-    out = compress(x, weight, block_size, stride, ends)
-    expected = torch.zeros(out.shape, dtype=torch.bool)
-    for c, _ in cover[token]:
-        expected[c, 1, 2] = True
-    assert torch.equal(torch.isnan(out).cpu(), expected)
-
-    dx, dweight = compress_grad(dout, x, weight, block_size, stride, ends)
-    assert not torch.isnan(dx).any()  # dx = weight * dout does not read x
-    expected_w = torch.zeros(weight.shape, dtype=torch.bool)
-    for _, j in cover[token]:
-        expected_w[j, 1] = True
-    assert torch.equal(torch.isnan(dweight).cpu(), expected_w)
-
-
-def test_nan_in_weight_and_dout(device):
-    block_size, stride = 3, 2
-    ends, x, weight, dout = random_problem([8, 5], 2, 3, block_size, stride, torch.float64, device)
-    weight_nan = weight.clone()
-    weight_nan[1, 0] = float("nan")
-    out = compress(x, weight_nan, block_size, stride, ends)
-    assert torch.isnan(out[:, 0]).all() and not torch.isnan(out[:, 1]).any()
-
-    cover = covered_tokens(ends, block_size, stride)
-    dout_nan = dout.clone()
-    dout_nan[2, 1, 0] = float("nan")
-    dx, dweight = compress_grad(dout_nan, x, weight, block_size, stride, ends)
-    expected = torch.zeros(x.shape, dtype=torch.bool)
-    for t, uses in cover.items():
-        if any(c == 2 for c, _ in uses):
-            expected[t, 1, 0] = True
-    assert torch.equal(torch.isnan(dx).cpu(), expected)
-    assert torch.isnan(dweight[:, 1]).all() and not torch.isnan(dweight[:, 0]).any()
+    assert (x != 0).all() and (weight != 0).all() and (dout != 0).all()
+    starts = oracles.nsa_blocks(ends, block_size, stride)
+    for site in non_finite_sites(kind, tuple(x.shape), block_size, len(starts)):
+        inputs = dict(x=x.clone(), weight=weight.clone(), dout=dout.clone())
+        inputs[kind][site] = value
+        bx, bw, bg = inputs["x"], inputs["weight"], inputs["dout"]
+        want_out, want_dx, want_dw = expected_non_finite(kind, site, tuple(x.shape), block_size, starts)
+        where = f"{kind}[{site}] = {value}"
+        # The expectation is the math's: the float64 oracle (autograd through a per-block
+        # loop) puts the bad value in the same places.
+        oracle_dx, oracle_dw = oracles.nsa_compress_backward(bg, bx, bw, block_size, stride, ends)
+        assert_non_finite_pattern(oracle_dx, want_dx, value, f"oracle dx, {where}")
+        assert_non_finite_pattern(oracle_dw, want_dw, value, f"oracle dweight, {where}")
+        if kind != "dout":  # the forward does not read dout
+            assert_non_finite_pattern(oracles.nsa_compress(bx, bw, block_size, stride, ends), want_out,
+                                      value, f"oracle out, {where}")
+            out = compress(bx, bw, block_size, stride, ends, backend=backend)
+            assert_non_finite_pattern(out, want_out, value, f"out, {where}")
+        dx, dweight = compress_grad(bg, bx, bw, block_size, stride, ends, backend=backend)
+        assert_non_finite_pattern(dx, want_dx, value, f"dx, {where}")
+        assert_non_finite_pattern(dweight, want_dw, value, f"dweight, {where}")
 
 
 # ---------------------------------------------------------------------------------------------

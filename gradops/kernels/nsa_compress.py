@@ -173,8 +173,12 @@ def _nsa_compress_bwd_kernel(
             g_off = (first_block + g - k) * sg_c + r * 0
             gv = tl.load(dout_ptr + (g_off[:, None, None] + hd_g[None, :, :]),
                          mask=(r >= 0)[:, None, None] & hd_ok[None, :, :], other=0.0).to(ACC)
-            dx += wv[:, :, None] * gv
+            # Rows past the block's end (w_ok false) have a zero weight, but 0 * NaN (or inf)
+            # in dOut is NaN: select, so that a non-finite dOut stays in its block's rows.
+            dx += tl.where(w_ok[:, None, None], wv[:, :, None] * gv, 0.0)
             part = tl.sum(xv * gv, axis=2)
+            # Rows the block does not cover are no term of dweight: drop them, and with them
+            # any NaN or inf in their x.
             part = tl.where(w_ok[:, None], part, 0.0)
             if DW_IN_TILE:
                 dw += tl.where((d_local == k)[None, None, :], part[:, :, None], 0.0)
