@@ -169,39 +169,36 @@ def test_uncovered_tokens_get_zero_gradient(device):
     assert torch.all(dx[sorted(cover)] != 0)
 
 
-@pytest.mark.parametrize("seq_lens", [[], [0], [0, 0]], ids=["none", "one-empty", "two-empty"])
-def test_empty_token_axis(seq_lens, device):
-    x = torch.randn(0, 2, 3, device=device)
-    weight = torch.randn(4, 2, device=device)
-    out = compress(x, weight, 4, 2, seq_lens)
-    assert out.shape == (0, 2, 3) and out.dtype == x.dtype
-    dx, dweight = compress_grad(torch.randn(0, 2, 3, device=device), x, weight, 4, 2, seq_lens)
-    assert dx.shape == (0, 2, 3)
-    assert dweight.shape == (4, 2) and torch.all(dweight == 0)
+# Empty problems: T = 0 (no sequence, empty sequences), C = 0 (no sequence holds a block),
+# N = 0 or D = 0 (with and without blocks), and their combinations. (lengths, N, D)
+EMPTY_CASES = [
+    ([], 2, 3), ([0], 2, 3), ([0, 0], 2, 3),
+    ([3, 0, 2], 2, 3), ([0, 3, 3], 1, 1),
+    ([10], 0, 3), ([0, 10, 0, 7], 0, 3),
+    ([10], 2, 0), ([7, 0, 10], 3, 0),
+    ([10], 0, 0), ([], 0, 0), ([0, 0], 0, 5), ([], 3, 0), ([2, 1], 0, 3),
+]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_no_block_fits(dtype, device):
-    # every sequence shorter than a block: C = 0, the gradient is zero everywhere
-    x = torch.randn(9, 2, 3, device=device).to(dtype)
-    weight = torch.randn(5, 2, device=device).to(dtype)
-    ends = cumulative([4, 1, 0, 4])
-    out = compress(x, weight, 5, 1, ends)
-    assert out.shape == (0, 2, 3) and out.dtype == dtype
-    dx, dweight = compress_grad(torch.empty(0, 2, 3, device=device, dtype=dtype), x, weight, 5, 1, ends)
-    assert dx.dtype == dtype and dweight.dtype == dtype
-    assert torch.all(dx == 0) and torch.all(dweight == 0)
-
-
-@pytest.mark.parametrize("n,d", [(0, 3), (2, 0)])
-def test_empty_heads_or_head_dim(n, d, device):
-    x = torch.randn(10, n, d, device=device)
-    weight = torch.randn(4, n, device=device)
-    out = compress(x, weight, 4, 2, [10])
-    assert out.shape == (4, n, d)
-    dx, dweight = compress_grad(torch.randn(4, n, d, device=device), x, weight, 4, 2, [10])
-    assert dx.shape == x.shape and torch.all(dx == 0)
-    assert dweight.shape == weight.shape and torch.all(dweight == 0)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lengths,n,d", EMPTY_CASES, ids=str)
+def test_empty_problems(backend, lengths, n, d, dtype, device):
+    """Correct shapes and dtypes, and zero gradients: with no block (C = 0) no token is
+    covered and dweight sums over nothing; with D = 0 dweight is a sum over an empty head
+    dim; with N = 0 every output is empty."""
+    block_size, stride = 4, 2
+    ends = cumulative(lengths)
+    blocks = len(oracles.nsa_blocks(ends, block_size, stride))
+    assert blocks == 0 or n * d == 0  # nothing to compute in any case
+    x = torch.randn(ends[-1] if ends else 0, n, d, device=device).to(dtype)
+    weight = torch.randn(block_size, n, device=device).to(dtype)
+    out = compress(x, weight, block_size, stride, ends, backend=backend)
+    assert out.shape == (blocks, n, d) and out.dtype == dtype and out.device == x.device
+    dout = torch.randn(blocks, n, d, device=device).to(dtype)
+    dx, dweight = compress_grad(dout, x, weight, block_size, stride, ends, backend=backend)
+    assert dx.shape == x.shape and dweight.shape == weight.shape
+    assert dx.dtype == dweight.dtype == dtype and dx.device == dweight.device == x.device
+    assert not dx.any() and not dweight.any()
 
 
 def test_non_contiguous_inputs(device):
