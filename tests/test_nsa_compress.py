@@ -3,15 +3,20 @@ against the independent float64 oracles of ``gradops.oracles`` (a per-block loop
 forward, autograd through it for the backward). Most tests run on the reference backend;
 the NaN-locality, empty-problem and host-transfer tests run on both (``backend`` fixture;
 on CPU the Triton kernels go through the interpreter)."""
+import gc
 import itertools
 import re
+import weakref
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradops
 from gradops import oracles
 from gradops.oracles import TOLERANCE, rel_error
+from gradops.reference import nsa_compress as reference_nsa
 
 BACKEND = "reference"
 ALL_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -441,3 +446,171 @@ def test_non_tensor_input(good, name):
     for call in calls:
         with _raises(INVALID, name, "Tensor"):
             call(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host and device: once a packing has been seen, a call moves nothing between them, so it can
+# be captured in a CUDA graph. Without a GPU, the "device" is PyTorch's meta device: a copy of
+# host data to it, or a read of its data on the host, shows as an aten op, and (unlike CPU
+# tensors) nothing can pass between the two unseen.
+
+class HostDeviceTraffic(TorchDispatchMode):
+    """Records the aten ops that move data between the host and ``device``: an op with a host
+    (CPU) tensor among its inputs and a ``device`` tensor among its inputs or outputs (a
+    copy), and ``_local_scalar_dense`` of a ``device`` tensor (``.item()``, ``int()``,
+    ``.tolist()``)."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = torch.device(device)
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        on_host = any(t.device.type == "cpu" for t in inputs)
+        on_device = any(t.device == self.device for t in inputs + outputs)
+        reads_device = func is torch.ops.aten._local_scalar_dense.default and on_device
+        if (on_host and on_device) or reads_device:
+            self.ops.append(str(func))
+        return out
+
+
+class KernelStub:
+    """Stands in for a Triton kernel on the meta device (nothing can run there): records the
+    arguments of every launch."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(args)
+
+
+def counting(monkeypatch, module, name):
+    """Wraps ``module.name`` so that the returned list collects the result of every call."""
+    built = []
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        built.append(original(*args, **kwargs))
+        return built[-1]
+    monkeypatch.setattr(module, name, wrapper)
+    return built
+
+
+def table_builds(monkeypatch, backend):
+    """The list of per-packing device tables the backend builds from now on (for triton also
+    stubs its kernels)."""
+    if backend == "reference":
+        return counting(monkeypatch, reference_nsa, "block_starts")
+    from gradops.kernels import nsa_compress as kernels_nsa
+    for name in ("_nsa_compress_fwd_kernel", "_nsa_compress_bwd_kernel", "_sum_rows_kernel"):
+        monkeypatch.setattr(kernels_nsa, name, KernelStub())
+    return counting(monkeypatch, kernels_nsa, "_SeqTables")
+
+
+def meta_calls(backend, block_size, stride, seq_lens, seq_lens_type="cumsum", heads=3, dims=5):
+    """Forward and backward on meta tensors: through the public API for the reference, through
+    the backend functions for triton (the public API sends meta tensors to no kernel)."""
+    lengths = seq_lens if seq_lens_type == "lengths" else None
+    ends = cumulative(lengths) if lengths is not None else list(seq_lens)
+    x = torch.empty(ends[-1], heads, dims, device="meta")
+    weight = torch.empty(block_size, heads, device="meta")
+    blocks = len(oracles.nsa_blocks(ends, block_size, stride))
+    dout = torch.empty(blocks, heads, dims, device="meta")
+    if backend == "reference":
+        for form in (seq_lens, torch.tensor(seq_lens)):  # a list, and a host tensor
+            compress(x, weight, block_size, stride, form, seq_lens_type, backend=backend)
+            compress_grad(dout, x, weight, block_size, stride, form, seq_lens_type, backend=backend)
+    else:
+        from gradops.kernels import nsa_compress as kernels_nsa
+        cu = [0] + ends
+        kernels_nsa.nsa_compress(x, weight, block_size, stride, cu, blocks)
+        kernels_nsa.nsa_compress_grad(dout, x, weight, block_size, stride, cu, blocks)
+
+
+def test_host_device_traffic_recorder_sees_transfers():
+    with HostDeviceTraffic("meta") as seen:
+        torch.ones(3).to("meta")
+        torch.zeros(2, device="meta").copy_(torch.ones(2))
+        torch.ones(4, device="meta") + torch.tensor(1.0)
+        torch.ones(4).sum() + 1
+    assert len(seen.ops) == 3, seen.ops
+
+
+@pytest.mark.parametrize("seq_lens,seq_lens_type", [([9, 9, 17, 21], "cumsum"), ([0, 7, 4, 12], "lengths")],
+                         ids=str)
+def test_a_seen_packing_moves_nothing_between_host_and_device(backend, seq_lens, seq_lens_type, monkeypatch):
+    block_size, stride = 3, 2
+    builds = table_builds(monkeypatch, backend)
+    meta_calls(backend, block_size, stride, seq_lens, seq_lens_type)  # first sight of the packing
+    first = list(builds)
+    assert first, "the packing's tables are built on first use"
+    with HostDeviceTraffic("meta") as seen:
+        meta_calls(backend, block_size, stride, seq_lens, seq_lens_type)
+    assert seen.ops == [], f"host-device traffic with a packing already seen: {seen.ops}"
+    assert len(builds) == len(first), "the packing's tables were built again"
+
+
+def test_tables_a_cuda_graph_captured_outlive_the_cache(backend, monkeypatch):
+    """A captured graph keeps reading its tables' addresses: the LRU may drop them, but they
+    must stay alive (else the allocator hands their memory to other tensors). Capture is
+    simulated (no GPU): the tables looked up "during capture" must survive 100 other packings
+    and a garbage collection."""
+    block_size, stride = 3, 2
+    builds = table_builds(monkeypatch, backend)
+    # raising=False: without these hooks (no pinning at all) the test runs and fails below.
+    monkeypatch.setattr(reference_nsa, "_GRAPH_TABLES", {}, raising=False)
+    monkeypatch.setattr(reference_nsa, "_capturing", lambda device: True, raising=False)
+    meta_calls(backend, block_size, stride, [4, 4, 13])
+    captured = [weakref.ref(t) for t in builds]
+    assert captured
+    monkeypatch.setattr(reference_nsa, "_capturing", lambda device: False)
+    builds.clear()
+    for n in range(100):
+        meta_calls(backend, block_size, stride, [5 + n])
+    gc.collect()
+    assert all(ref() is not None for ref in captured), "tables a captured graph reads were freed"
+    before = len(builds)
+    meta_calls(backend, block_size, stride, [4, 4, 13])
+    assert len(builds) > before, "the captured packing was not evicted from the cache: nothing tested"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graph_after_one_warm_up_call(backend, device):
+    """On a GPU: after one call with a packing, forward and backward run without a host
+    synchronisation (sync debug mode raises on one) and replay from a CUDA graph with the
+    results of eager calls."""
+    if device != "cuda":
+        pytest.skip("needs GRADOPS_TEST_DEVICE=cuda")
+    block_size, stride = 5, 2
+    ends, x, weight, dout = random_problem([0, 11, 3, 0, 9], 3, 16, block_size, stride, torch.float32, device)
+    for seq_lens in (ends, torch.tensor(ends)):  # a list, and a host tensor
+
+        def step():
+            out = compress(x, weight, block_size, stride, seq_lens, backend=backend)
+            return (out,) + tuple(compress_grad(dout, x, weight, block_size, stride, seq_lens, backend=backend))
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: tables built, kernels compiled
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        for t in (x, weight, dout):  # new values in the same memory
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        eager = step()
+        torch.cuda.synchronize()
+        for got, want in zip(captured, eager):
+            assert torch.equal(got, want)

@@ -21,8 +21,8 @@ NUM_WARPS = 4
 # 64 registers per thread on sm_90.
 FWD_TILE_ELEMS = 4096
 # The backward holds more live tiles (x, the dx and dweight accumulators, a dOut row), so
-# its tiles are half as large: 2048 elements compile to 95 registers per thread on sm_90
-# (allocated as 96), which lets RESIDENT_PER_SM programs (20 warps) share an SM.
+# its tiles are half as large: 2048 elements compile to 96 registers per thread on sm_90
+# (triton 3.9), which lets RESIDENT_PER_SM programs (20 warps) share an SM.
 BWD_TILE_ELEMS = 2048
 RESIDENT_PER_SM = 5
 # Widest slice of the head dim one program handles; wider heads are split over programs
