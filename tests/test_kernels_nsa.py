@@ -308,6 +308,43 @@ def test_uncovered_tokens_are_zero(device):
     assert (dx.cpu()[covered] != 0).any()
 
 
+@pytest.mark.parametrize("tiling", [0, 1])
+@pytest.mark.parametrize("block_size,stride", [(6, 4), (3, 5), (4, 1)])
+def test_nan_stays_in_its_blocks_with_small_tilings(device, tiling, block_size, stride):
+    """NaNs in dOut and x reach exactly the dx and dweight entries the formulas give, with
+    tilings that split rows, heads and head dim ((4, 1) on tiling 0 keeps the dweight
+    partial in its own array). One call: every block's dOut gets a NaN in its own
+    (head, dim) slot of heads 0-1, so the dx patterns cannot overlap; x gets NaNs in head 2
+    at every token no block covers (must reach nothing) and at one covered token."""
+    heads, dims = 3, 5
+    cu, x, weight = make([2, 9, 0, 6], heads, dims, block_size, torch.float32, device)
+    starts = [cu[b] + i * stride for b in range(len(cu) - 1)
+              for i in range(blocks_in(cu[b + 1] - cu[b], block_size, stride))]
+    c = len(starts)
+    assert c <= 2 * dims
+    dout = torch.randn(c, heads, dims, device=device)
+    want_dx = torch.zeros(x.shape, dtype=torch.bool)
+    want_dw = torch.zeros(weight.shape, dtype=torch.bool)
+    for i, start in enumerate(starts):
+        n, d = i % 2, i // 2
+        dout[i, n, d] = float("nan")
+        want_dx[start:start + block_size, n, d] = True  # dx[start + j] += w[j] * dout[i]
+        want_dw[:, n] = True  # dweight[j, n] sums dout[i, n, d] * x[start + j, n, d]
+    covering = {t: [t - s for s in starts if s <= t < s + block_size] for t in range(cu[-1])}
+    uncovered = [t for t, js in covering.items() if not js]
+    assert uncovered
+    for t in uncovered:
+        x[t, 2, t % dims] = float("nan")
+    t = starts[-1] + block_size - 1  # covered by the last block (and its neighbours when they overlap)
+    x[t, 2, 0] = float("nan")
+    for j in covering[t]:
+        want_dw[j, 2] = True
+    dx, dw = kernels._backward(dout, x, weight, block_size, stride, cu, c, SMALL_BWD[tiling])
+    assert torch.equal(torch.isnan(dx).cpu(), want_dx), torch.isnan(dx).nonzero().tolist()
+    assert torch.equal(torch.isnan(dw).cpu(), want_dw), torch.isnan(dw).nonzero().tolist()
+    assert torch.isfinite(dx[~want_dx.to(dx.device)]).all() and torch.isfinite(dw[~want_dw.to(dw.device)]).all()
+
+
 def test_infinite_input_leaves_dx_finite(device):
     """dx does not depend on x: an infinite x must not poison it."""
     block_size, stride = 4, 2

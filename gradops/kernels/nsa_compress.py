@@ -7,8 +7,9 @@ backward, on packed variable-length sequences in the TND layout.
 
 The sequences are described by ``cu_seqlens`` (a host list [0, e_0, ..., T]). The launcher
 turns it into three small int64 device tensors (cumulative tokens, blocks and backward
-chunks per sequence, one copy to the device); every program finds its sequence by a binary
-search over them, so no per-block table is built on the host.
+chunks per sequence, one copy to the device, once per packing: they are cached, so a later
+call with the same packing neither copies nor synchronises); every program finds its
+sequence by a binary search over them, so no per-block table is built on the host.
 
 Backward without atomics (docs/kernels-nsa.md has the full picture): tokens are grouped in
 *stride groups* of ``stride`` consecutive tokens of a sequence. Token ``p = g*s + r`` (group
@@ -31,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ..errors import ACLNN_ERR_INNER, AclnnError
+from ..reference.nsa_compress import packing_tables
 from . import nsa_config
 from .nsa_config import BackwardConfig, ForwardConfig, next_pow2
 
@@ -173,8 +175,12 @@ def _nsa_compress_bwd_kernel(
             g_off = (first_block + g - k) * sg_c + r * 0
             gv = tl.load(dout_ptr + (g_off[:, None, None] + hd_g[None, :, :]),
                          mask=(r >= 0)[:, None, None] & hd_ok[None, :, :], other=0.0).to(ACC)
-            dx += wv[:, :, None] * gv
+            # Rows past the block's end (w_ok false) have a zero weight, but 0 * NaN (or inf)
+            # in dOut is NaN: select, so that a non-finite dOut stays in its block's rows.
+            dx += tl.where(w_ok[:, None, None], wv[:, :, None] * gv, 0.0)
             part = tl.sum(xv * gv, axis=2)
+            # Rows the block does not cover are no term of dweight: drop them, and with them
+            # any NaN or inf in their x.
             part = tl.where(w_ok[:, None], part, 0.0)
             if DW_IN_TILE:
                 dw += tl.where((d_local == k)[None, None, :], part[:, :, None], 0.0)
@@ -249,7 +255,9 @@ class _SeqTables:
 def _seq_tables(cu_seqlens: tuple, block_size: int, stride: int, device: torch.device,
                 chunk_tokens: Optional[int] = None) -> _SeqTables:
     """The tables of one packing, built once: a training step calls every layer's forward
-    and backward with the same cu_seqlens, and each build costs a host-to-device copy."""
+    and backward with the same cu_seqlens, and each build costs a host-to-device copy.
+    Looked up through ``packing_tables``, which keeps the tables a CUDA graph captured
+    alive even after this LRU drops them (gradops/reference/nsa_compress.py says why)."""
     return _SeqTables(cu_seqlens, block_size, stride, device, chunk_tokens)
 
 
@@ -277,7 +285,7 @@ def _forward(x, weight, block_size, stride, cu_seqlens, num_blocks, cfg: Forward
     out = torch.empty((num_blocks, num_heads, head_dim), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    tables = _seq_tables(tuple(cu_seqlens), block_size, stride, x.device)
+    tables = packing_tables(_seq_tables, tuple(cu_seqlens), block_size, stride, x.device)
     _check_num_blocks(tables, num_blocks, "nsa_compress")
     x = _last_dim_contiguous(x)
     grid = (triton.cdiv(num_blocks, cfg.block_c),
@@ -315,8 +323,8 @@ def _backward(dout, x, weight, block_size, stride, cu_seqlens, num_blocks, cfg: 
         # Nothing is covered by any block (or there is nothing to cover).
         return (torch.zeros((num_tokens, num_heads, head_dim), dtype=x.dtype, device=device),
                 torch.zeros((block_size, num_heads), dtype=x.dtype, device=device))
-    tables = _seq_tables(tuple(cu_seqlens), block_size, stride, device,
-                         chunk_tokens=cfg.groups_per_chunk * stride)
+    tables = packing_tables(_seq_tables, tuple(cu_seqlens), block_size, stride, device,
+                            cfg.groups_per_chunk * stride)
     _check_num_blocks(tables, num_blocks, "nsa_compress_grad")
     x = _last_dim_contiguous(x)
     dout = _last_dim_contiguous(dout)

@@ -21,8 +21,8 @@ NUM_WARPS = 4
 # 64 registers per thread on sm_90.
 FWD_TILE_ELEMS = 4096
 # The backward holds more live tiles (x, the dx and dweight accumulators, a dOut row), so
-# its tiles are half as large: 2048 elements compile to 95 registers per thread on sm_90
-# (allocated as 96), which lets RESIDENT_PER_SM programs (20 warps) share an SM.
+# its tiles are half as large: 2048 elements compile to 96 registers per thread on sm_90
+# (triton 3.9), which lets RESIDENT_PER_SM programs (20 warps) share an SM.
 BWD_TILE_ELEMS = 2048
 RESIDENT_PER_SM = 5
 # Widest slice of the head dim one program handles; wider heads are split over programs
@@ -97,7 +97,9 @@ def backward_config(num_tokens: int, num_heads: int, head_dim: int, block_size: 
     rows = min(next_pow2(stride), max(1, BWD_TILE_ELEMS // block_d))
     block_h = min(next_pow2(num_heads), max(1, BWD_TILE_ELEMS // (rows * block_d)))
     d_tiles = cdiv(head_dim, block_d)
-    programs_per_chunk = cdiv(stride, rows) * cdiv(num_heads, block_h) * d_tiles
+    # At least one program per chunk even when N or D is 0: the launcher does not launch
+    # an empty problem, but the configuration must still be defined for it.
+    programs_per_chunk = max(1, cdiv(stride, rows) * cdiv(num_heads, block_h) * d_tiles)
     target_programs = BWD_WAVES * RESIDENT_PER_SM * sm_count(device)
     target_chunks = max(1, target_programs // programs_per_chunk)
     groups = cdiv(num_tokens, stride)
