@@ -9,8 +9,6 @@ import os
 import sys
 
 if __name__ == "__main__":
-    if "--interpret" in sys.argv:  # must precede the first import of triton
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from gradops.bench.floyd import main
 

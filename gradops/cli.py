@@ -4,6 +4,7 @@
     gradops selftest        every operator, every available backend, against float64 oracles
     gradops info            versions, devices, backends
     gradops bench FAMILY    benchmarks (norm, nsa, floyd): see ``gradops bench FAMILY --help``
+    gradops bench all       every family at its GPU shapes, one folder of results and a summary
 """
 from __future__ import annotations
 
@@ -20,41 +21,48 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _enable_interpreter_on_cpu(device: str):
-    # Triton reads TRITON_INTERPRET when it is first imported: decide before anything imports it.
-    if device == "cpu" and "triton" not in sys.modules:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
 def cmd_selftest(args) -> int:
+    from . import selftest  # imports torch, not triton
+
     device = args.device or _default_device()
-    _enable_interpreter_on_cpu(device)
+    selftest.use_interpreter_on_cpu(device)  # before anything imports triton
     import torch
 
-    from . import selftest
-
+    if device == "cuda" and not torch.cuda.is_available():
+        print("gradops selftest: --device cuda, but no CUDA device is visible", file=sys.stderr)
+        return 2
     dtypes = [getattr(torch, d) for d in args.dtype] if args.dtype else selftest.DTYPES
+    plan = selftest.backends_here(device, args.backend)
     print(f"gradops selftest on {device}: every operator and backend against float64 oracles", flush=True)
+    print("\n".join(selftest.describe_backends(plan, device)), flush=True)
     print(selftest.HEADER, flush=True)
     t0 = time.perf_counter()
     failures = total = 0
-    for r in selftest.run(device, args.backend, dtypes):
+    for r in selftest.run(device, args.backend, dtypes, plan=plan):
         total += 1
         failures += not r.ok
         print(selftest.format_row(r), flush=True)
         if r.error and args.verbose:
             print("    " + r.error, flush=True)
-    print(f"{total - failures} passed, {failures} failed in {time.perf_counter() - t0:.1f} s")
+    skipped = selftest.skipped_summary(plan, device)
+    print(f"{total - failures} passed, {failures} failed in {time.perf_counter() - t0:.1f} s"
+          + (f"; {skipped}" if skipped else ""))
+    if total == 0:
+        print("gradops selftest: nothing ran", file=sys.stderr)
     return 1 if failures or total == 0 else 0
 
 
 def cmd_info(args) -> int:
     import platform
 
+    from . import __version__, selftest
+
+    # The same rule as `gradops selftest --device cpu`, so that both list the same backends.
+    user_interpret = os.environ.get("TRITON_INTERPRET")
+    selftest.use_interpreter_on_cpu("cpu")
     import torch
 
-    from . import __version__
-    from ._backend import FAMILIES, available_backends, triton_available, triton_interpreter_on
+    from ._backend import triton_available
 
     print(f"gradops {__version__}")
     print(f"python {platform.python_version()} ({platform.platform()})")
@@ -62,25 +70,26 @@ def cmd_info(args) -> int:
     if triton_available():
         import triton
 
-        print(f"triton {triton.__version__} (interpreter {'on' if triton_interpreter_on() else 'off'})")
+        rule = (f"TRITON_INTERPRET={user_interpret} is set" if user_interpret is not None else
+                "compiled on CUDA devices; on the CPU through the Triton interpreter, which gradops "
+                "switches on (TRITON_INTERPRET=1) for CPU runs")
+        print(f"triton {triton.__version__} ({rule})")
     else:
-        print("triton not installed")
-    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        print(f"triton not installed ({selftest.TRITON_INSTALL_HINT})")
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for dev in devices:
-        name = torch.cuda.get_device_name(dev) if dev.startswith("cuda") else platform.processor() or "cpu"
-        print(f"device {dev}: {name}")
-        for family in FAMILIES:
-            print(f"  {family:<16} backends: {', '.join(available_backends(family, torch.device(dev)))}")
+        name = torch.cuda.get_device_name(0) if dev == "cuda" else platform.processor() or "cpu"
+        count = torch.cuda.device_count() if dev == "cuda" else 0
+        print(f"device {dev}: {name}" + (f" ({count} devices)" if count > 1 else ""))
+        print("\n".join(selftest.describe_backends(selftest.backends_here(dev), dev)))
     return 0
 
 
-BENCH_FAMILIES = ("norm", "nsa", "floyd")
+BENCH_FAMILIES = ("norm", "nsa", "floyd", "all")
 
 
 def cmd_bench(args, rest) -> int:
-    # Kernels on a CPU run only through the interpreter, which must be on before triton loads.
-    if "--interpret" in rest or ("--quick" in rest and args.family == "nsa"):
-        _enable_interpreter_on_cpu(_default_device())
+    # Each benchmark applies gradops.selftest.use_interpreter_on_cpu itself, once it knows its device.
     try:
         module = importlib.import_module(f"gradops.bench.{args.family}")
     except ModuleNotFoundError as e:

@@ -1,16 +1,131 @@
 """``gradops selftest``: every operator on every backend this machine can run, a few shapes
-and dtypes each, against the independent float64 oracles of :mod:`gradops.oracles`."""
+and dtypes each, against the independent float64 oracles of :mod:`gradops.oracles`.
+
+It also holds the one rule of what runs where, which ``gradops info``, ``gradops selftest``
+and ``gradops bench`` all follow: :func:`use_interpreter_on_cpu` (when the Triton
+interpreter is on) and :func:`backends_here` (which backends run on a device, and why the
+others are skipped).
+"""
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from . import api, oracles
-from ._backend import FAMILIES, available_backends
+from ._backend import FAMILIES, available_backends, has_triton_kernels, triton_interpreter_on
 from .oracles import TOLERANCE, rel_error
+
+TRITON_INSTALL_HINT = "pip install 'gradops[triton]' / pip install triton"
+INTERPRETER_HINT = "it runs on CPU only with TRITON_INTERPRET=1 set before triton is imported"
+
+# ---------------------------------------------------------------------------------------
+# What runs here: the rule every `gradops` command follows
+
+_interpreter_set_by_gradops = False
+
+
+def use_interpreter_on_cpu(device: str) -> None:
+    """The rule: a `gradops` command that works on the CPU runs the Triton kernels through
+    the Triton interpreter, so it sets TRITON_INTERPRET=1 before anything imports triton
+    (Triton reads it once, at import). A TRITON_INTERPRET the user set is left alone
+    (TRITON_INTERPRET=0 keeps the kernels off the CPU); on a GPU nothing is set and the
+    kernels are compiled. `gradops info` applies the rule for the CPU too, so that it lists
+    what `gradops selftest --device cpu` runs."""
+    global _interpreter_set_by_gradops
+    if device == "cpu" and "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+        _interpreter_set_by_gradops = True
+
+
+@dataclass(frozen=True)
+class Availability:
+    family: str
+    backend: str
+    skipped: Optional[str] = None  # why this backend cannot run this family here; None: it runs
+    how: str = ""  # how it runs: "compiled" or "Triton interpreter" for triton
+
+
+def _triton_how(device: str) -> str:
+    if device == "cpu":
+        return "Triton interpreter"
+    # on a GPU the interpreter is on only when the user set TRITON_INTERPRET
+    return "Triton interpreter" if triton_interpreter_on() and not _interpreter_set_by_gradops else "compiled"
+
+
+def _triton_skip_reason(family: str, device: str) -> str:
+    try:
+        import triton  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name == "triton":
+            return f"triton is not installed ({TRITON_INSTALL_HINT})"
+        return f"triton does not import ({e})"
+    except Exception as e:  # a broken install is worth naming
+        return f"triton does not import ({type(e).__name__}: {e})"
+    if not has_triton_kernels(family):
+        return f"there are no Triton kernels for {family} yet"
+    if device == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    if device == "cpu" and not triton_interpreter_on():
+        value = os.environ.get("TRITON_INTERPRET")
+        why = (f"TRITON_INTERPRET={value} is set" if value is not None
+               else "triton was imported before gradops could switch it on")
+        return f"the Triton interpreter is off ({why}; {INTERPRETER_HINT})"
+    return "gradops' backend choice does not offer it here"
+
+
+def backends_here(device: str, selected: Optional[List[str]] = None) -> List[Availability]:
+    """Every (family, backend) on ``device``: runs, or skipped with the reason. Call
+    :func:`use_interpreter_on_cpu` first (the commands do). ``selected``: the backends asked
+    for (None: all); the others are skipped as not selected."""
+    dev = torch.device(device)
+    plan = []
+    for family in FAMILIES:
+        usable = available_backends(family, dev)
+        for backend in ("reference", "triton"):
+            if selected is not None and backend not in selected:
+                plan.append(Availability(family, backend, "not selected (--backend)"))
+            elif backend in usable:
+                plan.append(Availability(family, backend, how=_triton_how(device) if backend == "triton" else ""))
+            else:
+                plan.append(Availability(family, backend, _triton_skip_reason(family, device)))
+    return plan
+
+
+def _skips(plan: List[Availability]) -> List[Tuple[str, str, List[str]]]:
+    """(backend, reason, families) for each distinct skip, in order."""
+    out: Dict[Tuple[str, str], List[str]] = {}
+    for a in plan:
+        if a.skipped is not None:
+            out.setdefault((a.backend, a.skipped), []).append(a.family)
+    return [(b, r, fams) for (b, r), fams in out.items()]
+
+
+def describe_backends(plan: List[Availability], device: str) -> List[str]:
+    """The lines `gradops info` and `gradops selftest` print for a device."""
+    lines = []
+    for family in FAMILIES:
+        runs = [a.backend + (f" ({a.how})" if a.how else "") for a in plan
+                if a.family == family and a.skipped is None]
+        lines.append(f"  {family:<16} backends: {', '.join(runs) or 'none'}")
+    for backend, reason, families in _skips(plan):
+        which = "" if len(families) == len(FAMILIES) else f" for {', '.join(families)}"
+        lines.append(f"  {backend}: skipped on {device}{which}: {reason}")
+    return lines
+
+
+def skipped_summary(plan: List[Availability], device: str) -> str:
+    """One clause for the summary line: what was skipped and why ('' when nothing was)."""
+    parts = []
+    for backend, reason, families in _skips(plan):
+        which = "" if len(families) == len(FAMILIES) else f" for {', '.join(families)}"
+        parts.append(f"{backend} on {device}{which}: {reason}")
+    return "skipped: " + "; ".join(parts) if parts else ""
+
 
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -140,11 +255,13 @@ CASES: Dict[str, List[Tuple[str, str, Check]]] = {
 }
 
 
-def run(device: str = "cpu", backends: Optional[List[str]] = None, dtypes=DTYPES) -> List[Result]:
-    results = []
+def run(device: str = "cpu", backends: Optional[List[str]] = None, dtypes=DTYPES,
+        plan: Optional[List[Availability]] = None) -> Iterator[Result]:
+    """Yield a Result for every case of every (family, backend) that ``plan`` (default:
+    :func:`backends_here`) says runs here."""
+    plan = backends_here(device, backends) if plan is None else plan
     for family in FAMILIES:
-        usable = available_backends(family, torch.device(device))
-        for backend in usable if backends is None else [b for b in backends if b in usable]:
+        for backend in [a.backend for a in plan if a.family == family and a.skipped is None]:
             for op, shape, check in CASES[family]:
                 for dtype in dtypes:
                     torch.manual_seed(0)
@@ -157,7 +274,6 @@ def run(device: str = "cpu", backends: Optional[List[str]] = None, dtypes=DTYPES
                     except Exception as e:  # a crash is a failure to report, not to hide
                         res = Result(op, backend, str(dtype).replace("torch.", ""), shape, float("nan"),
                                      TOLERANCE[dtype], time.perf_counter() - t0, f"{type(e).__name__}: {e}")
-                    results.append(res)
                     yield res
 
 

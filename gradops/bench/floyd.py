@@ -8,14 +8,16 @@ Implementations measured side by side, same process, same inputs:
 - ``einsum``: FloydNet's formulation (two einsums for the scores, softmax, two einsums for
   the output) under autograd: it materialises the [B,H,N,M,K] scores, so it runs out of
   memory where the others do not (recorded as an error, not a crash);
-- ``compiled``: ``torch.compile`` of that formulation (CUDA only).
+- ``floydnet``: FloydNet's own ``pivotal_attention`` (PyPI ``floydnet``) under autograd, when
+  it imports: the same formulation, from its authors;
+- ``compiled``: ``torch.compile`` of the einsum formulation (CUDA only).
 
 Forward FLOP 8*B*H*N*M*K*D, backward 20*B*H*N*M*K*D (PERFORMANCE.md). The backward of
 ``gradops``/``reference`` is the standalone grad operator fed with its forward's outputs;
 the backward of ``einsum``/``compiled`` is ``autograd.grad`` on a retained graph.
-Defaults: on CUDA bfloat16 and the shapes of issue 6 (N = M = K in 128..1024, D in 32, 64,
-128), a JSON file under benchmarks/results/; ``--quick`` runs a few tiny float32 shapes
-on the CPU in well under a minute (reference against einsum).
+Defaults: on CUDA bf16 and the shapes of issue 6 (N = M = K in 128..1024, D in 32, 64,
+128), a JSON file under benchmarks/results/; ``--quick`` runs a few tiny fp32 shapes on the
+CPU in well under a minute (reference against einsum; ``--interpret`` adds our kernels).
 """
 from __future__ import annotations
 
@@ -26,11 +28,23 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .harness import OURS, RESULTS_DIR, Run, progress
+from . import harness
+from .harness import DTYPES, OURS, Goal, Run, progress
 
 FAMILY = "floyd"
-IMPLS = (OURS, "reference", "einsum", "compiled")
+IMPLS = (OURS, "reference", "einsum", "floydnet", "compiled")
 Shape = Tuple[int, int, int, int, int, int]  # B, H, N, M, K, D
+PLOT = dict(x_key="N", metric="tflops", group_keys=("op", "D", "dtype"))
+# PERFORMANCE.md's goals for Floyd attention (H100). The memory goal, O(inputs), is measured
+# by tests/test_floyd_memory.py; the JSON holds each implementation's peak memory.
+GOALS = (
+    Goal("Floyd bwd >= 300 TFLOP/s bf16 at D = 128", ("floyd_bwd",), "tflops", 300.0,
+         lambda c: c["dtype"] == "bf16" and c["D"] == 128),
+    Goal("Floyd fwd >= 450 TFLOP/s bf16 at D = 128", ("floyd_fwd",), "tflops", 450.0,
+         lambda c: c["dtype"] == "bf16" and c["D"] == 128),
+    Goal("Floyd bwd >= 150 TFLOP/s bf16 at D = 32/64", ("floyd_bwd",), "tflops", 150.0,
+         lambda c: c["dtype"] == "bf16" and c["D"] in (32, 64)),
+)
 
 
 def fwd_flops(shape: Shape) -> float:
@@ -72,6 +86,30 @@ def floyd_einsum(q, k1, v1, k2, v2, mask, scale):
         scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
     p = torch.softmax(scores, dim=-1)
     return torch.einsum("bhnmk,bhnkd->bhnmd", p, v1) + torch.einsum("bhnmk,bhkmd->bhnmd", p, v2)
+
+
+def _floydnet():
+    try:
+        from floydnet.functional import pivotal_attention
+
+        return pivotal_attention
+    except Exception:
+        return None
+
+
+def optional_peers(device: str) -> Dict[str, Optional[str]]:
+    """Peers that need a package or a device: name -> None when usable here, else why not."""
+    try:
+        from floydnet.functional import pivotal_attention  # noqa: F401
+        floydnet = None
+    except Exception as e:
+        floydnet = f"not importable ({type(e).__name__}: {e})"[:200]
+    return {"floydnet": floydnet, "compiled": None if device == "cuda" else "CUDA only (compile time dwarfs a CPU run)"}
+
+
+def floydnet_pivotal(q, k1, v1, k2, v2, mask, scale):
+    """FloydNet's own function, in our argument order (its order is q, k1, k2, v1, v2)."""
+    return _floydnet()(q, k1, k2, v1, v2, attn_mask=mask, scale=scale)
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: str, masked: bool):
@@ -118,17 +156,19 @@ def _autograd_fns(fn: Callable, inputs, dy, mask, scale):
     return fwd, bwd
 
 
-def implementations(names: Sequence[str], device: str) -> Dict[str, Callable]:
+def implementations(names: Sequence[str], device: str, ours: str = "triton") -> Dict[str, Callable]:
     """name -> builder(inputs, dy, mask, scale) -> (fwd, bwd)."""
     builders: Dict[str, Callable] = {}
     compiled_fn = None
     for name in names:
         if name == OURS:
-            builders[name] = lambda *a: _gradops_fns("triton", *a)
+            builders[name] = lambda *a: _gradops_fns(ours, *a)
         elif name == "reference":
             builders[name] = lambda *a: _gradops_fns("reference", *a)
         elif name == "einsum":
             builders[name] = lambda *a: _autograd_fns(floyd_einsum, *a)
+        elif name == "floydnet":
+            builders[name] = lambda *a: _autograd_fns(floydnet_pivotal, *a)
         elif name == "compiled":
             if compiled_fn is None:
                 compiled_fn = torch.compile(floyd_einsum, dynamic=False)
@@ -137,23 +177,54 @@ def implementations(names: Sequence[str], device: str) -> Dict[str, Callable]:
 
 
 def default_impls(device: str, interpret: bool) -> List[str]:
-    if device.startswith("cuda"):
-        return list(IMPLS)
-    return ([OURS] if interpret else []) + ["reference", "einsum"]
+    """Ours (on a CPU only through the interpreter) and every peer usable here."""
+    unusable = {name for name, why in optional_peers(device).items() if why is not None}
+    names = [i for i in IMPLS if i not in unusable]
+    return names if device == "cuda" or interpret else [i for i in names if i != OURS]
 
 
-def run(shapes: Sequence[Shape], dtype: torch.dtype, device: str, impls: Sequence[str], *,
-        masked: bool, scale: Optional[float], directions: Sequence[str], reps: int, warmup: int,
-        max_seconds: float, memory: bool) -> Run:
-    bench = Run(FAMILY, device)
-    builders = implementations(impls, device)
-    for shape in progress(shapes, "floyd"):
+def cases(args) -> List[tuple]:
+    """(shape, dtype) for every case this run measures."""
+    dtypes = args.dtypes or (["bf16"] if args.device == "cuda" else ["fp32"])
+    return [(shape, dt) for dt in dtypes for shape in (args.shape or default_shapes(args.quick, args.device))]
+
+
+def _unusable(args) -> Dict[str, str]:
+    why = {name: reason for name, reason in optional_peers(args.device).items() if reason}
+    if args.device != "cuda" and not args.interpret:
+        why[OURS] = "the Triton kernels need CUDA, or --interpret on a CPU"
+    return why
+
+
+def impl_names(args) -> List[str]:
+    """The implementations measured: those asked for (default: all) that can run here."""
+    unusable = _unusable(args)
+    return [i for i in (args.impl or default_impls(args.device, args.interpret)) if i not in unusable]
+
+
+def run(args) -> Run:
+    """Measure every case of ``args`` (parsed by :func:`parse_args`, resolved by ``prepare``)."""
+    device = args.device
+    impls = impl_names(args)
+    for name, why in _unusable(args).items():
+        if name in (args.impl or ()):
+            print(f"gradops bench floyd: leaving out {name}: {why}", file=sys.stderr)
+    directions = args.direction or ["fwd", "bwd"]
+    bench = Run(FAMILY, device, args.deadline)
+    bench.meta["backend_ours"] = harness.ours_backend(args) if OURS in impls else None
+    builders = implementations(impls, device, bench.meta["backend_ours"] or "triton")
+    for shape, dt in progress(cases(args), "floyd"):
         b, h, n, m, k, d = shape
-        case = {"B": b, "H": h, "N": n, "M": m, "K": k, "D": d, "dtype": str(dtype).replace("torch.", ""),
-                "mask": masked}
-        inputs, dy, mask = make_inputs(shape, dtype, device, masked)
-        sc = d ** -0.5 if scale is None else scale
+        case = {"B": b, "H": h, "N": n, "M": m, "K": k, "D": d, "dtype": dt, "mask": args.mask}
+        if bench.out_of_time():
+            bench.skip([f"floyd_{direction}" for direction in directions], case)
+            continue
+        inputs, dy, mask = make_inputs(shape, DTYPES[dt], device, args.mask)
+        sc = d ** -0.5 if args.scale is None else args.scale
         for name, build in builders.items():
+            if bench.out_of_time():  # building a peer runs its forward (and may compile it)
+                bench.skip([f"floyd_{direction}" for direction in directions], case, impl=name)
+                continue
             try:
                 fwd, bwd = build(inputs, dy, mask, sc)
             except Exception as e:  # e.g. out of memory building the peer's graph: a result
@@ -163,8 +234,8 @@ def run(shapes: Sequence[Shape], dtype: torch.dtype, device: str, impls: Sequenc
                 continue
             for direction in directions:
                 fn, flops = (fwd, fwd_flops(shape)) if direction == "fwd" else (bwd, bwd_flops(shape))
-                bench.time(f"floyd_{direction}", case, name, fn, flops=flops, memory=memory,
-                           reps=reps, warmup=warmup, max_seconds=max_seconds, flush_l2=False)
+                bench.time(f"floyd_{direction}", case, name, fn, flops=flops, memory=device == "cuda",
+                           reps=args.reps, warmup=args.warmup, max_seconds=args.max_seconds, flush_l2=False)
             del fwd, bwd
             _free(device)
     return bench
@@ -257,86 +328,55 @@ def _free(device: str):
         torch.cuda.empty_cache()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_args(argv):
     parser = argparse.ArgumentParser(prog="gradops bench floyd", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"],
-                        default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32", "float64"],
-                        help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--quick", action="store_true", help="a few tiny shapes, < 1 minute on a CPU")
+    harness.add_common_args(parser, dtype_help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--shape", action="append", type=parse_shape, metavar="B,H,N,M,K,D",
                         help="a case (repeatable; default: the issue's grid on CUDA, tiny ones on CPU)")
-    parser.add_argument("--impl", action="append", choices=IMPLS,
-                        help="only these implementations (repeatable)")
+    parser.add_argument("--impl", nargs="+", action="extend", choices=IMPLS,
+                        help="only these implementations (default: ours and every peer usable here)")
     parser.add_argument("--direction", action="append", choices=["fwd", "bwd"], help="default: both")
     parser.add_argument("--mask", action="store_true", help="a random [B,1,N,1,K] mask (10%% masked)")
     parser.add_argument("--scale", type=float, help="default: D**-0.5")
-    parser.add_argument("--reps", type=int, default=None)
-    parser.add_argument("--json", help="where to write the results (default on CUDA: "
-                                       "benchmarks/results/floyd-<gpu>-<date>.json)")
-    parser.add_argument("--no-json", action="store_true")
-    parser.add_argument("--plot", help="PNG of TFLOP/s against N")
-    parser.add_argument("--interpret", action="store_true",
-                        help="on CPU, also run the Triton kernels through the interpreter (slow; "
-                             "TRITON_INTERPRET=1 must be set before triton is imported: "
-                             "`gradops bench floyd --interpret` does it)")
     parser.add_argument("--compile-check", action="store_true",
                         help="compile the kernels for an H100 (sm_90) without a GPU and report shared memory, "
-                             "registers and spills (for each --dtype, default bfloat16/float32, and D in 16..256)")
-    args = parser.parse_args(argv)
-    if args.compile_check:
-        dtypes = [getattr(torch, args.dtype)] if args.dtype else [torch.bfloat16, torch.float32]
-        dims = sorted({s[5] for s in args.shape}) if args.shape else [16, 32, 64, 128, 256]
-        limit = 227 * 1024
-        worst = 0
-        for dt in dtypes:
-            for d in dims:
-                for row in compile_check(dt, d):
-                    if "error" in row:
-                        worst = 1
-                        print(f"{row['kernel']:8} {row['dtype']:9} D={row['D']:<4} {row['tile']:14} {row['error']}")
-                        continue
-                    over = row["shared"] > limit
-                    worst = max(worst, int(over))
-                    print(f"{row['kernel']:8} {row['dtype']:9} D={row['D']:<4} {row['tile']:14} w{row['warps']} "
-                          f"shared={row['shared'] // 1024}KiB{' (over the H100 limit)' if over else ''} "
-                          f"registers={row['registers']} spill ld/st={row['spill_loads']}/{row['spill_stores']} "
-                          f"mma={row['mma']}", flush=True)
-        return worst
+                             "registers and spills (for each --dtype, default bf16/fp32, and D in 16..256)")
+    return parser.parse_args(argv)
 
-    device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        print("gradops bench floyd: --device cuda but CUDA is not available", file=sys.stderr)
-        return 2
-    on_gpu = device == "cuda"
-    dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
-    impls = args.impl or default_impls(device, args.interpret)
-    if not on_gpu:
-        if "compiled" in impls:
-            print("gradops bench floyd: skipping 'compiled' on CPU (compile time dwarfs the run)",
-                  file=sys.stderr)
-            impls = [i for i in impls if i != "compiled"]
-        if OURS in impls and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-            print("gradops bench floyd: the Triton kernels need CUDA, or --interpret on CPU",
-                  file=sys.stderr)
-            impls = [i for i in impls if i != OURS]
-    shapes = args.shape or default_shapes(args.quick, device)
-    quick = args.quick or not on_gpu
-    reps = args.reps or (5 if quick else 20)
-    bench = run(shapes, dtype, device, impls, masked=args.mask, scale=args.scale,
-                directions=args.direction or ["fwd", "bwd"], reps=reps, warmup=2 if quick else 3,
-                max_seconds=2.0 if quick else 10.0, memory=on_gpu)
-    print(bench.table())
-    if not on_gpu:
-        print("(CPU timings: the Triton kernels' real speed is only measured on a GPU)")
-    json_path = args.json
-    if json_path is None and on_gpu and not args.no_json:
-        json_path = os.path.join(RESULTS_DIR, bench.result_stem("floyd") + ".json")
-    if json_path and not args.no_json:
-        print(f"wrote {bench.write_json(json_path)}")
-    if args.plot:
-        print(f"plot: {bench.plot(args.plot, 'N', metric='tflops', group_keys=('op', 'D'))}")
+
+def prepare(args, need_device: bool = True):
+    return harness.prepare(args, reps=20, warmup=3, max_seconds=10.0, quick_reps=5, quick_warmup=2,
+                           quick_max_seconds=2.0, need_device=need_device)
+
+
+def _compile_check(args) -> int:
+    dtypes = [DTYPES[d] for d in args.dtypes] if args.dtypes else [torch.bfloat16, torch.float32]
+    dims = sorted({s[5] for s in args.shape}) if args.shape else [16, 32, 64, 128, 256]
+    limit = 227 * 1024
+    worst = 0
+    for dt in dtypes:
+        for d in dims:
+            for row in compile_check(dt, d):
+                if "error" in row:
+                    worst = 1
+                    print(f"{row['kernel']:8} {row['dtype']:9} D={row['D']:<4} {row['tile']:14} {row['error']}")
+                    continue
+                over = row["shared"] > limit
+                worst = max(worst, int(over))
+                print(f"{row['kernel']:8} {row['dtype']:9} D={row['D']:<4} {row['tile']:14} w{row['warps']} "
+                      f"shared={row['shared'] // 1024}KiB{' (over the H100 limit)' if over else ''} "
+                      f"registers={row['registers']} spill ld/st={row['spill_loads']}/{row['spill_stores']} "
+                      f"mma={row['mma']}", flush=True)
+    return worst
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.compile_check:  # needs the interpreter off: no device rule applied
+        return _compile_check(args)
+    args = prepare(args)
+    bench = run(args)
+    harness.finish(bench, args, FAMILY, PLOT)
     return bench.exit_status()
 
 

@@ -6,24 +6,152 @@ each peer. ``measure`` times one callable (CUDA events with the L2 flushed betwe
 repetitions on a GPU, ``time.perf_counter`` on a CPU) and returns the raw timings; ``Run``
 collects records, computes the ratio of every peer to ours, and writes a table, a JSON file
 (device, versions, date, raw timings) and optionally a PNG plot.
+
+It also decides, once for every benchmark: the flags they share (:func:`add_common_args`,
+:func:`prepare`), where results go (:func:`output_dir`), the time budget (``Run.deadline``)
+and how a performance goal of PERFORMANCE.md is read off the records (:class:`Goal`).
 """
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 OURS = "gradops"
 RESULTS_DIR = os.path.join("benchmarks", "results")  # committed GPU results (benchmarks/README.md)
+CPU_NOTE = ("CPU timings (the Triton interpreter's included) are not GPU numbers: they say nothing "
+            "about the kernels' speed on a GPU")
+
+# Nominal HBM bandwidth of the GPUs PERFORMANCE.md sets goals on, GB/s (not a copy's).
+HBM_PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0}
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+_LONG_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+                     "float64": "fp64", "double": "fp64"}
+
+
+def dtype_name(name: str) -> str:
+    """The short name (bf16, fp16, fp32, fp64) of a dtype given short or long (argparse type)."""
+    name = str(name).replace("torch.", "")
+    return _LONG_DTYPE_NAMES.get(name, name)
+
+
+def hbm_peak_gbps(device_name: str) -> Optional[float]:
+    for key, gbps in HBM_PEAK_GBPS.items():
+        if key in device_name:
+            return gbps
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# The flags every `gradops bench FAMILY` takes, and what they resolve to
+
+def add_common_args(p: argparse.ArgumentParser, dtypes: Sequence[str] = tuple(DTYPES), dtype_help: str = ""):
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", "--dtypes", dest="dtypes", nargs="+", type=dtype_name, choices=tuple(dtypes), metavar="DTYPE",
+                   default=None, help="one or more of " + " ".join(dtypes) + " (long names such as bfloat16 "
+                   "work too)" + (f"; {dtype_help}" if dtype_help else ""))
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes and few repetitions: a smoke run (a minute or less on a CPU); writes no "
+                        "files unless --out is given")
+    p.add_argument("--interpret", action="store_true",
+                   help="on a CPU, run our Triton kernels through the Triton interpreter (correctness only: "
+                        "interpreter timings mean nothing)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls before them")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="time bound of one measurement's warm-up and of its timed repetitions (each)")
+    p.add_argument("--budget-seconds", type=float, default=None,
+                   help="stop starting measurements after this long; the rest are recorded as skipped")
+    p.add_argument("--out", default=None,
+                   help=f"folder for the JSON and PNG (default: {RESULTS_DIR}/ for a full run on a GPU; "
+                        "none on a CPU or with --quick)")
+    p.add_argument("--tag", default=None, help="file name stem (default: FAMILY-<device>-<UTC time>)")
+    p.add_argument("--no-plot", action="store_true", help="no PNG")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def prepare(args, *, reps: int, warmup: int, max_seconds: float, quick_reps: int = 3, quick_warmup: int = 1,
+            quick_max_seconds: float = 0.5, need_device: bool = True):
+    """Resolve the shared flags in place: the device, the repetition defaults and the deadline.
+    With --interpret on a CPU, the Triton interpreter rule of gradops.selftest is applied here,
+    before anything imports triton (only then: a process that also runs CUDA kernels, such as
+    the test suite on a GPU, must not have it switched on behind its back). ``need_device``:
+    False for a dry run, which neither needs the device nor touches the interpreter."""
+    from ..selftest import use_interpreter_on_cpu
+
+    if args.device is None:
+        args.device = default_device()
+    if need_device:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("gradops bench: --device cuda, but no CUDA device is visible")
+        if args.interpret:
+            use_interpreter_on_cpu(args.device)
+    if args.reps is None:
+        args.reps = quick_reps if args.quick else reps
+    if args.warmup is None:
+        args.warmup = quick_warmup if args.quick else warmup
+    if args.max_seconds is None:
+        args.max_seconds = quick_max_seconds if args.quick else max_seconds
+    if getattr(args, "deadline", None) is None:
+        args.deadline = time.monotonic() + args.budget_seconds if args.budget_seconds is not None else None
+    return args
+
+
+def cpu_kernels_skipped() -> Optional[str]:
+    """Why our Triton kernels cannot run on this CPU, by the rule `gradops selftest` follows
+    (None when they can, through the interpreter)."""
+    from ..selftest import backends_here
+
+    return next((a.skipped for a in backends_here("cpu") if a.backend == "triton" and a.skipped), None)
+
+
+def ours_backend(args) -> str:
+    """Our backend: the Triton kernels on a GPU, and on a CPU with --interpret when they can
+    run there (else, saying why, the reference: our CPU path, as without --interpret)."""
+    if args.device == "cuda":
+        return "triton"
+    if not args.interpret:
+        return "reference"
+    why = cpu_kernels_skipped()
+    if why is not None:
+        print(f"gradops bench: our Triton kernels are skipped on this CPU ({why}); ours is the reference backend",
+              file=sys.stderr)
+        return "reference"
+    return "triton"
+
+
+def output_dir(args) -> Tuple[Optional[str], str]:
+    """The one rule of where results go: (folder or None, why). --out wins; a full run on a
+    GPU goes to benchmarks/results/; a CPU run or a --quick smoke run writes nothing."""
+    if args.out:
+        return args.out, ""
+    if args.device == "cuda" and not args.quick:
+        return RESULTS_DIR, ""
+    why = CPU_NOTE if args.device != "cuda" else "a --quick smoke run is not a result to commit"
+    return None, f"no files written: {why} (--out DIR writes them)"
+
+
+def device_slug(meta: dict) -> str:
+    """'nvidia-h100-80gb-hbm3', 'cpu-x86_64': a device name fit for a folder name."""
+    name = str(meta.get("device_name") or meta.get("device") or "device")
+    if not str(meta.get("device", "")).startswith("cuda"):
+        name = "cpu-" + name
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
 
 
 def device_info(device: str) -> dict:
@@ -71,8 +199,16 @@ def _flush_l2(device: torch.device):
 
 def measure(fn: Callable[[], object], device: str, *, warmup: int = 3, reps: int = 20,
             flush_l2: bool = True, max_seconds: float = 10.0) -> List[float]:
-    """Raw times of ``fn()`` in milliseconds, one per repetition, after ``warmup`` calls."""
-    for _ in range(warmup):
+    """Raw times of ``fn()`` in milliseconds, one per repetition, after ``warmup`` calls.
+
+    Bounded: the warm-up stops after ``max_seconds`` (at least one call, which holds any
+    compilation), and so do the repetitions (at least three). One measurement therefore
+    takes at most about: first call + max_seconds + one call (warm-up), then
+    max(max_seconds + one call, three calls)."""
+    start_warm = time.perf_counter()
+    for i in range(max(1, warmup)):
+        if i and time.perf_counter() - start_warm > max_seconds:
+            break
         fn()
     times = []
     if device.startswith("cuda"):
@@ -124,6 +260,7 @@ class Record:
     peak_bytes: Optional[int] = None
     error: Optional[str] = None  # why this implementation could not run this case
     extra: dict = field(default_factory=dict)
+    skipped: bool = False  # not run: the time budget was spent (error says so)
 
     @property
     def median_ms(self) -> float:
@@ -156,20 +293,34 @@ def progress(items: Iterable, desc: str):
 class Run:
     """Records of one benchmark run, with ratios to ours, a table, JSON and a plot."""
 
-    def __init__(self, name: str, device: str):
+    def __init__(self, name: str, device: str, deadline: Optional[float] = None):
         self.name = name
         self.device = device
         self.meta = device_info(device)
+        if not device.startswith("cuda"):
+            self.meta["note"] = CPU_NOTE
         self.records: List[Record] = []
+        self.deadline = deadline  # time.monotonic() after which no measurement starts
 
     def add(self, record: Record) -> Record:
         self.records.append(record)
         return record
 
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def skip(self, ops: Iterable[str], case: dict, impl: str = OURS):
+        """Record that ``case`` was not run because the time budget was spent."""
+        for op in ops:
+            self.add(Record(op, case, impl, [], error="skipped: the time budget was spent", skipped=True))
+
     def time(self, op: str, case: dict, impl: str, fn: Callable[[], object], *,
              bytes: Optional[float] = None, flops: Optional[float] = None,
              memory: bool = False, **measure_kw) -> Record:
         """Measure ``fn`` and add the record; an exception (e.g. out of memory) is recorded."""
+        if self.out_of_time():
+            return self.add(Record(op, case, impl, [], bytes, flops, error="skipped: the time budget was spent",
+                                   skipped=True))
         try:
             times = measure(fn, self.device, **measure_kw)
             peak = peak_memory(fn, self.device) if memory else None
@@ -200,7 +351,7 @@ class Run:
         for row in self.ratios():
             case = ",".join(f"{k}={v}" for k, v in row["case"].items())
             if row["error"]:
-                lines.append(f"{row['op']:<22} {case:<44} {row['impl']:<22} {'-- ' + row['error'][:60]}")
+                lines.append(f"{row['op']:<22} {case:<44} {row['impl']:<22} {'-- ' + row['error'][:90]}")
                 continue
             fmt = lambda v, f: (f % v) if v is not None else "-"  # noqa: E731
             peak = row["peak_bytes"] / 2**20 if row["peak_bytes"] is not None else None
@@ -217,12 +368,22 @@ class Run:
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         return f"{family}-{device}-{stamp}"
 
+    def failures(self) -> List[Record]:
+        """Our own measurements that failed (not those skipped for time)."""
+        return [r for r in self.records if r.impl == OURS and r.error and not r.skipped]
+
+    def skipped(self) -> List[Record]:
+        return [r for r in self.records if r.skipped]
+
     def exit_status(self) -> int:
-        """1 (after naming each on stderr) when one of our own measurements failed, else 0."""
-        failed = [r for r in self.records if r.impl == OURS and r.error]
-        for r in failed:
+        """1 (after naming each on stderr) when one of our own measurements failed, or when
+        the time budget left cases unmeasured; else 0."""
+        for r in self.failures():
             print(f"gradops failed on {r.op} {r.case}: {r.error}", file=sys.stderr)
-        return 1 if failed else 0
+        skipped = self.skipped()
+        if skipped:
+            print(f"{len(skipped)} measurements skipped: the time budget was spent", file=sys.stderr)
+        return 1 if self.failures() or skipped else 0
 
     def write_json(self, path: str) -> str:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -282,3 +443,86 @@ class Run:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return path
+
+
+def finish(run: Run, args, family: str, plot: dict) -> List[str]:
+    """Print the table, write the JSON and PNG where :func:`output_dir` says (saying so either
+    way), and return the paths written."""
+    print(run.table())
+    if not run.device.startswith("cuda"):
+        print(f"note: {CPU_NOTE}")
+    out, why = output_dir(args)
+    if out is None:
+        print(why)
+        return []
+    stem = args.tag or run.result_stem(family)
+    written = [run.write_json(os.path.join(out, stem + ".json"))]
+    print(f"wrote {written[0]}")
+    if not args.no_plot:
+        png = run.plot(os.path.join(out, stem + ".png"), **plot)
+        print(f"wrote {png}" if png else "no plot (matplotlib is not installed, or nothing to plot)")
+        if png:
+            written.append(png)
+    return written
+
+
+# ---------------------------------------------------------------------------------------
+# Goals: PERFORMANCE.md's bar, read off a run's records
+
+@dataclass(frozen=True)
+class Goal:
+    """One goal of PERFORMANCE.md, checked on our records of ``ops`` whose case ``applies``.
+
+    ``metric``: "gbps", "tflops", "hbm_fraction" (GB/s over the GPU's nominal HBM peak),
+    "speedup:<peer>" (the peer's median time over ours) or "speedup:fastest" (the fastest
+    peer's time over ours). Met when the worst value over those cases is >= ``minimum``.
+    ``gpu``: the GPU an absolute goal is set for (evaluated on it alone); None for goals that
+    are relative to a peer or to the device's peak, evaluated on any GPU. Goals are GPU
+    goals: never evaluated on a CPU."""
+    text: str
+    ops: Tuple[str, ...]
+    metric: str
+    minimum: float
+    applies: Callable[[dict], bool] = lambda case: True
+    gpu: Optional[str] = "H100"
+
+    def evaluate(self, runs: Sequence[Run]) -> dict:
+        out = {"goal": self.text, "metric": self.metric, "minimum": self.minimum, "cases": 0, "worst": None}
+        meta = runs[0].meta if runs else {}
+        name = str(meta.get("device_name") or "")
+        if not str(meta.get("device", "")).startswith("cuda"):
+            return out | {"status": "not evaluated (a GPU goal; this is a CPU run)"}
+        if self.gpu is not None and self.gpu not in name:
+            return out | {"status": f"not evaluated (set for the {self.gpu}; this is {name})"}
+        peak = hbm_peak_gbps(name)
+        if self.metric == "hbm_fraction" and peak is None:
+            return out | {"status": f"not evaluated (no HBM peak known for {name})"}
+        values = []
+        for run in runs:
+            rows = run.ratios()
+            by_case: Dict[tuple, List[dict]] = {}
+            for row in rows:
+                by_case.setdefault((row["op"], json.dumps(row["case"], sort_keys=True)), []).append(row)
+            for (op, _), group in by_case.items():
+                ours = next((r for r in group if r["impl"] == OURS), None)
+                if op not in self.ops or ours is None or ours["error"] or not self.applies(ours["case"]):
+                    continue
+                peers = [r for r in group if r["impl"] != OURS and r["speedup_of_ours"] is not None]
+                if self.metric == "gbps":
+                    v = ours["gbps"]
+                elif self.metric == "tflops":
+                    v = ours["tflops"]
+                elif self.metric == "hbm_fraction":
+                    v = ours["gbps"] / peak if ours["gbps"] is not None else None
+                elif self.metric == "speedup:fastest":
+                    v = min((r["speedup_of_ours"] for r in peers), default=None)
+                elif self.metric.startswith("speedup:"):
+                    v = next((r["speedup_of_ours"] for r in peers if r["impl"] == self.metric[8:]), None)
+                else:
+                    raise ValueError(self.metric)
+                if v is not None:
+                    values.append(v)
+        if not values:
+            return out | {"status": "not measured"}
+        worst = min(values)
+        return out | {"cases": len(values), "worst": worst, "status": "met" if worst >= self.minimum else "missed"}

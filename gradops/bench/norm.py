@@ -13,13 +13,14 @@ process on the same inputs:
 * ``torch.compile``: the same backward formula compiled by Inductor;
 * ``liger``: Liger-Kernel's Triton kernels, when ``liger_kernel`` imports (GPU only).
 
-Bytes follow ../shared/spec/PERFORMANCE.md: backward ``3*M*N*e + 2*N*w_e``, forward
-``2*M*N*e``. Writes a table (stdout), a JSON file and a PNG (GB/s against width).
+On a CPU ours is the reference backend (our CPU path), or with ``--interpret`` the Triton
+kernels through the interpreter. Bytes follow PERFORMANCE.md: backward
+``3*M*N*e + 2*N*w_e``, forward ``2*M*N*e``. Writes a table (stdout), a JSON file and a PNG
+(GB/s against width).
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Callable, Dict, List, Optional
 
@@ -27,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from . import harness
-from .harness import OURS, RESULTS_DIR, Run
+from .harness import DTYPES, OURS, Goal, Run
 
+FAMILY = "norm"
 OPS = ("rms_bwd", "ln_bwd", "rms_fwd", "ln_fwd")
 PEERS = ("autograd", "aten", "compile", "liger")
 GPU_WIDTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
@@ -36,8 +38,27 @@ GPU_ROWS = 32768
 GPU_MAX_NUMEL = 128 * 2**20  # M*N capped at 128M elements (issue 4's sweep)
 QUICK_WIDTHS = (256, 1024, 4096)
 QUICK_NUMEL = 2**20
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 EPS_LN, EPS_RMS = 1e-5, 1e-6
+PLOT = dict(x_key="N", metric="gbps", group_keys=("op", "dtype"), panels=True)
+
+_MN = lambda c: c["M"] * c["N"]  # noqa: E731
+# PERFORMANCE.md's goals for the norms (H100 unless gpu=None: relative goals hold anywhere).
+GOALS = (
+    Goal("RMSNorm bwd >= 2.9 TB/s bf16 at M*N >= 32M, N in 1K..64K", ("rms_bwd",), "gbps", 2900.0,
+         lambda c: c["dtype"] == "bf16" and _MN(c) >= 32 * 2**20 and 1024 <= c["N"] <= 65536),
+    Goal("RMSNorm bwd >= 2 TB/s bf16 for N in 64K..256K", ("rms_bwd",), "gbps", 2000.0,
+         lambda c: c["dtype"] == "bf16" and 65536 < c["N"] <= 262144),
+    Goal("RMSNorm bwd >= 2x torch.compile at 32K x 4096", ("rms_bwd",), "speedup:torch.compile", 2.0,
+         lambda c: c["M"] == 32768 and c["N"] == 4096, gpu=None),
+    Goal("LayerNorm bwd >= 2.8 TB/s bf16 and fp32 at M*N >= 16M, N in 1K..64K", ("ln_bwd",), "gbps", 2800.0,
+         lambda c: c["dtype"] in ("bf16", "fp32") and _MN(c) >= 16 * 2**20 and 1024 <= c["N"] <= 65536),
+    Goal("LayerNorm bwd >= 2x ATen at M*N >= 16M, N in 1K..64K", ("ln_bwd",), "speedup:aten bwd", 2.0,
+         lambda c: _MN(c) >= 16 * 2**20 and 1024 <= c["N"] <= 65536, gpu=None),
+    Goal("norm forwards >= 3.0 TB/s at M*N >= 16M", ("rms_fwd", "ln_fwd"), "gbps", 3000.0,
+         lambda c: _MN(c) >= 16 * 2**20),
+    Goal("small shapes (M*N <= 1M) within 1.3x of the fastest peer", OPS, "speedup:fastest", 1 / 1.3,
+         lambda c: _MN(c) <= 2**20, gpu=None),
+)
 
 
 def bytes_moved(op: str, m: int, n: int, dtype: torch.dtype, wdtype: torch.dtype) -> float:
@@ -55,6 +76,16 @@ def _liger():
         return liger_layer_norm, liger_rms_norm
     except Exception:
         return None
+
+
+def optional_peers(device: str) -> Dict[str, Optional[str]]:
+    """Peers that need a package or a device: name -> None when usable here, else why not."""
+    try:
+        from liger_kernel.transformers.functional import liger_layer_norm  # noqa: F401
+        why = None if device == "cuda" else "GPU only"
+    except Exception as e:
+        why = f"not importable ({type(e).__name__}: {e})"[:200]
+    return {"liger": why}
 
 
 def _rms_backward_formula(dy, x, rstd, w):
@@ -191,8 +222,9 @@ def check_against_reference(ours: Callable, reference: Callable, dtype: torch.dt
     return worst
 
 
-def _cases(args, device: str):
-    gpu = device.startswith("cuda")
+def cases(args) -> List[tuple]:
+    """(op, dtype, M, N) for every case this run measures."""
+    gpu = args.device.startswith("cuda")
     widths = args.widths or (QUICK_WIDTHS if args.quick else (GPU_WIDTHS if gpu else QUICK_WIDTHS))
     max_numel = args.numel or (QUICK_NUMEL if (args.quick or not gpu) else GPU_MAX_NUMEL)
     rows_cap = args.rows or (GPU_ROWS if gpu else 2**20)
@@ -206,24 +238,38 @@ def _cases(args, device: str):
     return cases
 
 
+def impl_names(args) -> List[str]:
+    """The implementations a case is measured with (at most; a peer may not apply to every op)."""
+    names = [OURS] + [{"autograd": "torch autograd", "aten": "aten bwd", "compile": "torch.compile",
+                       "liger": "liger"}[p] for p in args.peers]
+    if optional_peers(args.device)["liger"] is not None and "liger" in names:
+        names.remove("liger")
+    return names
+
+
 def run(args) -> Run:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backend = args.backend or ("triton" if device.startswith("cuda") else "reference")
+    """Measure every case of ``args`` (parsed by :func:`parse_args`, resolved by ``prepare``)."""
+    device = args.device
+    backend = args.backend or harness.ours_backend(args)
     peers = set(args.peers)
-    result = Run("norm", device)
+    result = Run(FAMILY, device, args.deadline)
     result.meta["backend_ours"] = backend
     result.meta["peers"] = sorted(peers)
     result.meta["liger"] = _liger() is not None
     measure_kw = dict(reps=args.reps, warmup=args.warmup, max_seconds=args.max_seconds)
-    for op, dt, m, n in harness.progress(_cases(args, device), "bench norm"):
+    for op, dt, m, n in harness.progress(cases(args), "bench norm"):
+        case = {"dtype": dt, "M": m, "N": n}
+        if result.out_of_time():
+            result.skip([op], case)
+            continue
         dtype = DTYPES[dt]
         wdtype = dtype
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        x = torch.randn((m, n), generator=gen).to(device=device, dtype=dtype)
-        dy = torch.randn((m, n), generator=gen).to(device=device, dtype=dtype)
-        w = (1 + 0.1 * torch.randn(n, generator=gen)).to(device=device, dtype=wdtype)
-        b = (0.1 * torch.randn(n, generator=gen)).to(device=device, dtype=wdtype)
-        case = {"dtype": dt, "M": m, "N": n}
+        # drawn on the device: on a GPU, a CPU generator would spend seconds per 128M-element case
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn((m, n), generator=gen, device=device).to(dtype)
+        dy = torch.randn((m, n), generator=gen, device=device).to(dtype)
+        w = (1 + 0.1 * torch.randn(n, generator=gen, device=device)).to(wdtype)
+        b = (0.1 * torch.randn(n, generator=gen, device=device)).to(wdtype)
         nbytes = bytes_moved(op, m, n, dtype, wdtype)
         try:
             impls = implementations(op, x, dy, w, b, backend, peers, device)
@@ -244,19 +290,10 @@ def run(args) -> Run:
     return result
 
 
-_LONG_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
-
-
-def _short_dtype(name: str) -> str:
-    return _LONG_NAMES.get(name, name)
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="gradops bench norm", description=__doc__.split("\n\n")[0])
+    harness.add_common_args(p, dtype_help="default: bf16 fp32 on a GPU, fp32 bf16 on a CPU")
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
-    # --dtype as in `gradops bench nsa|floyd`; the full torch names are accepted too
-    p.add_argument("--dtype", "--dtypes", dest="dtypes", nargs="+", type=_short_dtype, choices=tuple(DTYPES),
-                   default=None, help="default: bf16 fp32 on a GPU, fp32 bf16 on a CPU")
     p.add_argument("--widths", nargs="+", type=int, default=None,
                    help=f"row widths N (default on a GPU: {' '.join(map(str, GPU_WIDTHS))})")
     p.add_argument("--rows", type=int, default=None, help=f"rows M at most (default {GPU_ROWS} on a GPU)")
@@ -265,43 +302,26 @@ def parse_args(argv):
     p.add_argument("--peers", nargs="*", choices=PEERS, default=None,
                    help="peers to time (default: all; --quick leaves out torch.compile)")
     p.add_argument("--backend", choices=("triton", "reference"), default=None,
-                   help="our backend (default: triton on a GPU, reference on a CPU)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--quick", action="store_true", help="small CPU-sized sweep, under a minute")
-    p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--max-seconds", type=float, default=None, help="time budget per measurement")
+                   help="our backend (default: triton on a GPU or with --interpret, reference on a CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--out", default=RESULTS_DIR, help="folder for JSON and PNG")
-    p.add_argument("--tag", default=None, help="file name stem (default: norm-<device>-<date>)")
-    p.add_argument("--no-plot", action="store_true")
     p.add_argument("--check", action="store_true",
                    help="also compare our outputs with the reference backend's on every case")
-    p.add_argument("--interpret", action="store_true", help=argparse.SUPPRESS)  # handled by gradops.cli
     args = p.parse_args(argv)
     if args.peers is None:
         args.peers = [q for q in PEERS if not (args.quick and q == "compile")]
-    if args.reps is None:
-        args.reps = 5 if args.quick else 30
-    if args.warmup is None:
-        args.warmup = 1 if args.quick else 5
-    if args.max_seconds is None:
-        args.max_seconds = 0.5 if args.quick else 5.0
     return args
 
 
+def prepare(args, need_device: bool = True):
+    return harness.prepare(args, reps=30, warmup=5, max_seconds=5.0, quick_reps=5, need_device=need_device)
+
+
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    args = prepare(parse_args(sys.argv[1:] if argv is None else list(argv)))
     if args.threads:
         torch.set_num_threads(args.threads)
     result = run(args)
-    print(result.table())
-    stem = args.tag or result.result_stem("norm")
-    path = result.write_json(os.path.join(args.out, stem + ".json"))
-    print(f"wrote {path}")
-    if not args.no_plot:
-        png = result.plot(os.path.join(args.out, stem + ".png"), x_key="N", group_keys=("op", "dtype"), panels=True)
-        print(f"wrote {png}" if png else "no plot (matplotlib is not installed)")
+    harness.finish(result, args, FAMILY, PLOT)
     return result.exit_status()
 
 

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Validate gradops on a lent GPU machine in one call of the device tool (docs/gpu.md):
+#
+#   bash benchmarks/gpu_validate.sh tests   # install, the whole test suite on CUDA
+#   bash benchmarks/gpu_validate.sh bench   # install, `gradops bench all` (4 to 6.5 minutes, an estimate)
+#   bash benchmarks/gpu_validate.sh all     # both in one call: the suite gets at most TESTS_SECONDS,
+#                                           # the sweep what is left of CALL_SECONDS
+#
+# Run from the repository root. Installs the wheels carried in .whl/ (benchmarks/gpu_wheels.sh
+# prepares them) and the checkout, then leaves at most 6 files in $OUT (the device tool brings
+# back 8): info.txt, tests.log, junit.xml, bench.log, summary.txt, results.tar.gz (the results
+# folder, to unpack into benchmarks/results/). Exit status: non-zero when a step failed.
+# Optional: TESTS (pytest paths, default tests), TEST_WORKERS (xdist workers, default 8),
+# BENCH_ARGS (more flags for `gradops bench all`), PYTHON (default python3).
+set -uo pipefail
+step=${1:-all}
+case "$step" in tests|bench|all) ;; *) echo "usage: $0 [tests|bench|all]" >&2; exit 2 ;; esac
+OUT=${OUT:-$PWD/gpu-out}
+CALL_SECONDS=${CALL_SECONDS:-570}    # the tool's 600 s per call, less a margin for packing and transfer
+TESTS_SECONDS=${TESTS_SECONDS:-240}  # the suite's share of an `all` call
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+status=0
+
+# 1. Packages. The machine has torch, triton, pytest (+xdist, timeout), matplotlib and tqdm
+#    but no network: floydnet and liger-kernel travel as wheels; gradops is this checkout.
+{
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            && echo "installed from .whl/: $(cd .whl && ls *.whl | tr '\n' ' ')"
+    else
+        echo "no .whl/ carried: floydnet and liger-kernel will be reported as not importable"
+    fi
+    $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+        || echo "pip install -e . failed: using the checkout through PYTHONPATH"
+} >"$OUT/info.txt" 2>&1
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+    $PY -c 'from importlib import metadata as m
+for n in ("torch", "triton", "pytest", "pytest-xdist", "floydnet", "liger-kernel", "matplotlib"):
+    try: print(n, m.version(n))
+    except m.PackageNotFoundError: print(n, "not installed")'
+    $PY -m gradops info
+} >>"$OUT/info.txt" 2>&1
+cat "$OUT/info.txt"
+
+# 2. The test suite, compiled on the GPU.
+if [ "$step" != bench ]; then
+    limit=$([ "$step" = all ] && echo "$TESTS_SECONDS" || echo $((CALL_SECONDS - SECONDS)))
+    plugins=()
+    $PY -c "import xdist" 2>/dev/null && [ "${TEST_WORKERS:-8}" != 0 ] && plugins+=(-n "${TEST_WORKERS:-8}")
+    $PY -c "import pytest_timeout" 2>/dev/null && plugins+=(--timeout 180)  # one hung test must not eat the call
+    echo "== tests: GRADOPS_TEST_DEVICE=cuda pytest ${plugins[*]} ${TESTS:-tests} (at most ${limit} s)"
+    # shellcheck disable=SC2086
+    GRADOPS_TEST_DEVICE=cuda timeout "$limit" $PY -m pytest -q -p no:cacheprovider "${plugins[@]}" \
+        --junitxml="$OUT/junit.xml" ${TESTS:-tests} >"$OUT/tests.log" 2>&1
+    rc=$?
+    [ "$rc" = 124 ] && echo "the suite was stopped at ${limit} s: run the 'tests' step alone" >>"$OUT/tests.log"
+    tail -n 25 "$OUT/tests.log"
+    [ "$rc" = 0 ] || status=1
+fi
+
+# 3. The benchmark sweep: results in benchmarks/results/<device>-<date>/ and a tarball in $OUT.
+if [ "$step" != tests ]; then
+    budget=()
+    if [ "$step" = all ]; then
+        left=$((CALL_SECONDS - SECONDS - 60))  # 60 s: one measurement's overrun, plots, packing
+        [ "$left" -lt 400 ] && budget=(--budget-seconds "$left")
+    fi
+    echo "== gradops bench all ${budget[*]} ${BENCH_ARGS:-}"
+    # shellcheck disable=SC2086
+    $PY -m gradops bench all "${budget[@]}" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1 || status=1
+    folder=$(ls -td benchmarks/results/*/ 2>/dev/null | head -n 1)
+    if [ -n "$folder" ] && [ -f "$folder/summary.txt" ]; then
+        cp "$folder/summary.txt" "$OUT/summary.txt"
+        tar -czf "$OUT/results.tar.gz" -C benchmarks/results "$(basename "$folder")"
+        cat "$OUT/summary.txt"
+    else
+        tail -n 40 "$OUT/bench.log"
+        status=1
+    fi
+fi
+echo "== gpu_validate $step: $([ $status = 0 ] && echo ok || echo FAILED) after ${SECONDS} s; files in \$OUT: $(ls "$OUT" | tr '\n' ' ')"
+exit $status

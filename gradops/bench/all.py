@@ -1,0 +1,331 @@
+"""``gradops bench all``: validate a GPU machine in one command.
+
+Runs the norm, NSA and Floyd benchmarks in turn at their GPU shapes (bf16, and fp32 where a
+goal or a second code path asks for it), against every peer that imports here, within one
+time budget, and writes one folder: each part's JSON and PNG, and ``summary.json`` /
+``summary.txt`` (per family, the worst and median ratio of each peer's time to ours, and
+each PERFORMANCE.md goal: met, missed, not measured or not evaluated). Exits 1 when one of
+our measurements failed, a part crashed, or the budget left cases unmeasured.
+
+The plan is data (``GPU_PLAN`` and the two quick plans below): each part is a family's own
+command line, so ``gradops bench FAMILY ARGS`` reproduces any part alone. Each part has a
+share of the budget; part i stops starting measurements once the shares of parts 1..i are
+spent (time a part leaves over passes on; an overrun is taken from the parts after it).
+docs/gpu.md gives the budget arithmetic. ``--dry-run`` prints the plan and runs nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import harness
+
+FAMILIES = ("norm", "nsa", "floyd")
+NORM_OPS = ("rms_bwd", "ln_bwd", "rms_fwd", "ln_fwd")
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str  # file stem in the results folder
+    family: str  # gradops.bench.<family>
+    argv: Tuple[str, ...]  # that benchmark's own flags
+    share: float  # seconds of the default budget
+    what: str
+
+
+def _shapes(*shapes: str) -> Tuple[str, ...]:
+    return tuple(a for s in shapes for a in ("--shape", s))
+
+
+# The full validation on a GPU: 4 to 6.5 minutes by the arithmetic of docs/gpu.md (an estimate), and
+# by construction under 8: the budget, plus one measurement begun before its deadline, plus start-up.
+GPU_BUDGET = 400.0
+GPU_MAX_SECONDS = 1.0  # per measurement: warm-up and timed repetitions are each bounded by it
+GPU_PLAN = (
+    Part("norm", "norm", ("--ops", *NORM_OPS, "--dtype", "bf16", "fp32", "--widths", "1024", "4096", "16384",
+                          "65536", "262144", "--peers", "autograd", "aten", "liger", "--check"), 120,
+         "width sweep at M = min(32768, 128M/N), bf16 and fp32, outputs checked against the reference"),
+    Part("norm-small", "norm", ("--ops", *NORM_OPS, "--dtype", "bf16", "--widths", "1024", "4096",
+                                "--numel", str(2**20), "--peers", "autograd", "aten", "liger"), 15,
+         "launch-bound shapes, M*N = 1M"),
+    Part("norm-compile", "norm", ("--ops", "rms_bwd", "ln_bwd", "--dtype", "bf16", "--widths", "4096",
+                                  "--peers", "compile"), 40,
+         "torch.compile at 32K x 4096 (one compilation per case)"),
+    Part("nsa", "nsa", ("--tokens", "65536", "--heads", "4", "16", "64", "--dims", "128", "--blocks", "32x16",
+                        "64x32", "--dtype", "bf16", "--peers", "reference", "naive"), 50,
+         "T = 64K packed, bf16"),
+    Part("nsa-fp32", "nsa", ("--tokens", "65536", "--heads", "16", "--dims", "128", "192", "--blocks", "32x16",
+                             "--dtype", "fp32", "--peers", "reference", "naive"), 20, "fp32, D = 128 and 192"),
+    Part("nsa-compile", "nsa", ("--tokens", "65536", "--heads", "16", "--dims", "128", "--blocks", "32x16",
+                                "--dtype", "bf16", "--peers", "compile"), 35,
+         "torch.compile of the reference (one compilation per case)"),
+    Part("floyd", "floyd", (*_shapes("1,8,512,512,512,32", "1,8,512,512,512,64", "1,8,512,512,512,128"),
+                            "--dtype", "bf16", "--impl", "gradops", "reference", "einsum", "floydnet"), 55,
+         "N = M = K = 512, D = 32/64/128, bf16"),
+    Part("floyd-large", "floyd", (*_shapes("1,4,1024,1024,1024,128"), "--dtype", "bf16",
+                                  "--impl", "gradops", "einsum", "floydnet"), 25,
+         "N = M = K = 1024, D = 128 (the einsum peers may run out of memory: a result)"),
+    Part("floyd-compile", "floyd", (*_shapes("1,8,512,512,512,128"), "--dtype", "bf16",
+                                    "--impl", "gradops", "compiled"), 40,
+         "torch.compile of the einsum formulation"),
+)
+
+# A smoke run on a GPU: a minute or two.
+GPU_QUICK_BUDGET = 120.0
+GPU_QUICK_PLAN = (
+    Part("norm", "norm", ("--quick", "--dtype", "bf16", "fp32", "--widths", "1024", "8192", "--numel", str(2**22),
+                          "--check"), 40, "two widths"),
+    Part("nsa", "nsa", ("--quick", "--dtype", "bf16", "fp32"), 30, "T = 4096"),
+    Part("floyd", "floyd", (*_shapes("1,2,128,128,128,64"), "--quick", "--dtype", "bf16",
+                            "--impl", "gradops", "reference", "einsum", "floydnet"), 50, "N = M = K = 128"),
+)
+
+# On a CPU: tiny shapes, our kernels through the Triton interpreter (fp32 only for Floyd:
+# the interpreter's bf16 tl.dot is wrong, triton issue 11584). Checks the wiring, not speed.
+CPU_QUICK_BUDGET = 150.0
+CPU_QUICK_PLAN = (
+    Part("norm", "norm", ("--quick", "--interpret", "--dtype", "fp32", "bf16", "--widths", "256", "1024",
+                          "--numel", "8192", "--peers", "autograd", "aten", "--check"), 60, "tiny norms"),
+    Part("nsa", "nsa", ("--quick", "--interpret", "--dtype", "fp32", "bf16"), 40, "T = 192"),
+    Part("floyd", "floyd", (*_shapes("1,2,16,16,16,16", "1,1,32,32,32,32"), "--quick", "--interpret",
+                            "--dtype", "fp32"), 50, "two tiny shapes"),
+)
+
+
+def plan_for(device: str, quick: bool) -> Tuple[Tuple[Part, ...], float]:
+    if device != "cuda":
+        return CPU_QUICK_PLAN, CPU_QUICK_BUDGET
+    return (GPU_QUICK_PLAN, GPU_QUICK_BUDGET) if quick else (GPU_PLAN, GPU_BUDGET)
+
+
+def part_args(part: Part, args, folder: Optional[str]):
+    """The part's own parsed and resolved arguments, with bench all's overrides."""
+    module = importlib.import_module(f"gradops.bench.{part.family}")
+    argv = list(part.argv) + ["--device", args.device, "--tag", part.name]
+    if folder:
+        argv += ["--out", folder]
+    for flag, value in (("--reps", args.reps), ("--warmup", args.warmup), ("--max-seconds", args.max_seconds)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.max_seconds is None and args.device == "cuda" and not args.quick:
+        argv += ["--max-seconds", str(GPU_MAX_SECONDS)]
+    return module, module.prepare(module.parse_args(argv), need_device=not args.dry_run)
+
+
+# ---------------------------------------------------------------------------------------
+# The summary
+
+
+def _family_summary(family: str, runs: List[harness.Run], module) -> dict:
+    peers: Dict[str, dict] = {}
+    for run in runs:
+        for row in run.ratios():
+            if row["impl"] == harness.OURS:
+                continue
+            p = peers.setdefault(row["impl"], {"ratios": [], "errors": 0})
+            if row["speedup_of_ours"] is not None:
+                p["ratios"].append(row["speedup_of_ours"])
+            elif row["error"]:
+                p["errors"] += 1
+    table = {}
+    for name, p in peers.items():
+        r = p["ratios"]
+        table[name] = {"cases": len(r), "worst": min(r) if r else None,
+                       "median": statistics.median(r) if r else None, "errors": p["errors"]}
+    ours = [r for run in runs for r in run.records if r.impl == harness.OURS]
+    return {
+        "peers": table,
+        "ours_measured": sum(1 for r in ours if r.times_ms),
+        "ours_failed": [{"op": r.op, "case": r.case, "error": r.error} for run in runs for r in run.failures()],
+        "skipped": sum(len(run.skipped()) for run in runs),
+        "goals": [g.evaluate(runs) for g in module.GOALS],
+    }
+
+
+def _fmt(v: Optional[float], f: str = "%.3gx") -> str:
+    return "-" if v is None else f % v
+
+
+def summary_text(summary: dict) -> str:
+    meta = summary["meta"]
+    lines = [f"gradops bench all on {meta.get('device_name')} ({meta.get('device')}): "
+             f"{summary['elapsed_seconds']:.0f} s of a {summary['budget_seconds']:.0f} s budget"]
+    if summary.get("note"):
+        lines.append(f"note: {summary['note']}")
+    lines += ["ratio = a peer's median time / ours (> 1: gradops is faster); worst = the case least "
+              "favourable to gradops", "",
+              f"{'family':<7} {'peer':<26} {'cases':>5} {'worst':>8} {'median':>8} {'peer errors':>12}"]
+    for family, fam in summary["families"].items():
+        if not fam["peers"]:
+            lines.append(f"{family:<7} {'(no peer measured against ours)':<26}")
+        for peer, p in fam["peers"].items():
+            lines.append(f"{family:<7} {peer:<26} {p['cases']:>5} {_fmt(p['worst']):>8} {_fmt(p['median']):>8} "
+                         f"{p['errors']:>12}")
+    lines += ["", "goals (PERFORMANCE.md)"]
+    for family, fam in summary["families"].items():
+        for g in fam["goals"]:
+            worst = "" if g["worst"] is None else f" (worst {g['worst']:.3g} over {g['cases']} cases)"
+            lines.append(f"{family:<7} {g['status']:<10} {g['goal']}{worst}" if g["status"] in ("met", "missed")
+                         else f"{family:<7} {'-':<10} {g['goal']}: {g['status']}")
+    lines.append("")
+    for family, peers in summary["peers_not_usable"].items():
+        for peer, why in peers.items():
+            lines.append(f"peer not usable here: {peer} ({family}): {why}")
+    for family, fam in summary["families"].items():
+        for f in fam["ours_failed"]:
+            lines.append(f"FAILED {family}: gradops on {f['op']} {f['case']}: {f['error']}")
+        if fam["skipped"]:
+            lines.append(f"SKIPPED {family}: {fam['skipped']} measurements (the time budget was spent)")
+    for name, error in summary["crashed_parts"].items():
+        lines.append(f"FAILED part {name}: {error}")
+    lines.append(f"result: {'ok' if summary['ok'] else 'FAILED'}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="gradops bench all", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
+    p.add_argument("--quick", action="store_true",
+                   help="small shapes: a smoke run (on a CPU, always: tiny shapes through the Triton interpreter)")
+    p.add_argument("--out", default=None,
+                   help="results folder (default on a GPU: benchmarks/results/<device>-<date>/; "
+                        "none on a CPU or with --quick)")
+    p.add_argument("--budget-seconds", type=float, default=None,
+                   help=f"whole run's time budget (default {GPU_BUDGET:.0f} on a GPU, {GPU_QUICK_BUDGET:.0f} "
+                        f"with --quick, {CPU_QUICK_BUDGET:.0f} on a CPU)")
+    p.add_argument("--reps", type=int, default=None, help="override every part's repetitions")
+    p.add_argument("--warmup", type=int, default=None, help="override every part's warm-up calls")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help=f"override the time bound of one measurement (default {GPU_MAX_SECONDS} on a GPU)")
+    p.add_argument("--only", nargs="+", default=None, metavar="PART", help="only these parts (by name)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its budget; run nothing")
+    return p.parse_args(argv)
+
+
+def _default_folder(meta: dict) -> str:
+    stem = f"{harness.device_slug(meta)}-{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d}"
+    folder = os.path.join(harness.RESULTS_DIR, stem)
+    if os.path.exists(folder):
+        folder += f"-{_dt.datetime.now(_dt.timezone.utc):%H%M%S}"
+    return folder
+
+
+def print_plan(parts: Sequence[Part], budget: float, args) -> None:
+    scale = budget / sum(p.share for p in parts)
+    print(f"gradops bench all --dry-run: {len(parts)} parts on {args.device}, budget {budget:.0f} s")
+    print(f"{'part':<14} {'cases':>5} {'x impls':>7} {'<= meas.':>8} {'warmup+reps':>11} {'max s':>5} "
+          f"{'budget s':>8}  implementations")
+    total = 0
+    for part in parts:
+        module, pargs = part_args(part, args, None)
+        per_case = 2 if part.family == "floyd" else 1  # floyd: forward and backward per case
+        cases, impls = len(module.cases(pargs)) * per_case, module.impl_names(pargs)
+        total += cases * len(impls)
+        print(f"{part.name:<14} {cases:>5} {len(impls):>7} {cases * len(impls):>8} "
+              f"{f'{pargs.warmup}+{pargs.reps}':>11} {pargs.max_seconds:>5g} {part.share * scale:>8.0f}  "
+              f"{', '.join(impls)}")
+        print(f"{'':<14} {part.what}: gradops bench {part.family} {' '.join(part.argv)}")
+    print(f"at most {total} measurements (a peer that does not apply to an op is not measured)")
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    import torch
+
+    from ..selftest import use_interpreter_on_cpu
+
+    args.device = args.device or harness.default_device()
+    kernels_skipped = None
+    parts, budget = plan_for(args.device, args.quick)
+    if args.only:
+        unknown = set(args.only) - {p.name for p in parts}
+        if unknown:
+            raise SystemExit(f"gradops bench all: no part named {', '.join(sorted(unknown))} "
+                             f"(parts: {', '.join(p.name for p in parts)})")
+        parts = tuple(p for p in parts if p.name in args.only)
+    budget = args.budget_seconds if args.budget_seconds is not None else budget
+    if args.dry_run:
+        print_plan(parts, budget, args)
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gradops bench all: --device cuda, but no CUDA device is visible")
+    if args.device != "cuda":
+        use_interpreter_on_cpu("cpu")  # before anything imports triton
+        kernels_skipped = harness.cpu_kernels_skipped()
+        ours = ("our Triton kernels through the Triton interpreter" if kernels_skipped is None else
+                f"ours is the reference backend (our Triton kernels are skipped: {kernels_skipped})")
+        print(f"gradops bench all on a CPU: tiny shapes, {ours}. {harness.CPU_NOTE}.", flush=True)
+    meta = harness.device_info(args.device)
+    folder = args.out or (None if args.device != "cuda" or args.quick else _default_folder(meta))
+    start = time.monotonic()
+    scale = budget / sum(p.share for p in parts)
+    spent_share = 0.0
+    runs: Dict[str, List[harness.Run]] = {f: [] for f in FAMILIES}
+    modules = {f: importlib.import_module(f"gradops.bench.{f}") for f in FAMILIES}
+    files: List[str] = []
+    crashed: Dict[str, str] = {}
+    part_seconds: Dict[str, float] = {}
+    for part in parts:
+        spent_share += part.share * scale
+        t0 = time.monotonic()
+        print(f"\n=== {part.name}: {part.what} (until {spent_share:.0f} s of {budget:.0f} s)", flush=True)
+        try:
+            module, pargs = part_args(part, args, folder)
+            pargs.deadline = start + spent_share
+            run = module.run(pargs)
+            runs[part.family].append(run)
+            files += harness.finish(run, pargs, part.name, module.PLOT)
+        except (Exception, SystemExit) as e:  # a part that crashes is a failure to report, not to hide
+            crashed[part.name] = f"{type(e).__name__}: {e}"[:300]
+            print(f"part {part.name} failed: {crashed[part.name]}", file=sys.stderr)
+        part_seconds[part.name] = round(time.monotonic() - t0, 1)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+    families = {f: _family_summary(f, runs[f], modules[f]) for f in FAMILIES if runs[f]}
+    failed = any(fam["ours_failed"] or fam["skipped"] for fam in families.values())
+    measured = sum(fam["ours_measured"] for fam in families.values())
+    summary = {
+        "meta": meta,
+        "note": harness.CPU_NOTE if args.device != "cuda" else None,
+        "kernels_skipped_on_cpu": kernels_skipped,
+        "command": "gradops bench all " + " ".join(sys.argv[1:] if argv is None else argv),
+        "budget_seconds": budget,
+        "elapsed_seconds": round(time.monotonic() - start, 1),
+        "part_seconds": part_seconds,
+        "plan": [{"name": p.name, "family": p.family, "argv": list(p.argv), "budget_share_seconds": p.share * scale}
+                 for p in parts],
+        "peers_not_usable": {f: {k: v for k, v in modules[f].optional_peers(args.device).items() if v}
+                             for f in FAMILIES},
+        "families": families,
+        "crashed_parts": crashed,
+        "files": [os.path.basename(f) for f in files],
+        "ok": not failed and not crashed and measured > 0,
+    }
+    text = summary_text(summary)
+    print("\n" + text)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1, default=str)
+        with open(os.path.join(folder, "summary.txt"), "w") as f:
+            f.write(text + "\n")
+        print(f"wrote {folder}/ (summary.json, summary.txt and {len(files)} files)")
+    else:
+        print("no files written (--out DIR writes them)")
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
