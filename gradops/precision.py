@@ -210,7 +210,8 @@ def stress_normal(shape, *, generator: Optional[torch.Generator] = None,
                   dtype: torch.dtype = torch.float64, device="cpu") -> torch.Tensor:
     """CANN's stress distribution for one tensor: normal with mean drawn from U(-100, 100) and
     standard deviation from U(1, 25), scaled by 1/100."""
-    u = torch.rand(2, generator=generator, dtype=torch.float64)
+    # drawn on the CPU (a CPU generator, and the same values whatever the default device)
+    u = torch.rand(2, generator=generator, dtype=torch.float64, device="cpu")
     mean, std = -100.0 + 200.0 * u[0].item(), 1.0 + 24.0 * u[1].item()
-    x = torch.randn(shape, generator=generator, dtype=torch.float64) * std + mean
+    x = torch.randn(shape, generator=generator, dtype=torch.float64, device="cpu") * std + mean
     return (x / 100.0).to(dtype).to(device)

@@ -7,7 +7,8 @@ GRADOPS_TEST_DEVICE=cuda to run the same tests on a GPU with compiled kernels.
 Tests of the layers users call (gradops.nn, the modules, pivotal_attention, aclnn, ascendc,
 torch_npu) take the ``backend`` fixture: they run once per backend, with that backend as
 the default of every gradops call that does not name one, and (on a GPU) with the test
-device as torch's default device. On CPU the "triton" run goes through the interpreter, so
+device as torch's default device (so a test drawing from a CPU ``torch.Generator`` passes
+``device="cpu"`` and moves the result). On CPU the "triton" run goes through the interpreter, so
 those tests keep their shapes small.
 """
 import contextlib

@@ -91,7 +91,7 @@ def test_random_shapes_float64_and_float32(seed, device):
     gen = torch.Generator().manual_seed(seed)
 
     def draw(lo, hi):
-        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen, device="cpu"))
 
     block_size, stride = draw(1, 9), draw(1, 9)
     lengths = [draw(0, 3 * block_size + 2 * stride) for _ in range(draw(1, 6))]

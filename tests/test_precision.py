@@ -55,7 +55,7 @@ class _Draw:
         dtype = dtype or self.dtype
         if self.dist == "stress":
             return stress_normal(shape, generator=self.gen, dtype=dtype, device=self.device)
-        return torch.randn(shape, generator=self.gen, dtype=F64).to(dtype).to(self.device)
+        return torch.randn(shape, generator=self.gen, dtype=F64, device="cpu").to(dtype).to(self.device)
 
 
 def _grad(fn, inputs, dout):
@@ -238,7 +238,7 @@ def _floyd_inputs(draw):
     k2, v2 = draw(b, h, k, m, d), draw(b, h, k, m, d)
     # about a quarter of the pivots masked, never a whole row (a fully masked row is gradops'
     # documented difference from CANN, and a -inf row is NaN in PyTorch's softmax)
-    mask = torch.rand(b, 1, n, 1, k, generator=draw.gen) < 0.25
+    mask = torch.rand(b, 1, n, 1, k, generator=draw.gen, device="cpu") < 0.25
     mask[..., 0] = False
     return (q, k1, v1, k2, v2), mask.to(q.device)
 
@@ -336,7 +336,7 @@ class _ExtremeDraw(_Draw):
 
     def __call__(self, *shape, dtype=None):
         mean, std = next(self.corners)
-        x = torch.randn(shape, generator=self.gen, dtype=F64) * std + mean
+        x = torch.randn(shape, generator=self.gen, dtype=F64, device="cpu") * std + mean
         return (x / 100.0).to(dtype or self.dtype).to(self.device)
 
 

@@ -412,13 +412,18 @@ def nsa_compress(x: Tensor, weight: Tensor, block_size: int, stride: int,
     ``x [T, N, D]``, ``weight [block_size, N]`` (x's dtype) -> ``[C, N, D]``. ``seq_lens``:
     cumulative ends (``"cumsum"``) or lengths (``"lengths"``); a list of ints (under
     torch.compile a list is a compile-time constant: a new list recompiles) or a 1-D integer
-    tensor (read on the host when the op runs; under torch.compile the output's first
-    dimension is then data-dependent, so nothing recompiles).
+    tensor (under torch.compile the output's first dimension is then data-dependent, so
+    nothing recompiles).
+
+    The number of blocks, hence the output's shape, depends on the values, so they are read
+    on the host: a CUDA tensor costs a device-to-host copy (a synchronisation, and no CUDA
+    graph capture); a list or a CPU tensor costs none. In eager mode a tensor is read once,
+    in the forward; the backward reuses the values.
     """
     op = "nsa_compress"
     code = _nsa_ops.seq_lens_type_code(op, seq_lens_type)
     type_name = "lengths" if code == 1 else "cumsum"
-    if isinstance(seq_lens, Tensor):
+    if isinstance(seq_lens, Tensor) and torch.compiler.is_compiling():
         return torch.ops.gradops.nsa_compress_seqlens_tensor(x, weight, block_size, stride, seq_lens,
                                                              type_name, requested(backend))
     seq_lens = _nsa_ops.seq_lens_to_list(op, seq_lens)
