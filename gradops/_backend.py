@@ -97,11 +97,15 @@ def implementation(op: str, family: str, backend: Optional[str], device: torch.d
     """The module implementing ``family`` for this call.
 
     ``kernel_limit(kernels_module)`` returns why the Triton kernels cannot take this
-    particular call (None when they can): "auto" then falls back to the reference, and an
-    explicit backend="triton" is refused with that reason.
+    particular call (None when they can): "auto" then falls back to the reference, and
+    "triton" (as an argument or as the default) is refused with that reason.
+
+    Meta tensors carry no data, only shapes and dtypes, which every backend plans alike:
+    they always get the reference (whose ops also run on meta).
     """
-    backend = _check_name(op, requested(backend))
-    explicit = backend
+    backend = explicit = _check_name(op, requested(backend))
+    if device.type == "meta":
+        backend = "reference"
     if backend == "auto":
         use_triton = device.type == "cuda" and has_triton_kernels(family)
         backend = "triton" if use_triton else "reference"

@@ -68,7 +68,7 @@ def lnb_args(dtype=torch.float32, **over):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_layer_norm_matches_python_api(dtype):
+def test_layer_norm_matches_python_api(backend, dtype):
     a = ln_args(dtype)
     size, _ = run(A.aclnnLayerNormGetWorkspaceSize, A.aclnnLayerNorm, a)
     assert size == 0
@@ -77,7 +77,7 @@ def test_layer_norm_matches_python_api(dtype):
     assert torch.equal(a["meanOutOptional"], mean) and torch.equal(a["rstdOutOptional"], rstd)
 
 
-def test_layer_norm_casts_into_outputs_and_optional_stats():
+def test_layer_norm_casts_into_outputs_and_optional_stats(backend):
     a = ln_args(out=sentinel(2, 3, 16, dtype=torch.float16), meanOutOptional=None,
                 rstdOutOptional=sentinel(6, dtype=torch.bfloat16)[:6].view(2, 3))
     run(A.aclnnLayerNormGetWorkspaceSize, A.aclnnLayerNorm, a)
@@ -106,12 +106,12 @@ def test_layer_norm_casts_into_outputs_and_optional_stats():
     (dict(meanOutOptional=sentinel(2, 4)), INVALID, "meanOutOptional"),
     (dict(rstdOutOptional=[1.0]), INVALID, "rstdOutOptional"),
 ])
-def test_layer_norm_errors(change, status, word):
+def test_layer_norm_errors(backend, change, status, word):
     expect_error(A.aclnnLayerNormGetWorkspaceSize, ln_args(**change), status, word, LN_OUTS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_layer_norm_backward_matches_python_api(dtype):
+def test_layer_norm_backward_matches_python_api(backend, dtype):
     a = lnb_args(dtype)
     size, _ = run(A.aclnnLayerNormBackwardGetWorkspaceSize, A.aclnnLayerNormBackward, a)
     assert size == 0  # float32 keepdim statistics are used as they are
@@ -120,7 +120,7 @@ def test_layer_norm_backward_matches_python_api(dtype):
         assert torch.equal(got, w)
 
 
-def test_layer_norm_backward_half_flat_statistics_use_the_workspace():
+def test_layer_norm_backward_half_flat_statistics_use_the_workspace(backend):
     a = lnb_args()
     a["mean"] = a["mean"].reshape(6).half()
     a["rstd"] = a["rstd"].reshape(6).bfloat16()
@@ -135,13 +135,13 @@ def test_layer_norm_backward_half_flat_statistics_use_the_workspace():
     assert torch.equal(a["gradBiasOut"], want[2])
 
 
-def test_layer_norm_backward_output_mask_gates_outputs():
+def test_layer_norm_backward_output_mask_gates_outputs(backend):
     a = lnb_args(outputMask=[True, False, False], gradWeightOut=None)
     run(A.aclnnLayerNormBackwardGetWorkspaceSize, A.aclnnLayerNormBackward, a)
     assert not intact(a["gradInputOut"]) and intact(a["gradBiasOut"])  # masked out: not written
 
 
-def test_layer_norm_backward_weight_none_and_empty_rows():
+def test_layer_norm_backward_weight_none_and_empty_rows(backend):
     a = lnb_args(weightOptional=None)
     run(A.aclnnLayerNormBackwardGetWorkspaceSize, A.aclnnLayerNormBackward, a)
     want = gradops.layer_norm_backward(a["gradOut"], a["input"], [16], a["mean"], a["rstd"])
@@ -179,11 +179,11 @@ def test_layer_norm_backward_weight_none_and_empty_rows():
     (dict(gradWeightOut=sentinel(16, dtype=torch.float64)), INVALID, "gradWeightOut"),
     (dict(gradBiasOut=sentinel(1, 16)), INVALID, "gradBiasOut"),
 ])
-def test_layer_norm_backward_errors(change, status, word):
+def test_layer_norm_backward_errors(backend, change, status, word):
     expect_error(A.aclnnLayerNormBackwardGetWorkspaceSize, lnb_args(**change), status, word, LNB_OUTS)
 
 
-def test_layer_norm_backward_rank_limits():
+def test_layer_norm_backward_rank_limits(backend):
     x = rand(*[1] * 8, 16)
     a = lnb_args(gradOut=x.clone(), input=x, mean=torch.zeros([1] * 8), rstd=torch.ones([1] * 8),
                  gradInputOut=sentinel(*[1] * 8, 16))
@@ -216,7 +216,7 @@ def rmsg_args(xd=torch.float16, gd=torch.float32, **over):
 
 
 @pytest.mark.parametrize("xd,gd", RMS_TABLE)
-def test_rms_norm_table_matches_python_api(xd, gd):
+def test_rms_norm_table_matches_python_api(backend, xd, gd):
     a = rms_args(xd, gd)
     run(A.aclnnRmsNormGetWorkspaceSize, A.aclnnRmsNorm, a)
     y, rstd = gradops.rms_norm(a["x"], a["gamma"], 1e-6)
@@ -228,7 +228,7 @@ def test_rms_norm_table_matches_python_api(xd, gd):
     assert torch.equal(b["dxOut"], dx) and torch.equal(b["dgammaOut"], dgamma)
 
 
-def test_rms_norm_grad_accepts_views_and_flat_rstd():
+def test_rms_norm_grad_accepts_views_and_flat_rstd(backend):
     base = rand(32, 6, dtype=torch.float32)
     x = base.t().unflatten(0, (2, 3))  # a non-contiguous [2, 3, 32] view
     g = rand(32)
@@ -263,7 +263,7 @@ RMSG_OUTS = ["dxOut", "dgammaOut"]
     (dict(rstdOut=sentinel(2, 3, 1, dtype=torch.float16)), INVALID, "rstdOut"),
     (dict(rstdOut=sentinel(2, 1)), TILING, "rstdOut"),
 ])
-def test_rms_norm_errors(change, status, word):
+def test_rms_norm_errors(backend, change, status, word):
     expect_error(A.aclnnRmsNormGetWorkspaceSize, rms_args(**change), status, word, RMS_OUTS)
 
 
@@ -287,11 +287,11 @@ def test_rms_norm_errors(change, status, word):
     (dict(dgammaOut=sentinel(32, dtype=torch.float16)), INVALID, "dgammaOut"),
     (dict(dgammaOut=sentinel(1, 32)), TILING, "dgammaOut"),
 ])
-def test_rms_norm_grad_errors(change, status, word):
+def test_rms_norm_grad_errors(backend, change, status, word):
     expect_error(A.aclnnRmsNormGradGetWorkspaceSize, rmsg_args(**change), status, word, RMSG_OUTS)
 
 
-def test_rms_norm_grad_table_rejects_float32_x_with_half_gamma():
+def test_rms_norm_grad_table_rejects_float32_x_with_half_gamma(backend):
     expect_error(A.aclnnRmsNormGradGetWorkspaceSize, rmsg_args(torch.float32, torch.float32,
                  gamma=rand(32, dtype=torch.float16)), INVALID, "gamma", RMSG_OUTS)
 
@@ -325,7 +325,7 @@ def nsag_args(dtype=torch.float16, **over):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_nsa_compress_matches_python_api(dtype):
+def test_nsa_compress_matches_python_api(backend, dtype):
     a = nsa_args(dtype, actSeqLenOptional=torch.tensor(ENDS, dtype=torch.int64))
     assert run(A.aclnnNsaCompressGetWorkspaceSize, A.aclnnNsaCompress, a)[0] == 0
     assert torch.equal(a["output"], gradops.nsa_compress(a["input"], a["weight"], BLOCK, STRIDE, ENDS))
@@ -363,17 +363,17 @@ def test_nsa_compress_matches_python_api(dtype):
     (dict(compressStride=48, compressBlockSize=32, output=sentinel(2, 2, 16, dtype=torch.float16)), TILING,
      "compressBlockSize"),
 ])
-def test_nsa_compress_errors(change, status, word):
+def test_nsa_compress_errors(backend, change, status, word):
     expect_error(A.aclnnNsaCompressGetWorkspaceSize, nsa_args(**change), status, word, NSA_OUTS)
 
 
 @pytest.mark.parametrize("n,d,word", [(129, 16, "N"), (2, 24, "D"), (2, 272, "D")])
-def test_nsa_compress_head_limits(n, d, word):
+def test_nsa_compress_head_limits(backend, n, d, word):
     a = nsa_args(n=n, d=d)
     expect_error(A.aclnnNsaCompressGetWorkspaceSize, a, TILING, word, NSA_OUTS)
 
 
-def test_nsa_compress_no_empty_tensors():
+def test_nsa_compress_no_empty_tensors(backend):
     a = nsa_args(actSeqLenOptional=[16, 31], input=rand(31, 2, 16, dtype=torch.float16),
                  output=sentinel(0, 2, 16, dtype=torch.float16))
     expect_error(A.aclnnNsaCompressGetWorkspaceSize, a, INVALID, "empty", NSA_OUTS)
@@ -393,7 +393,7 @@ def test_nsa_compress_no_empty_tensors():
     (dict(inputGradOut=sentinel(111, 2, 16, dtype=torch.float16)), INVALID, "inputGradOut"),
     (dict(weightGradOut=sentinel(BLOCK, 3, dtype=torch.float16)), INVALID, "weightGradOut"),
 ])
-def test_nsa_compress_grad_errors(change, status, word):
+def test_nsa_compress_grad_errors(backend, change, status, word):
     expect_error(A.aclnnNsaCompressGradGetWorkspaceSize, nsag_args(**change), status, word, NSAG_OUTS)
 
 
@@ -457,7 +457,7 @@ def fag_args(dtype=torch.float16, **over):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_floyd_attention_matches_python_api(dtype):
+def test_floyd_attention_matches_python_api(backend, dtype):
     a = fa_args(dtype)
     assert run(A.aclnnFusedFloydAttentionGetWorkspaceSize, A.aclnnFusedFloydAttention, a)[0] == 0
     out, smax, ssum = gradops.floyd_attention(a["query"], a["key1"], a["value1"], a["key2"], a["value2"],
@@ -469,7 +469,7 @@ def test_floyd_attention_matches_python_api(dtype):
     assert torch.all(a["softmaxSumOut"][0, 0, 3] == K)
 
 
-def test_floyd_attention_grad_matches_python_api():
+def test_floyd_attention_grad_matches_python_api(backend):
     a = fag_args()
     size, _ = run(A.aclnnFusedFloydAttentionGradGetWorkspaceSize, A.aclnnFusedFloydAttentionGrad, a)
     assert size == 2 * B * H * N * M * 4  # compact float32 statistics
@@ -499,7 +499,7 @@ def test_floyd_attention_grad_matches_python_api():
     (dict(softmaxSumOut=sentinel(B, H, N, M, 4)), TILING, "softmaxSumOut"),
     (dict(attentionOutOut=sentinel(B, H, N, M, 64, dtype=torch.float16)), TILING, "attentionOutOut"),
 ])
-def test_floyd_attention_errors(change, status, word):
+def test_floyd_attention_errors(backend, change, status, word):
     expect_error(A.aclnnFusedFloydAttentionGetWorkspaceSize, fa_args(**change), status, word, FA_OUTS)
 
 
@@ -507,7 +507,7 @@ def test_floyd_attention_errors(change, status, word):
     (dict(b=2049), "B"), (dict(h=257), "H"), (dict(n=8), "N"), (dict(n=24), "N"), (dict(m=64), "M"),
     (dict(m=192), "M"), (dict(k=64), "K"), (dict(k=136), "K"), (dict(d=16), "D"), (dict(d=48), "D"),
 ])
-def test_floyd_attention_shape_limits(dims, word):
+def test_floyd_attention_shape_limits(backend, dims, word):
     q, k1, v1, k2, v2 = qkv(torch.float16, lazy=True, **dims)  # shape-only: phase one reads no data
     b, h, n, m, d = q.shape
     a = dict(query=q, key1=k1, value1=v1, key2=k2, value2=v2, attenMaskOptional=None, scaleValue=1.0,
@@ -531,11 +531,11 @@ def test_floyd_attention_shape_limits(dims, word):
     (dict(attentionIn=rand(B, H, N, M - 1, D, dtype=torch.float16)), TILING, "attentionIn"),
     (dict(dk2Out=sentinel(B, H, K, M, 64, dtype=torch.float16)), TILING, "dk2Out"),
 ])
-def test_floyd_attention_grad_errors(change, status, word):
+def test_floyd_attention_grad_errors(backend, change, status, word):
     expect_error(A.aclnnFusedFloydAttentionGradGetWorkspaceSize, fag_args(**change), status, word, FAG_OUTS)
 
 
-def test_dtype_rule_wins_over_a_tiling_shape_rule():
+def test_dtype_rule_wins_over_a_tiling_shape_rule(backend):
     # CANN checks dtypes in its op API before shapes at tiling: both broken -> 161002
     a = rmsg_args(dxOut=sentinel(2, 3, 32), dy=rand(2, 4, 32, dtype=torch.float16))
     expect_error(A.aclnnRmsNormGradGetWorkspaceSize, a, INVALID, "dxOut", RMSG_OUTS)
@@ -545,7 +545,7 @@ def test_dtype_rule_wins_over_a_tiling_shape_rule():
     expect_error(A.aclnnFusedFloydAttentionGetWorkspaceSize, a, INVALID, "attentionOutOut", FA_OUTS)
 
 
-def test_messages_name_cann_parameters():
+def test_messages_name_cann_parameters(backend):
     cases = [
         (A.aclnnNsaCompressGetWorkspaceSize, nsa_args(actSeqLenOptional=[64, 100]),
          ["actSeqLenOptional", "input.shape[0]"], ["seq_lens", "x.shape"]),
@@ -588,7 +588,7 @@ def to_meta(a):
     (A.aclnnFusedFloydAttentionGetWorkspaceSize, fa_args, FA_OUTS),
     (A.aclnnFusedFloydAttentionGradGetWorkspaceSize, fag_args, FAG_OUTS),
 ])
-def test_phase_one_reads_no_data_and_writes_nothing(get_ws, make, out_names):
+def test_phase_one_reads_no_data_and_writes_nothing(backend, get_ws, make, out_names):
     a = make()
     size, ex = get_ws(**to_meta(a))  # meta tensors have no data: any read would fail
     assert size >= 0 and isinstance(ex, A.AclOpExecutor)
@@ -597,7 +597,7 @@ def test_phase_one_reads_no_data_and_writes_nothing(get_ws, make, out_names):
     assert intact(*[a[n] for n in out_names])
 
 
-def test_half_statistics_staging_also_plans_on_meta():
+def test_half_statistics_staging_also_plans_on_meta(backend):
     a = lnb_args(mean=torch.zeros(6, dtype=torch.float16), rstd=torch.ones(6, dtype=torch.float16))
     assert A.aclnnLayerNormBackwardGetWorkspaceSize(**to_meta(a))[0] == 48
 
@@ -606,7 +606,7 @@ def test_half_statistics_staging_also_plans_on_meta():
 # Executors, workspaces, streams
 # ---------------------------------------------------------------------------------------
 
-def test_executor_runs_once_unless_repeatable():
+def test_executor_runs_once_unless_repeatable(backend):
     a = rms_args()
     size, ex = A.aclnnRmsNormGetWorkspaceSize(**a)
     assert A.aclnnRmsNorm(None, size, ex, None) == 0
@@ -620,7 +620,7 @@ def test_executor_runs_once_unless_repeatable():
     assert e.value.status == INVALID
 
 
-def test_repeatable_executor_reads_current_data_each_run():
+def test_repeatable_executor_reads_current_data_each_run(backend):
     a = rms_args(torch.float32, torch.float32)
     size, ex = A.aclnnRmsNormGetWorkspaceSize(**a)
     assert A.aclSetAclOpExecutorRepeatable(ex) == 0
@@ -639,7 +639,7 @@ def test_repeatable_executor_reads_current_data_each_run():
         A.aclDestroyAclOpExecutor(ex)
 
 
-def test_executor_argument_rules():
+def test_executor_argument_rules(backend):
     a = rms_args()
     size, ex = A.aclnnRmsNormGetWorkspaceSize(**a)
     with pytest.raises(gradops.AclnnError) as e:
@@ -666,7 +666,7 @@ def test_executor_argument_rules():
     ("size_arg", INVALID, "workspaceSize"),
     ("strided", INVALID, "contiguous"),
 ])
-def test_workspace_checks(bad, status, word):
+def test_workspace_checks(backend, bad, status, word):
     a = fag_args()
     size, ex = A.aclnnFusedFloydAttentionGradGetWorkspaceSize(**a)
     assert size > 0
@@ -692,7 +692,7 @@ def test_workspace_checks(bad, status, word):
         assert not intact(a["dqOut"])
 
 
-def test_zero_workspace_accepts_none_or_an_empty_tensor():
+def test_zero_workspace_accepts_none_or_an_empty_tensor(backend):
     a = nsa_args()
     size, ex = A.aclnnNsaCompressGetWorkspaceSize(**a)
     assert size == 0
@@ -700,7 +700,7 @@ def test_zero_workspace_accepts_none_or_an_empty_tensor():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_runs_on_the_given_cuda_stream():
+def test_runs_on_the_given_cuda_stream(backend):
     a = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in rms_args(torch.float32, torch.float32).items()}
     size, ex = A.aclnnRmsNormGetWorkspaceSize(**a)
     s = torch.cuda.Stream()
@@ -711,7 +711,7 @@ def test_runs_on_the_given_cuda_stream():
     torch.testing.assert_close(a["yOut"], y)
 
 
-def test_views_are_accepted_everywhere():
+def test_views_are_accepted_everywhere(backend):
     # LayerNormBackward on transposed views, results into a strided output
     x = rand(16, 6).t().unflatten(0, (2, 3))
     dy = rand(16, 6).t().unflatten(0, (2, 3))

@@ -182,7 +182,7 @@ OPTIONAL = {"ln": ["weightOptional", "biasOptional", "meanOutOptional", "rstdOut
 
 
 @pytest.mark.parametrize("op,name", [(op, n) for op, names in REQUIRED.items() for n in names])
-def test_none_required_is_161001(op, name):
+def test_none_required_is_161001(backend, op, name):
     args = OPS[op][2]()
     args[name] = None
     msg = reject(op, args, NULLPTR)
@@ -190,7 +190,7 @@ def test_none_required_is_161001(op, name):
 
 
 @pytest.mark.parametrize("op", list(REQUIRED))
-def test_none_wins_over_every_other_rule(op):
+def test_none_wins_over_every_other_rule(backend, op):
     """A None and a dtype violation together: CANN's null check comes first."""
     args = OPS[op][2]()
     first_tensor = next(k for k, v in args.items() if isinstance(v, torch.Tensor))
@@ -200,13 +200,13 @@ def test_none_wins_over_every_other_rule(op):
 
 
 @pytest.mark.parametrize("op,name", [(op, n) for op, names in OPTIONAL.items() for n in names])
-def test_none_optional_is_accepted(op, name):
+def test_none_optional_is_accepted(backend, op, name):
     args = OPS[op][2]()
     args[name] = None
     accept(op, args)
 
 
-def test_nsa_act_seq_len_is_required_by_cann_161002():
+def test_nsa_act_seq_len_is_required_by_cann_161002(backend):
     for op in ("nsa", "nsag"):
         args = OPS[op][2]()
         args["actSeqLenOptional"] = None
@@ -215,7 +215,7 @@ def test_nsa_act_seq_len_is_required_by_cann_161002():
 
 @pytest.mark.parametrize("mask", [[False, True, True], [True, False, True], [True, True, False],
                                   [False, False, False]])
-def test_layer_norm_backward_masked_out_output_may_be_none(mask):
+def test_layer_norm_backward_masked_out_output_may_be_none(backend, mask):
     args = lnb()
     args["outputMask"] = mask
     for wanted, name in zip(mask, LNB_OUTS):
@@ -240,7 +240,7 @@ def _set(args, names, dtype):
 
 
 @pytest.mark.parametrize("dtype", ALL)
-def test_layer_norm_input_dtype_table(dtype):
+def test_layer_norm_input_dtype_table(backend, dtype):
     for op, names in (("ln", ["input", "weightOptional", "biasOptional", "out"]),
                       ("lnb", ["gradOut", "input", "weightOptional", "biasOptional"] + LNB_OUTS)):
         args = OPS[op][2]()
@@ -251,7 +251,7 @@ def test_layer_norm_input_dtype_table(dtype):
             reject(op, args, INVALID)
 
 
-def test_layer_norm_backward_mixed_dtypes():
+def test_layer_norm_backward_mixed_dtypes(backend):
     args = lnb(F16)
     args["gradOut"] = args["gradOut"].to(BF16)  # gradOut dtype == input dtype
     reject("lnb", args, INVALID)
@@ -277,7 +277,7 @@ RMSG_TABLE = {(F16, F32, F32), (BF16, F32, F32), (F16, F32, F16), (F32, F32, F32
 @pytest.mark.parametrize("xd", [F16, BF16, F32, F64])
 @pytest.mark.parametrize("rd", [F16, F32, F64])
 @pytest.mark.parametrize("gd", [F16, BF16, F32, F64])
-def test_rms_norm_grad_dtype_table(xd, rd, gd):
+def test_rms_norm_grad_dtype_table(backend, xd, rd, gd):
     args = rmsg(xd, gd)
     args["rstd"] = args["rstd"].to(rd)
     if (xd, rd, gd) in RMSG_TABLE:
@@ -288,7 +288,7 @@ def test_rms_norm_grad_dtype_table(xd, rd, gd):
         reject("rmsg", args, INVALID)
 
 
-def test_rms_norm_grad_mixed_dy_x_and_output_dtypes():
+def test_rms_norm_grad_mixed_dy_x_and_output_dtypes(backend):
     args = rmsg(F16, F32)
     args["dy"] = args["dy"].to(BF16)
     reject("rmsg", args, INVALID)
@@ -301,7 +301,7 @@ def test_rms_norm_grad_mixed_dy_x_and_output_dtypes():
 
 
 @pytest.mark.parametrize("dtype", ALL)
-def test_nsa_dtype_table(dtype):
+def test_nsa_dtype_table(backend, dtype):
     for op in ("nsa", "nsag"):
         args = OPS[op][2]()
         for n, v in list(args.items()):
@@ -316,14 +316,14 @@ def test_nsa_dtype_table(dtype):
 @pytest.mark.parametrize("op,name", [("nsa", "weight"), ("nsa", "output"), ("nsag", "weight"),
                                      ("nsag", "outputGrad"), ("nsag", "inputGradOut"),
                                      ("nsag", "weightGradOut")])
-def test_nsa_mixed_dtypes_161002(op, name):
+def test_nsa_mixed_dtypes_161002(backend, op, name):
     args = OPS[op][2]()
     args[name] = args[name].to(BF16)
     reject(op, args, INVALID)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64, torch.int32])
-def test_floyd_dtype_table(dtype):
+def test_floyd_dtype_table(backend, dtype):
     args = fa(dtype if dtype.is_floating_point else F16, lazy=True)
     for n in ("query", "key1", "value1", "key2", "value2", "attentionOutOut"):
         args[n] = torch.zeros((), dtype=dtype).expand(*args[n].shape) if n != "attentionOutOut" else \
@@ -336,14 +336,14 @@ def test_floyd_dtype_table(dtype):
 
 
 @pytest.mark.parametrize("name", ["key1", "value1", "key2", "value2", "attentionOutOut"])
-def test_floyd_forward_mixed_dtypes_161002(name):
+def test_floyd_forward_mixed_dtypes_161002(backend, name):
     args = fa(F16)
     args[name] = args[name].to(BF16)
     reject("fa", args, INVALID)
 
 
 @pytest.mark.parametrize("name", ["key1", "value1", "key2", "value2", "dy", "attentionIn"] + FAG_OUTS)
-def test_floyd_grad_mixed_dtypes_161002(name):
+def test_floyd_grad_mixed_dtypes_161002(backend, name):
     args = fag(F16)
     args[name] = args[name].to(BF16)
     reject("fag", args, INVALID)
@@ -355,13 +355,13 @@ def test_floyd_grad_mixed_dtypes_161002(name):
     ("fa", "attenMaskOptional", F16), ("fa", "attenMaskOptional", torch.int32),
     ("fag", "attenMaskOptional", torch.int64),
 ])
-def test_floyd_statistics_and_mask_dtypes_161002(op, name, dtype):
+def test_floyd_statistics_and_mask_dtypes_161002(backend, op, name, dtype):
     args = OPS[op][2]()
     args[name] = args[name].to(dtype)
     reject(op, args, INVALID)
 
 
-def test_floyd_uint8_mask_accepted_same_numbers_as_bool():
+def test_floyd_uint8_mask_accepted_same_numbers_as_bool(backend):
     a, b = fa(F16), fa(F16)
     for k in ("query", "key1", "value1", "key2", "value2"):
         b[k] = a[k]
@@ -372,7 +372,7 @@ def test_floyd_uint8_mask_accepted_same_numbers_as_bool():
         assert torch.equal(a[o], b[o])
 
 
-def test_dtype_rule_comes_before_tiling_shape_rule():
+def test_dtype_rule_comes_before_tiling_shape_rule(backend):
     """A dtype violation (161002) and a tiling-checked shape (561002) together -> 161002."""
     args = fa(F16, n=8, lazy=True)  # N = 8 breaks N % 16 (561002)
     args["attenMaskOptional"] = None
@@ -403,7 +403,7 @@ def test_dtype_rule_comes_before_tiling_shape_rule():
 # LayerNorm shapes (161002 only)
 # ---------------------------------------------------------------------------------------
 
-def test_layer_norm_backward_shape_rules_161002():
+def test_layer_norm_backward_shape_rules_161002(backend):
     cases = []
     a = lnb(); a["normalizedShape"] = [];  cases.append(a)  # noqa: E702
     a = lnb(); a["normalizedShape"] = [4, 32] * 4 + [1]; cases.append(a)  # noqa: E702 length 9
@@ -423,7 +423,7 @@ def test_layer_norm_backward_shape_rules_161002():
         reject("lnb", args, INVALID)
 
 
-def test_layer_norm_backward_accepted_boundaries_match_python_api():
+def test_layer_norm_backward_accepted_boundaries_match_python_api(backend):
     # rank 8, normalizedShape of length 8 (rank == len: one row), flat statistics
     x = rnd(*([2] * 8))
     dy = rnd(*([2] * 8))
@@ -442,7 +442,7 @@ def test_layer_norm_backward_accepted_boundaries_match_python_api():
 # RMSNorm shapes (561002: checked at tiling)
 # ---------------------------------------------------------------------------------------
 
-def test_rms_norm_grad_shapes_561002():
+def test_rms_norm_grad_shapes_561002(backend):
     cases = []
     a = rmsg(); a["gamma"] = rnd(31); cases.append(a)  # noqa: E702
     a = rmsg(); a["dy"] = rnd(3, 4, 31); cases.append(a)  # noqa: E702
@@ -459,7 +459,7 @@ def test_rms_norm_grad_shapes_561002():
         reject("rmsg", args, TILING)
 
 
-def test_rms_norm_grad_empty_leading_dims_accepted():
+def test_rms_norm_grad_empty_leading_dims_accepted(backend):
     x = rnd(0, 32)
     args = dict(dy=rnd(0, 32), x=x, rstd=torch.ones(0, 1), gamma=rnd(32), dxOut=sent(0, 32), dgammaOut=sent(32))
     accept("rmsg", args)
@@ -471,7 +471,7 @@ def test_rms_norm_grad_empty_leading_dims_accepted():
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op", ["nsa", "nsag"])
-def test_nsa_tiling_limits(op):
+def test_nsa_tiling_limits(backend, op):
     mk = OPS[op][2]
     reject(op, mk(n=129), TILING)                       # N <= 128
     reject(op, mk(d=24), TILING)                        # D % 16
@@ -485,7 +485,7 @@ def test_nsa_tiling_limits(op):
         assert e.value.status in (INVALID, TILING)
 
 
-def test_nsa_block_vs_stride_forward_ge_grad_gt():
+def test_nsa_block_vs_stride_forward_ge_grad_gt(backend):
     # forward: block == stride accepted (non-overlapping blocks)
     a = nsa(block=16, stride=16, ends=[48, 80], c=3 + 2)
     accept("nsa", a)
@@ -501,7 +501,7 @@ def test_nsa_block_vs_stride_forward_ge_grad_gt():
 
 
 @pytest.mark.parametrize("op", ["nsa", "nsag"])
-def test_nsa_host_argument_rules_161002(op):
+def test_nsa_host_argument_rules_161002(backend, op):
     mk = OPS[op][2]
     for over in (dict(actSeqLenType=1), dict(actSeqLenType=2), dict(layoutOptional="BSND"),
                  dict(layoutOptional="tnd"), dict(actSeqLenOptional=[48, 79]),  # T != actSeqLen[-1]
@@ -514,7 +514,7 @@ def test_nsa_host_argument_rules_161002(op):
 
 
 @pytest.mark.parametrize("op", ["nsa", "nsag"])
-def test_nsa_empty_tensors_rejected(op):
+def test_nsa_empty_tensors_rejected(backend, op):
     mk = OPS[op][2]
     args = mk(d=16)
     args["input"] = rnd(80, 2, 0, dtype=F16)
@@ -522,7 +522,7 @@ def test_nsa_empty_tensors_rejected(op):
         OPS[op][0](**args)
 
 
-def test_nsa_boundaries_accepted_same_numbers():
+def test_nsa_boundaries_accepted_same_numbers(backend):
     # N = 128, D = 256, block = 128, stride = 16; actSeqLen as an int64 tensor with an empty sequence
     for t, n, d in ((144, 128, 16), (144, 1, 256)):
         ends = [0, t]
@@ -544,7 +544,7 @@ def test_nsa_boundaries_accepted_same_numbers():
 @pytest.mark.parametrize("dims", [
     dict(b=2049), dict(h=257), dict(n=8), dict(n=24), dict(m=64), dict(m=192), dict(k=64), dict(k=192),
     dict(d=16), dict(d=48), dict(d=256)])
-def test_floyd_shape_limits_561002(dims):
+def test_floyd_shape_limits_561002(backend, dims):
     args = fa_lazy(**dims)
     args["attenMaskOptional"] = None
     with pytest.raises(gradops.AclnnError) as e:
@@ -552,7 +552,7 @@ def test_floyd_shape_limits_561002(dims):
     assert e.value.status == TILING
 
 
-def test_floyd_inconsistent_shapes_561002():
+def test_floyd_inconsistent_shapes_561002(backend):
     base = fa(F16, lazy=True)
     b, h, n, m, d = base["query"].shape
     k = base["key1"].shape[3]
@@ -573,7 +573,7 @@ def test_floyd_inconsistent_shapes_561002():
         reject("fa", args, TILING)
 
 
-def test_floyd_grad_statistics_must_be_bhnm8_561002():
+def test_floyd_grad_statistics_must_be_bhnm8_561002(backend):
     a = fag(F16)
     b, h, n, m, _ = a["query"].shape
     for shape in ((b, h, n, m), (b, h, n, m, 1), (b, h, n, m, 16)):
@@ -588,7 +588,7 @@ def test_floyd_grad_statistics_must_be_bhnm8_561002():
         reject("fag", args, TILING)
 
 
-def test_floyd_boundaries_accepted_same_numbers():
+def test_floyd_boundaries_accepted_same_numbers(backend):
     # D = 128, N = 16, M = K = 128 (the minimum sizes), bf16, no mask, scale 1.0 (CANN's default)
     a = fa(BF16, d=128)
     a["attenMaskOptional"] = None
@@ -601,7 +601,7 @@ def test_floyd_boundaries_accepted_same_numbers():
     assert torch.equal(a["softmaxSumOut"], ssum.unsqueeze(-1).expand(*ssum.shape, 8))
 
 
-def test_floyd_grad_same_numbers_as_python_api():
+def test_floyd_grad_same_numbers_as_python_api(backend):
     a = fag(F16)
     accept("fag", a)
     want = gradops.floyd_attention_grad(a["dy"], a["query"], a["key1"], a["value1"], a["key2"], a["value2"],
@@ -635,7 +635,7 @@ class _DataOps(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("op", list(OPS))
-def test_phase_one_runs_no_data_op_and_writes_nothing(op):
+def test_phase_one_runs_no_data_op_and_writes_nothing(backend, op):
     get_ws, launch, mk, outs = OPS[op]
     args = mk()
     if op in ("nsa", "nsag"):
@@ -657,14 +657,14 @@ def test_phase_one_runs_no_data_op_and_writes_nothing(op):
         assert torch.equal(args[k], v), k
 
 
-def test_phase_one_on_meta_tensors():
+def test_phase_one_on_meta_tensors(backend):
     for op, (get_ws, _, mk, _) in OPS.items():
         args = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in mk().items()}
         size, ex = get_ws(**args)
         assert isinstance(size, int) and size >= 0
 
 
-def test_workspace_depends_on_shapes_dtypes_only():
+def test_workspace_depends_on_shapes_dtypes_only(backend):
     a, b = lnb(F16), lnb(F16)
     for args in (a, b):
         _set(args, ["mean", "rstd"], F16)
@@ -680,7 +680,7 @@ def test_workspace_depends_on_shapes_dtypes_only():
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op", list(OPS))
-def test_executor_runs_once_unless_repeatable_and_not_after_destroy(op):
+def test_executor_runs_once_unless_repeatable_and_not_after_destroy(backend, op):
     get_ws, launch, mk, outs = OPS[op]
     args = mk()
     size, ex = get_ws(**args)
@@ -709,7 +709,7 @@ def test_executor_runs_once_unless_repeatable_and_not_after_destroy(op):
 
 
 @pytest.mark.parametrize("op", ["lnb", "fag"])
-def test_workspace_rules(op):
+def test_workspace_rules(backend, op):
     get_ws, launch, mk, outs = OPS[op]
     args = mk(F16)
     if op == "lnb":
@@ -733,7 +733,7 @@ def test_workspace_rules(op):
     assert launch(torch.empty(size + 64, dtype=torch.uint8), size + 64, ex, None) == 0
 
 
-def test_zero_workspace_operators_take_none():
+def test_zero_workspace_operators_take_none(backend):
     for op in ("ln", "rms", "rmsg", "nsa", "nsag", "fa"):
         get_ws, launch, mk, _ = OPS[op]
         size, ex = get_ws(**mk())
@@ -741,7 +741,7 @@ def test_zero_workspace_operators_take_none():
         assert launch(None, 0, ex, None) == 0
 
 
-def test_failed_run_does_not_consume_the_executor():
+def test_failed_run_does_not_consume_the_executor(backend):
     get_ws, launch, mk, outs = OPS["fag"]
     args = mk(F16)
     size, ex = get_ws(**args)
@@ -755,7 +755,7 @@ def test_failed_run_does_not_consume_the_executor():
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
-def test_layer_norm_backward_weight_grads_are_float32_sums_cast_once(dtype):
+def test_layer_norm_backward_weight_grads_are_float32_sums_cast_once(backend, dtype):
     """OPERATORS.md 1: gradWeight/gradBias accumulate in f32 and are cast to the output
     tensor's dtype. With a half weight and float32 outputs, the outputs hold the float32
     sums, not the sums rounded to half first."""
@@ -778,7 +778,7 @@ def test_layer_norm_backward_weight_grads_are_float32_sums_cast_once(dtype):
     assert torch.equal(args2["gradInputOut"], args["gradInputOut"])
 
 
-def test_cpu_operators_take_a_cpu_torch_stream():
+def test_cpu_operators_take_a_cpu_torch_stream(backend):
     """OPERATORS.md 6: aclrtStream -> None or a torch stream; on the CPU that is torch.cpu.Stream
     or a generic torch.Stream of the CPU. Anything else is refused before anything is written."""
     streams = [s for s in (getattr(torch.cpu, "Stream", lambda: None)(), torch.Stream(device="cpu")) if s is not None]
@@ -822,7 +822,7 @@ def fa_lazy(**dims):
     (dict(n=(1 << 20) + 16), False), (dict(m=(1 << 20) + 128), False), (dict(k=(1 << 20) + 128), False),
     (dict(b=0), False), (dict(h=0), False), (dict(n=0), False),
 ])
-def test_floyd_limits_at_the_edges(dims, ok):
+def test_floyd_limits_at_the_edges(backend, dims, ok):
     args = fa_lazy(**dims)
     if ok:
         size, _ = A.aclnnFusedFloydAttentionGetWorkspaceSize(**args)
@@ -837,7 +837,7 @@ def test_floyd_limits_at_the_edges(dims, ok):
 # Views and non-contiguous tensors, inputs and outputs
 # ---------------------------------------------------------------------------------------
 
-def test_non_contiguous_inputs_and_outputs_same_numbers():
+def test_non_contiguous_inputs_and_outputs_same_numbers(backend):
     a = rmsg(F16, F32)
     a["x"] = rnd(4, 3, 32, dtype=F16).transpose(0, 1)
     a["dy"] = rnd(32, 4, 3, dtype=F16).permute(2, 1, 0)
@@ -868,7 +868,7 @@ def test_non_contiguous_inputs_and_outputs_same_numbers():
 # torch_npu names give the aclnn numbers
 # ---------------------------------------------------------------------------------------
 
-def test_torch_npu_matches_aclnn():
+def test_torch_npu_matches_aclnn(backend):
     from gradops import torch_npu as npu
     a = fa(F16)
     accept("fa", a)
@@ -889,7 +889,7 @@ def test_torch_npu_matches_aclnn():
     assert e.value.status == INVALID
 
 
-def test_layer_norm_forward_bias_has_the_weights_dtype():
+def test_layer_norm_forward_bias_has_the_weights_dtype(backend):
     """CANN's aclnnLayerNorm page: weight is input's dtype or float32, and bias, when both are
     given, has weight's dtype (161002 otherwise)."""
     args = ln(F16)

@@ -87,3 +87,55 @@ def test_operators_build_no_autograd_graph_and_write_in_place_into_grad_tensors(
     want = gradops.rms_norm_grad(dy.detach(), x.detach(), rstd, g.detach())[0]
     dx, _ = gradops.rms_norm_grad(dy, x, rstd, g, in_place=True)
     assert dx is dy and torch.equal(dy.detach(), want)
+
+
+def test_use_backend_sets_the_default_and_restores_it():
+    assert gradops.default_backend() == "auto"
+    with gradops.use_backend("reference") as name:
+        assert name == "reference" == gradops.default_backend()
+        impl = _backend.implementation("op", "rms_norm", None, torch.device("cpu"))
+        assert impl.__name__ == "gradops.reference.rms_norm"
+        with pytest.raises(RuntimeError, match="inner"):
+            with gradops.use_backend("auto"):
+                raise RuntimeError("inner")
+        assert gradops.default_backend() == "reference"  # restored after an exception too
+    assert gradops.default_backend() == "auto"
+    previous = gradops.set_default_backend(None)
+    assert previous == "auto" and gradops.default_backend() == "auto"
+    with raises_status(INVALID, "set_default_backend", "'cuda'"):
+        gradops.set_default_backend("cuda")
+    assert gradops.default_backend() == "auto"
+
+
+@pytest.mark.skipif(not _backend.has_triton_kernels("rms_norm"), reason="triton is not installed")
+def test_an_argument_wins_over_the_default_and_meta_plans_on_the_reference(monkeypatch):
+    monkeypatch.setattr(_backend, "_triton_usable_on", lambda device: True)
+    with gradops.use_backend("triton"):
+        impl = _backend.implementation("op", "rms_norm", None, torch.device("cuda"))
+        assert impl.__name__ == "gradops.kernels.rms_norm"
+        impl = _backend.implementation("op", "rms_norm", "reference", torch.device("cuda"))
+        assert impl.__name__ == "gradops.reference.rms_norm"
+        # meta tensors carry no data to compute on: shapes are planned by the reference
+        impl = _backend.implementation("op", "rms_norm", None, torch.device("meta"))
+        assert impl.__name__ == "gradops.reference.rms_norm"
+
+
+def test_nn_backward_runs_on_the_forwards_backend(monkeypatch):
+    """A default set around the forward only still decides the backward: the backend is
+    resolved when the forward runs and saved for the backward."""
+    from gradops.nn import functional as F
+    from gradops.ops import rms_norm as rms_ops
+    seen = []
+    real = rms_ops.prepare_rms_norm_grad
+
+    def spy(*args, backend=None, **kwargs):
+        seen.append(backend)
+        return real(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(rms_ops, "prepare_rms_norm_grad", spy)
+    x = torch.randn(3, 8, requires_grad=True)
+    with gradops.use_backend("reference"):
+        y = F.rms_norm(x, [8], torch.ones(8, requires_grad=True))
+    with gradops.use_backend("auto"):
+        y.sum().backward()
+    assert seen == ["reference"]

@@ -2,6 +2,7 @@
 independently of the implementation), the worked examples of CANN's LayerNormGrad and
 LayerNormGradBeta pages, and the tiled kernel functions against a float64 oracle."""
 import dataclasses
+import importlib
 import math
 import struct
 
@@ -104,7 +105,7 @@ SHAPES = [[1, 8, 8, 8], [2, 16, 64, 64], [4, 3, 32, 32], [1, 1, 128, 128], [3, 5
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("type_size", [2, 4])
 @pytest.mark.parametrize("reuse", [False, True])
-def test_layer_norm_grad_host_functions(shape, type_size, reuse):
+def test_layer_norm_grad_host_functions(backend, shape, type_size, reuse):
     assert GetLayerNormGradMaxMinTmpSize(shape, type_size, reuse) == expected_grad_minmax(shape, type_size, reuse)
     mx, mn = expected_grad_minmax(shape, type_size, reuse)
     h = shape[2]
@@ -124,7 +125,7 @@ def test_layer_norm_grad_host_functions(shape, type_size, reuse):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("type_size", [2, 4])
 @pytest.mark.parametrize("reuse", [False, True])
-def test_layer_norm_grad_beta_host_functions(shape, type_size, reuse):
+def test_layer_norm_grad_beta_host_functions(backend, shape, type_size, reuse):
     # isReuseSource is ignored by CANN's beta host functions
     assert GetLayerNormGradBetaMaxMinTmpSize(shape, type_size, reuse) == expected_beta_minmax(shape, type_size)
     mx, mn = expected_beta_minmax(shape, type_size)
@@ -142,7 +143,7 @@ def test_layer_norm_grad_beta_host_functions(shape, type_size, reuse):
         assert as_dict(got) == expected_beta_tiling(shape, stack, type_size), (shape, stack)
 
 
-def test_tiling_struct_fields_are_cann_names_in_cann_order():
+def test_tiling_struct_fields_are_cann_names_in_cann_order(backend):
     assert list(LayerNormGradTiling.__dataclass_fields__) == [
         "stackBufferSize", "bLength", "sLength", "hLength", "originalHLength", "oneCalSize", "nohCalSize",
         "loopNum", "tailSize", "nohTailSize", "tmpTensorBSHPos", "tmpTensorBSHSize", "pdVarTensorPos",
@@ -156,7 +157,7 @@ def test_tiling_struct_fields_are_cann_names_in_cann_order():
         "resForGammaTmpTensorPos"]
 
 
-def test_known_tiling_numbers():
+def test_known_tiling_numbers(backend):
     # hand-computed: float, [2,16,64,64], 16 KiB: 16384/4/6 = 682 -> 640 (10 rows) -> 16 rows -> 1024
     t = GetLayerNormGradNDTilingInfo([2, 16, 64, 64], 16384, 4, False)
     assert (t.oneCalSize, t.nohCalSize, t.loopNum, t.tailSize, t.nohTailSize) == (1024, 16, 2, 0, 0)
@@ -171,7 +172,7 @@ def test_known_tiling_numbers():
     assert (t.betaTempTensorPos, t.inputDyTmpTensorPos, t.resForGammaTmpTensorPos) == (64, 128, 576)
 
 
-def test_loop_count_zero_tiling():
+def test_loop_count_zero_tiling(backend):
     # the rows-per-step round-up makes one step larger than the whole input: loopNum 0, all tail
     t = GetLayerNormGradNDTilingInfo([1, 3, 16, 16], 6 * 16 * 4, 4, False)
     assert t.oneCalSize == 8 * 16 and t.loopNum == 0 and t.tailSize == 48 and t.nohTailSize == 3
@@ -191,14 +192,14 @@ def test_loop_count_zero_tiling():
     (GetLayerNormGradBetaNDTilingInfo, ([1, 8, 8, 8], 4096, 6, False)),
     (GetLayerNormGradBetaNDTilingInfo, ([8, 8, 8, 8, 8], 4096, 4, False)),
 ])
-def test_host_asserts_are_aclnn_errors(func, args):
+def test_host_asserts_are_aclnn_errors(backend, func, args):
     with pytest.raises(gradops.AclnnError) as e:
         func(*args)
     assert e.value.status == INVALID
     assert ("typeSize" in str(e.value)) or ("srcShape" in str(e.value))
 
 
-def test_stack_buffer_too_small():
+def test_stack_buffer_too_small(backend):
     with pytest.raises(gradops.AclnnError) as e:
         GetLayerNormGradNDTilingInfo([1, 8, 64, 64], 6 * 64 * 4 - 1, 4, False)
     assert e.value.status == TILING
@@ -215,7 +216,7 @@ def test_stack_buffer_too_small():
 # Worked examples of CANN's pages (OPERATORS.md section 2)
 # ---------------------------------------------------------------------------------------
 
-def test_layer_norm_grad_worked_example():
+def test_layer_norm_grad_worked_example(backend):
     x = torch.arange(64, dtype=torch.float32).reshape(1, 8, 8)
     dy = x.clone()
     mean = (3.5 + 8 * torch.arange(8, dtype=torch.float32)).reshape(1, 8)
@@ -233,7 +234,7 @@ def test_layer_norm_grad_worked_example():
                                rtol=0, atol=1e-5)
 
 
-def test_layer_norm_grad_beta_worked_example():
+def test_layer_norm_grad_beta_worked_example(backend):
     a = torch.arange(64, dtype=torch.float32).reshape(8, 1, 8)
     shape = [8, 1, 8, 8]
     _, mn = GetLayerNormGradBetaMaxMinTmpSize(shape, 4, False)
@@ -285,7 +286,7 @@ def tol(dtype):
     (2, 9, 16, 1 << 20),     # one step covers everything: loopNum 0 (rows round up), all tail
     (3, 40, 8, 6 * 8 * 4 * 3),  # several full steps and a tail
 ])
-def test_layer_norm_grad_kernel(dtype, b, s, h, stack):
+def test_layer_norm_grad_kernel(backend, dtype, b, s, h, stack):
     ts = 2 if dtype == torch.float16 else 4
     shape = [b, s, h, h]
     _, mn = GetLayerNormGradMaxMinTmpSize(shape, ts, False)
@@ -309,7 +310,7 @@ def test_layer_norm_grad_kernel(dtype, b, s, h, stack):
     torch.testing.assert_close(res, api_res, rtol=0, atol=0)
 
 
-def test_layer_norm_grad_kernel_walks_the_tiling(monkeypatch):
+def test_layer_norm_grad_kernel_walks_the_tiling(backend, monkeypatch):
     """The engine is called once per step with the tiling's row counts, loop then tail."""
     b, s, h = 3, 40, 8
     shape = [b, s, h, h]
@@ -317,15 +318,15 @@ def test_layer_norm_grad_kernel_walks_the_tiling(monkeypatch):
     assert tiling.loopNum == 15 and tiling.nohCalSize == 8 and tiling.nohTailSize == 0
     tiling = GetLayerNormGradNDTilingInfo([b, 37, h, h], 6 * 8 * 4 * 3, 4, False)
     assert (tiling.loopNum, tiling.nohTailSize) == (13, 7)
-    from gradops.reference import layer_norm as ref
+    engine = importlib.import_module(f"gradops.{'kernels' if backend == 'triton' else 'reference'}.layer_norm")
     calls = []
-    real = ref.layer_norm_grad
+    real = engine.layer_norm_grad
 
     def spy(dy, *a):
         calls.append(dy.shape[0])
         return real(dy, *a)
 
-    monkeypatch.setattr(ref, "layer_norm_grad", spy)
+    monkeypatch.setattr(engine, "layer_norm_grad", spy)
     dy, x, var, mean, gamma = make_inputs(b, 37, h, torch.float32)
     LayerNormGrad(torch.empty_like(x), torch.empty_like(x), dy, x, var, mean, gamma, None, 1e-5, tiling)
     assert calls == [8] * 13 + [7]
@@ -336,7 +337,7 @@ def test_layer_norm_grad_kernel_walks_the_tiling(monkeypatch):
     assert t0.loopNum == 0 and calls == [3]
 
 
-def test_layer_norm_grad_kernel_uses_the_buffer():
+def test_layer_norm_grad_kernel_uses_the_buffer(backend):
     """The float32 working set lands in sharedTmpBuffer at the tiling's positions."""
     b, s, h = 1, 8, 8
     shape = [b, s, h, h]
@@ -352,7 +353,7 @@ def test_layer_norm_grad_kernel_uses_the_buffer():
     assert torch.equal(f[tiling.tmpTensorBSHPos:tiling.tmpTensorBSHPos + n], res.reshape(-1))
 
 
-def test_positions_past_a_buffer_of_at_least_the_minimum_use_own_scratch():
+def test_positions_past_a_buffer_of_at_least_the_minimum_use_own_scratch(backend):
     b, s, h = 1, 8, 8
     shape = [b, s, h, h]
     _, mn = GetLayerNormGradMaxMinTmpSize(shape, 4, False)
@@ -367,7 +368,7 @@ def test_positions_past_a_buffer_of_at_least_the_minimum_use_own_scratch():
     torch.testing.assert_close(res.double(), want_res, **tol(torch.float32))
 
 
-def test_layer_norm_grad_reuse_source_overwrites_like_cann():
+def test_layer_norm_grad_reuse_source_overwrites_like_cann(backend):
     b, s, h = 2, 11, 16
     shape = [b, s, h, h]
     _, mn = GetLayerNormGradMaxMinTmpSize(shape, 4, True)
@@ -385,7 +386,7 @@ def test_layer_norm_grad_reuse_source_overwrites_like_cann():
     torch.testing.assert_close(x, x0 - mean[..., None])     # inputX <- x-mean
 
 
-def test_layer_norm_grad_reuse_non_contiguous_inputs_are_overwritten_too():
+def test_layer_norm_grad_reuse_non_contiguous_inputs_are_overwritten_too(backend):
     b, s, h = 3, 4, 8
     shape = [b, s, h, h]
     tiling = GetLayerNormGradNDTilingInfo(shape, 4 * h * 4 * 8, 4, True)
@@ -400,7 +401,7 @@ def test_layer_norm_grad_reuse_non_contiguous_inputs_are_overwritten_too():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("b,s,h,stack", [(2, 9, 16, None), (3, 7, 8, 1 << 16), (5, 3, 8, 4 * 8 * 4 + 7 * 4 * 8)])
-def test_layer_norm_grad_beta_kernel(dtype, b, s, h, stack):
+def test_layer_norm_grad_beta_kernel(backend, dtype, b, s, h, stack):
     ts = 2 if dtype == torch.float16 else 4
     shape = [b, s, h, h]
     _, mn = GetLayerNormGradBetaMaxMinTmpSize(shape, ts, False)
@@ -417,7 +418,7 @@ def test_layer_norm_grad_beta_kernel(dtype, b, s, h, stack):
     assert torch.equal(res, res0) and torch.equal(dy, dy0)
 
 
-def test_layer_norm_grad_beta_half_accumulates_in_float32():
+def test_layer_norm_grad_beta_half_accumulates_in_float32(backend):
     # 4096 rows of 0.1: per-step half partial sums would drift; one float32 sum rounds once
     b, s, h = 64, 64, 8
     dy = torch.full((b, s, h), 0.1, dtype=torch.float16)
@@ -432,7 +433,7 @@ def test_layer_norm_grad_beta_half_accumulates_in_float32():
     assert torch.equal(pb, want.expand(h)) and torch.equal(pg, want.expand(h))
 
 
-def test_layer_norm_grad_beta_reuse_overwrites_res_for_gamma():
+def test_layer_norm_grad_beta_reuse_overwrites_res_for_gamma(backend):
     b, s, h = 2, 5, 8
     shape = [b, s, h, h]
     tiling = GetLayerNormGradBetaNDTilingInfo(shape, 4 * h * 4, 4, True)
@@ -474,7 +475,7 @@ def grad_call(**over):
                                      originalHLength=9)), INVALID, "originalHLength"),
     (dict(tiling=GetLayerNormGradNDTilingInfo([2, 5, 8, 8], 4096, 4, False)), INVALID, "tiling"),
 ])
-def test_layer_norm_grad_kernel_errors_write_nothing(change, status, word):
+def test_layer_norm_grad_kernel_errors_write_nothing(backend, change, status, word):
     args = grad_call(**change)
     outs = [t for t in (args["outputPdX"], args["resForGamma"]) if t is not None]
     with pytest.raises(gradops.AclnnError) as e:
@@ -483,7 +484,7 @@ def test_layer_norm_grad_kernel_errors_write_nothing(change, status, word):
     assert all(torch.all(t == 3.0) for t in outs)
 
 
-def test_reuse_source_with_half_is_161002():
+def test_reuse_source_with_half_is_161002(backend):
     b, s, h = 1, 2, 16
     dy, x, var, mean, gamma = make_inputs(b, s, h, torch.float16)
     t = GetLayerNormGradNDTilingInfo([b, s, h, h], 1 << 14, 2, True)
@@ -499,7 +500,7 @@ def test_reuse_source_with_half_is_161002():
     assert e.value.status == INVALID and torch.all(pg == 3.0)
 
 
-def test_layer_norm_grad_beta_refuses_small_buffer_and_bad_tiling():
+def test_layer_norm_grad_beta_refuses_small_buffer_and_bad_tiling(backend):
     b, s, h = 2, 3, 8
     tiling = GetLayerNormGradBetaNDTilingInfo([b, s, h, h], 1024, 4, False)
     res, dy = torch.randn(b, s, h), torch.randn(b, s, h)
@@ -518,7 +519,7 @@ def test_layer_norm_grad_beta_refuses_small_buffer_and_bad_tiling():
     assert torch.all(pg == 3.0)
 
 
-def test_empty_tiling_is_refused_before_anything_runs():
+def test_empty_tiling_is_refused_before_anything_runs(backend):
     t = LayerNormGradBetaTiling()  # all zeros: describes nothing
     empty = torch.empty(0, 0, 0)
     pg = torch.full((0,), 3.0)
@@ -528,7 +529,7 @@ def test_empty_tiling_is_refused_before_anything_runs():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_layer_norm_grad_padded_rows_follow_cann(dtype):
+def test_layer_norm_grad_padded_rows_follow_cann(backend, dtype):
     """Rows stored 16 wide holding 13 values and zero padding (srcShape [B, S, 16, 13]): sums
     run over the stored width, the factors 1/H and 2/H use originH (OPERATORS.md section 2).
     Expected values from that formula, written out here in float64."""
@@ -560,7 +561,13 @@ def test_layer_norm_grad_padded_rows_follow_cann(dtype):
     assert tiling.originalHLength == oh and tiling.loopNum >= 1
     pdx = torch.full((b, s, h), 7.0, dtype=dtype)
     res = torch.full((b, s, h), 7.0, dtype=dtype)
-    LayerNormGrad(pdx, res, dy, x, var, mean, gamma, torch.zeros(mn, dtype=torch.uint8), eps, tiling)
+    buf = torch.zeros(mn, dtype=torch.uint8)
+    if backend == "triton":  # padded rows are the reference engine's alone (docs/operators.md)
+        with pytest.raises(gradops.AclnnError, match="padded rows"):
+            LayerNormGrad(pdx, res, dy, x, var, mean, gamma, buf, eps, tiling)
+        assert (pdx == 7).all() and (res == 7).all()  # refused before anything is written
+        return
+    LayerNormGrad(pdx, res, dy, x, var, mean, gamma, buf, eps, tiling)
     tol = 2e-5 if dtype == torch.float32 else 2e-3
     assert (pdx.double() - want_pdx).abs().max() <= tol * want_pdx.abs().max()
     assert (res.double() - want_res).abs().max() <= tol * want_res.abs().max()

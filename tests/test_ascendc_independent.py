@@ -176,7 +176,7 @@ def _compare(ours_fn, cann_fn, *args):
 
 @pytest.mark.parametrize("type_size", [2, 4])
 @pytest.mark.parametrize("reuse", [False, True])
-def test_tiling_sweep_matches_cann_field_by_field(type_size, reuse):
+def test_tiling_sweep_matches_cann_field_by_field(backend, type_size, reuse):
     statuses = set()
     checked = 0
     for shape in SHAPES:
@@ -202,7 +202,7 @@ def test_tiling_sweep_matches_cann_field_by_field(type_size, reuse):
     assert statuses == {0, TILING}
 
 
-def test_minimum_tmp_size_is_enough_for_the_tiling_except_cann_half_corner():
+def test_minimum_tmp_size_is_enough_for_the_tiling_except_cann_half_corner(backend):
     """Float: CANN's minimum always tiles. Half: it does iff B*S >= 2 and H >= 2 (CANN quirk)."""
     for shape in SHAPES:
         for ts, reuse in ((4, False), (4, True), (2, False)):
@@ -219,7 +219,7 @@ def test_minimum_tmp_size_is_enough_for_the_tiling_except_cann_half_corner():
             GetLayerNormGradBetaNDTilingInfo(shape, bmn, ts, reuse)  # always enough
 
 
-def test_last_dim_values_are_float32_bits():
+def test_last_dim_values_are_float32_bits(backend):
     for oh in (1, 3, 7, 10, 13, 100, 255, 1000, 4095, (1 << 24) + 1, 123457):
         t = GetLayerNormGradNDTilingInfo([1, 1, oh, oh], 1 << 31, 4, False)
         assert t.lastDimValueBack == int(np.array(np.float32(1) / np.float32(oh)).view(np.uint32))
@@ -241,7 +241,7 @@ HOST_FUNCS = [
     ([0, 3, 8, 8], 4), ([2, 0, 8, 8], 4), ([2, 3, 0, 8], 2), ([2, 3, 8, 0], 4),
     ([-2, -3, 8, 8], 4),  # positive product, negative dims
 ])
-def test_host_asserts_raise_aclnn_error(func, shape, ts):
+def test_host_asserts_raise_aclnn_error(backend, func, shape, ts):
     with pytest.raises(gradops.AclnnError) as e:
         func(shape, ts)
     assert e.value.status == INVALID
@@ -306,7 +306,7 @@ PAGE_PDX = [3.0548172, 0.4362857, -1.3093826, -2.182187]
     (torch.float16, False, 20, [16, 4]),     # half rounds rows up to 16
     (torch.float32, False, 8, [8]),          # the page itself: [1, 8, 8]
 ])
-def test_layer_norm_grad_worked_example_tiled(steps, dtype, reuse, rows, want_steps):
+def test_layer_norm_grad_worked_example_tiled(backend, steps, dtype, reuse, rows, want_steps):
     ts = 2 if dtype == torch.float16 else 4
     shape = [1, rows, 8, 8]
     _, mn = GetLayerNormGradMaxMinTmpSize(shape, ts, reuse)
@@ -347,7 +347,7 @@ def test_layer_norm_grad_worked_example_tiled(steps, dtype, reuse, rows, want_st
     (torch.float16, (2 * 8 + 2 * 24) * 4, [3, 3, 2]),  # half: (el - 2H) / 2 = 24
     (torch.float16, 4 * 8 * 4, [1] * 8),           # half minimum: one row a round
 ])
-def test_layer_norm_grad_beta_worked_example_tiled(steps, dtype, stack, want_steps):
+def test_layer_norm_grad_beta_worked_example_tiled(backend, steps, dtype, stack, want_steps):
     ts = 2 if dtype == torch.float16 else 4
     shape = [8, 1, 8, 8]
     tiling = GetLayerNormGradBetaNDTilingInfo(shape, stack, ts, False)
@@ -365,7 +365,7 @@ def test_layer_norm_grad_beta_worked_example_tiled(steps, dtype, stack, want_ste
     assert torch.equal(pd_beta, (8 * r + h).sum(0).to(dtype))
 
 
-def test_kernel_refuses_a_buffer_below_the_minimum_and_writes_nothing():
+def test_kernel_refuses_a_buffer_below_the_minimum_and_writes_nothing(backend):
     shape = [1, 20, 8, 8]
     _, mn = GetLayerNormGradMaxMinTmpSize(shape, 4, False)
     tiling = GetLayerNormGradNDTilingInfo(shape, mn, 4, False)
@@ -378,7 +378,7 @@ def test_kernel_refuses_a_buffer_below_the_minimum_and_writes_nothing():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_layer_norm_grad_beta_takes_a_padded_tiling(dtype):
+def test_layer_norm_grad_beta_takes_a_padded_tiling(backend, dtype):
     """pdGamma/pdBeta are per-column sums over rows: originH (srcShape[3]) plays no part, so a
     tiling of padded rows (storageH 16, originH 13, zero padding) is a call CANN accepts."""
     ts = 2 if dtype == torch.float16 else 4
@@ -439,7 +439,7 @@ def _bad_kernel_calls():
 
 
 @pytest.mark.parametrize("name,status,call", _bad_kernel_calls(), ids=lambda v: v if isinstance(v, str) else "")
-def test_kernel_errors_status_and_nothing_written(name, status, call):
+def test_kernel_errors_status_and_nothing_written(backend, name, status, call):
     pd_x, res = torch.full((2, 5, 8), 7.0), torch.full((2, 5, 8), 7.0)
     with pytest.raises(gradops.AclnnError) as e:
         call(pd_x, res)
