@@ -18,6 +18,7 @@ Tolerances, relative to the largest magnitude of the expected tensor:
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradops
 from gradops.kernels import floyd_config as config
@@ -358,3 +359,70 @@ def test_bench_quick_runs(capsys):
     text = capsys.readouterr().out
     assert "floyd_fwd" in text and "floyd_bwd" in text and "einsum" in text and "reference" in text
     assert bench.fwd_flops((1, 2, 3, 4, 5, 6)) == 8 * 720 and bench.bwd_flops((1, 2, 3, 4, 5, 6)) == 20 * 720
+
+
+# ---------------------------------------------------------------------------------------------
+# The scale: a kernel argument, exact (no per-call host-to-device copy)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [0.1, 1 / 3, -2.7182818284590451])
+def test_scale_reaches_the_kernels_exactly(dtype, scale, device):
+    """The scores are multiplied by the scale rounded to float32 (16/32-bit inputs, as the
+    reference's float32 multiply does) or by the float64 scale itself (float64 inputs: not
+    rounded to float32 on the way in). With D = 1 every score is one correctly rounded
+    expression, so the softmax max must equal, bitwise, that expression computed here."""
+    b, h, n, m, k, d = 1, 2, 5, 19, 20, 1
+    inputs, _, _ = make_inputs(b, h, n, m, k, d, dtype, device)
+    _, mx, _ = kernels.floyd_attention(*inputs, None, scale)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    q, k1, _, k2, _ = (t.to(acc).cpu()[..., 0] for t in inputs)
+    s = q[..., None] * k1[:, :, :, None, :] + q[..., None] * k2.transpose(2, 3)[:, :, None]  # [B,H,N,M,K]
+    expected = (s * torch.tensor(scale, dtype=acc)).amax(dim=-1)
+    assert torch.equal(mx.cpu(), expected)
+    # ... and the test can tell: the other rounding of the scale gives other maxima
+    if acc == torch.float64:
+        other = (s * float(torch.tensor(scale, dtype=torch.float32))).amax(dim=-1)
+    else:
+        other = (s.double() * scale).float().amax(dim=-1)
+    assert not torch.equal(other, expected)
+    r_mx = reference.floyd_attention(*inputs, None, scale)[1]
+    assert torch.equal(r_mx.cpu(), expected)
+
+
+class _HostData(TorchDispatchMode):
+    """Records the operators that make a tensor out of host data (``torch.tensor``: lift_fresh),
+    read a device value back (``.item()``: _local_scalar_dense), or copy from the CPU to
+    another device."""
+
+    READS = ("aten.lift_fresh", "aten.lift_fresh_copy", "aten._local_scalar_dense")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket)
+        if name in self.READS:
+            self.seen.append(name)
+        elif name in ("aten._to_copy", "aten.copy_"):
+            src = args[1] if name == "aten.copy_" else args[0]
+            dst = args[0].device if name == "aten.copy_" else torch.device(kwargs.get("device") or src.device)
+            if src.device.type == "cpu" and dst.type != "cpu":
+                self.seen.append(f"{name} cpu -> {dst}")
+        return func(*args, **kwargs)
+
+
+def test_no_tensor_from_host_data_per_call(device):
+    """A forward and a backward make no tensor from host data and read nothing back: no
+    synchronous host-to-device copy, nothing a CUDA graph could not capture (the scale used
+    to be a one-element tensor built per call)."""
+    inputs, dy, mask = make_inputs(1, 2, 5, 6, 7, 8, torch.float32, device, "random")
+    with _HostData() as recorder:
+        run_kernels(inputs, dy, mask, 0.3)
+        out, mx, sm = gradops.floyd_attention(*inputs, mask, 0.3, backend="triton")
+        gradops.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, 0.3, backend="triton")
+    assert recorder.seen == []
+    with _HostData() as recorder:  # the recorder sees torch.tensor
+        torch.tensor([0.3], device=device)
+    assert recorder.seen
