@@ -11,30 +11,42 @@ matrix product. Every kernel therefore works on a 3-D tile of the score cube
 ``[BLOCK_N, BLOCK_M, BLOCK_K]`` and computes it as two *batched* ``tl.dot`` (3-D operands,
 batch axis first): ``Q[n-tile, m-tile] @ K1[n-tile, k-tile]^T`` batched over the n of the
 tile, plus ``Q^T @ K2^T`` batched over the m of the tile, permuted to the same
-orientation. All four products of the forward (and all six of the backward) run on tensor
-cores with float32 accumulation; nothing is wasted, so the executed FLOPs are the nominal
-8*B*H*N*M*K*D of the forward. The design note is docs/kernels-floyd.md.
+orientation. Every product of the forward (four) and of the backward runs on tensor cores
+with float32 accumulation; the forward executes exactly its nominal 8*B*H*N*M*K*D FLOP (the
+backward recomputes S and dP in each kernel: 44, nominal 20). The design note is
+docs/kernels-floyd.md.
 
 - ``_fwd_kernel``: one program per (b, h, n-tile, m-tile); loops over k-tiles with an
   online softmax; writes Y and the compact float32 statistics (row max, and the sum of
   exp(S - max): not log-sum-exp).
 - backward, without atomics (deterministic: every output element is reduced by exactly one
   program, in a fixed order), each kernel recomputing P = exp(S - max) / sum:
-  ``_bwd_dq_kernel`` per (n-tile, m-tile), looping over k: dQ, and Dr = rowsum(dY * Y),
-  which it writes for the other two; ``_bwd_dkv_kernel``, launched twice: per (n-tile,
+  ``_bwd_dq_kernel`` per (n-tile, m-tile), looping over k twice: first Dr = sum_k P dP
+  (in the accumulation dtype, not dY.Y from the rounded Y: OPERATORS.md section 5), which
+  it writes for the other two, then dQ; ``_bwd_dkv_kernel``, launched twice: per (n-tile,
   k-tile) looping over m for dK1, dV1, and per (m-tile, k-tile) looping over n for dK2, dV2
-  (the problem is symmetric under swapping n and m with the two key/value pairs).
+  (the problem is symmetric under swapping n and m with the two key/value pairs). All three
+  recompute P and dP through one helper in one orientation, bitwise alike, so dS is exactly
+  zero in every kernel where it is in the dQ pass (a one-hot P, e.g. a single pivot).
 
 Masking: a masked score is -FLT_MAX exactly as CANN, so a fully masked row has max -FLT_MAX,
 sum K and a uniform P. Tails (indices past N, M, K, D) are excluded entirely (their
-scores are -inf, their P and dS zero). dS is zero wherever the mask is set.
+scores are -inf, their P and dS zero). dS is zero wherever the mask is set. A NaN score
+makes its row's max NaN, as torch.amax (the reference).
+
+The scale is a scalar argument (the float64's bits, so float64 inputs use it unrounded):
+no tensor is made from host data per call.
 
 Inputs: float16 and bfloat16 (tensor-core products, float32 accumulation), float32 (IEEE
 products, never TF32: the fp32 path is for exactness, not speed) and float64 (float64
-accumulation and statistics, as the reference; slow, for checking). Any strides:
-every tensor's strides are passed to the kernels, so views need no copy.
+accumulation and statistics, as the reference; slow, for checking; every ``tl.dot`` names
+``out_dtype=ACC`` because Triton 3.6 would otherwise give float64 operands a float32
+result). Any strides: every tensor's strides are passed to the kernels, so views need no
+copy.
 """
 from __future__ import annotations
+
+import struct
 
 import torch
 import triton
@@ -98,6 +110,30 @@ def _masked_out(mask_ptr, i0, i1, s0, s1, n0, n1):
 
 
 @triton.jit
+def _unpack_scale(bits, ACC: tl.constexpr):
+    """The scale, from the IEEE-754 bits of the caller's float64 (see ``_scale_bits``): exact
+    for float64 kernels, rounded to nearest float32 for the others (as the reference's
+    float32 multiply rounds a Python float)."""
+    return bits.to(tl.int64).to(tl.float64, bitcast=True).to(ACC)
+
+
+@triton.jit
+def _pair_dot(a, a_t, x1, x2, PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """``r[i, j, k] = a[i, j] . x1[i, :, k] + a[i, j] . x2[j, :, k]``, an [I, J, BK] tile.
+
+    The first product is batched over i, the second over j (``a_t`` is ``a`` with i and j
+    swapped; its result is permuted back). Every kernel computes its scores (a = Q, x = K1
+    and K2 transposed) and dP (a = dY, x = V1 and V2) here, with a in the same operand role,
+    so the backward's recomputed scores are bitwise the forward's and all three backward
+    kernels hold bitwise the same P and dP (then dS is exactly zero wherever the dQ pass
+    finds it so, e.g. for a single pivot). In the dK2/dV2 launch x1 is K2 and x2 K1: the
+    sum is then taken the other way round, which IEEE addition does not notice."""
+    r = tl.dot(a, x1, input_precision=PRECISION, out_dtype=ACC)
+    r += tl.permute(tl.dot(a_t, x2, input_precision=PRECISION, out_dtype=ACC), (1, 0, 2))
+    return r
+
+
+@triton.jit
 def _program_tile(pid, tiles_a, tiles_b, GROUP: tl.constexpr):
     """(b*H + h, tile index along a, tile index along b) of program ``pid``.
 
@@ -119,7 +155,7 @@ def _program_tile(pid, tiles_a, tiles_b, GROUP: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["scale"])
 def _fwd_kernel(
     q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, out_ptr, max_ptr, sum_ptr,
     sq_b, sq_h, sq_n, sq_m, sq_d,
@@ -130,13 +166,13 @@ def _fwd_kernel(
     smk_b, smk_n, smk_k,
     so_b, so_h, so_n, so_m, so_d,
     sst_b, sst_h, sst_n, sst_m,
-    H, N, M, K, D, scale_ptr,
+    H, N, M, K, D, scale,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, IDX: tl.constexpr, UPCAST: tl.constexpr,
 ):
     bh, tn, tm = _program_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(M, BLOCK_M), GROUP)
-    scale = tl.load(scale_ptr)  # in ACC: a float argument would be rounded to float32
+    scale = _unpack_scale(scale, ACC)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     n_idx = (tn * BLOCK_N + tl.arange(0, BLOCK_N)).to(IDX)
@@ -158,16 +194,20 @@ def _fwd_kernel(
         k_idx = (k0 + tl.arange(0, BLOCK_K)).to(IDX)
         k1_t = _tile3(k1_ptr, n_idx, d_idx, k_idx, sk1_n, sk1_d, sk1_k, N, D, K, UPCAST)  # [BN,BD,BK]
         k2_t = _tile3(k2_ptr, m_idx, d_idx, k_idx, sk2_m, sk2_d, sk2_k, M, D, K, UPCAST)  # [BM,BD,BK]
-        s = tl.dot(q, k1_t, input_precision=PRECISION)
-        s += tl.permute(tl.dot(q_by_m, k2_t, input_precision=PRECISION), (1, 0, 2))
-        s = s * scale
+        s = _pair_dot(q, q_by_m, k1_t, k2_t, PRECISION, ACC) * scale
         if HAS_MASK:
             user = _masked_out(mask_ptr, n_idx, k_idx, smk_n, smk_k, N, K)  # [BN,BK]
             s = tl.where(user[:, None, :], _NEG_FLT_MAX, s)
         # Tail pivots take no part at all (a masked pivot does: -FLT_MAX, as CANN).
         s = tl.where((k_idx < K)[None, None, :], s, float("-inf"))
 
-        new_max = tl.maximum(row_max, tl.max(s, axis=2))  # finite: every k-tile has a real pivot
+        # The row max is NaN as soon as one score is (torch.amax, the reference, propagates
+        # NaN; P, the sum and Y are NaN then anyway). tl.max skips NaN (maxnum compiled,
+        # nanmax in the interpreter, Triton 3.6 to 3.9), hence the separate test; the running
+        # max keeps a NaN with PropagateNan.ALL (the default maxnum would drop it again).
+        tile_max = tl.max(s, axis=2)  # not -inf: every k-tile has a real pivot
+        tile_max = tl.where(tl.max((s != s).to(tl.int32), axis=2) != 0, float("nan"), tile_max)
+        new_max = tl.maximum(row_max, tile_max, propagate_nan=tl.PropagateNan.ALL)
         alpha = tl.exp(row_max - new_max)
         p = tl.exp(s - new_max[:, :, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=2)
@@ -177,8 +217,9 @@ def _fwd_kernel(
         v2 = _tile3(v2_ptr, m_idx, k_idx, d_idx, sv2_m, sv2_k, sv2_d, M, K, D, UPCAST)  # [BM,BK,BD]
         p_in = p.to(v1.dtype)
         acc = acc * alpha[:, :, None]
-        acc = tl.dot(p_in, v1, acc, input_precision=PRECISION)
-        acc += tl.permute(tl.dot(tl.permute(p_in, (1, 0, 2)), v2, input_precision=PRECISION), (1, 0, 2))
+        acc = tl.dot(p_in, v1, acc, input_precision=PRECISION, out_dtype=ACC)
+        acc += tl.permute(tl.dot(tl.permute(p_in, (1, 0, 2)), v2, input_precision=PRECISION, out_dtype=ACC),
+                          (1, 0, 2))
 
     out = acc / row_sum[:, :, None]
     _store3(out_ptr + b * so_b + h * so_h, out, n_idx, m_idx, d_idx, so_n, so_m, so_d, N, M, D)
@@ -191,8 +232,25 @@ def _fwd_kernel(
 # Backward
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _probs_and_dp(q, q_by_m, dy, dy_by_m, k1_t, k2_t, v1_t, v2_t, user, live, mx, inv_sum, scale,
+                  HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """P and dP of one [BI, BJ, BK] tile (i, j = n, m or the dK/dV launches' own and looped
+    axes; ``user`` the mask tile, ``live`` the real pivots and rows, ``mx``, ``inv_sum`` the
+    row statistics [BI, BJ]). The one recomputation every backward kernel uses, so their
+    P and dP are bitwise equal (see ``_pair_dot``); masked pivots keep P (a fully masked row
+    is uniform), their dS is zeroed by the caller."""
+    s = _pair_dot(q, q_by_m, k1_t, k2_t, PRECISION, ACC) * scale
+    if HAS_MASK:
+        s = tl.where(user, _NEG_FLT_MAX, s)
+    s = tl.where(live, s, float("-inf"))  # tails: P = 0
+    p = tl.exp(s - mx[:, :, None]) * inv_sum[:, :, None]
+    dp = _pair_dot(dy, dy_by_m, v1_t, v2_t, PRECISION, ACC)
+    return p, dp
+
+
+@triton.jit(do_not_specialize=["scale"])
 def _bwd_dq_kernel(
-    q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, dy_ptr, out_ptr, max_ptr, sum_ptr,
+    q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, dy_ptr, max_ptr, sum_ptr,
     dr_ptr, dq_ptr,
     sq_b, sq_h, sq_n, sq_m, sq_d,
     sk1_b, sk1_h, sk1_n, sk1_k, sk1_d,
@@ -201,18 +259,18 @@ def _bwd_dq_kernel(
     sv2_b, sv2_h, sv2_k, sv2_m, sv2_d,
     smk_b, smk_n, smk_k,
     sdy_b, sdy_h, sdy_n, sdy_m, sdy_d,
-    so_b, so_h, so_n, so_m, so_d,
     smax_b, smax_h, smax_n, smax_m,
     ssum_b, ssum_h, ssum_n, ssum_m,
     sdq_b, sdq_h, sdq_n, sdq_m, sdq_d,
-    H, N, M, K, D, scale_ptr,
+    H, N, M, K, D, scale,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, IDX: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """dQ[n,m] = sum_k dS (K1[n,k] + K2[k,m]), one program per (n-tile, m-tile); also Dr."""
+    """Dr[n,m] = sum_k P dP, then dQ[n,m] = sum_k dS (K1[n,k] + K2[k,m]): one program per
+    (n-tile, m-tile), two loops over k. Dr is written for the dK/dV launches."""
     bh, tn, tm = _program_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(M, BLOCK_M), GROUP)
-    scale = tl.load(scale_ptr)  # in ACC: a float argument would be rounded to float32
+    scale = _unpack_scale(scale, ACC)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     n_idx = (tn * BLOCK_N + tl.arange(0, BLOCK_N)).to(IDX)
@@ -226,16 +284,32 @@ def _bwd_dq_kernel(
 
     q = _tile3(q_ptr + b * sq_b + h * sq_h, n_idx, m_idx, d_idx, sq_n, sq_m, sq_d, N, M, D, UPCAST)
     dy = _tile3(dy_ptr + b * sdy_b + h * sdy_h, n_idx, m_idx, d_idx, sdy_n, sdy_m, sdy_d, N, M, D, UPCAST)
-    out = _tile3(out_ptr + b * so_b + h * so_h, n_idx, m_idx, d_idx, so_n, so_m, so_d, N, M, D, UPCAST)
-    dr = tl.sum(dy.to(ACC) * out.to(ACC), axis=2)  # [BN,BM]
-    # Dr is a [B,H,N,M] float32 buffer of the launcher's, contiguous.
-    _store2(dr_ptr + bh.to(tl.int64) * N * M, dr, n_idx, m_idx, M, 1, N, M)
     # Rows past N or M: any finite statistics (their results are never stored).
     mx = _tile2(max_ptr + b * smax_b + h * smax_h, n_idx, m_idx, smax_n, smax_m, N, M, 0.0)
-    sm = _tile2(sum_ptr + b * ssum_b + h * ssum_h, n_idx, m_idx, ssum_n, ssum_m, N, M, 1.0)
-    inv_sum = 1.0 / sm
+    inv_sum = 1.0 / _tile2(sum_ptr + b * ssum_b + h * ssum_h, n_idx, m_idx, ssum_n, ssum_m, N, M, 1.0)
     q_by_m = tl.permute(q, (1, 0, 2))
     dy_by_m = tl.permute(dy, (1, 0, 2))
+
+    # Dr = sum_k P dP in ACC (= dY.Y in exact arithmetic; the Y the caller passes is rounded
+    # to the input dtype, and with values of a large common mean dP - dY.Y cancels to that
+    # rounding). A first walk over k; the second recomputes the same P and dP.
+    dr = tl.zeros([BLOCK_N, BLOCK_M], ACC)
+    for k0 in range(0, K, BLOCK_K):
+        k_idx = (k0 + tl.arange(0, BLOCK_K)).to(IDX)
+        k1_t = _tile3(k1_ptr, n_idx, d_idx, k_idx, sk1_n, sk1_d, sk1_k, N, D, K, UPCAST)  # [BN,BD,BK]
+        k2_t = _tile3(k2_ptr, m_idx, d_idx, k_idx, sk2_m, sk2_d, sk2_k, M, D, K, UPCAST)  # [BM,BD,BK]
+        v1_t = _tile3(v1_ptr, n_idx, d_idx, k_idx, sv1_n, sv1_d, sv1_k, N, D, K, UPCAST)
+        v2_t = _tile3(v2_ptr, m_idx, d_idx, k_idx, sv2_m, sv2_d, sv2_k, M, D, K, UPCAST)
+        if HAS_MASK:
+            user = _masked_out(mask_ptr, n_idx, k_idx, smk_n, smk_k, N, K)[:, None, :]
+        else:
+            user = tl.zeros([1, 1, BLOCK_K], tl.int1)
+        live = (k_idx < K)[None, None, :]
+        p, dp = _probs_and_dp(q, q_by_m, dy, dy_by_m, k1_t, k2_t, v1_t, v2_t, user, live, mx, inv_sum,
+                              scale, HAS_MASK, PRECISION, ACC)
+        dr += tl.sum(p * dp, axis=2)
+    # Dr is a [B,H,N,M] buffer of the launcher's, contiguous.
+    _store2(dr_ptr + bh.to(tl.int64) * N * M, dr, n_idx, m_idx, M, 1, N, M)
 
     dq = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_D], ACC)
     for k0 in range(0, K, BLOCK_K):
@@ -244,27 +318,23 @@ def _bwd_dq_kernel(
         k2_t = _tile3(k2_ptr, m_idx, d_idx, k_idx, sk2_m, sk2_d, sk2_k, M, D, K, UPCAST)  # [BM,BD,BK]
         v1_t = _tile3(v1_ptr, n_idx, d_idx, k_idx, sv1_n, sv1_d, sv1_k, N, D, K, UPCAST)
         v2_t = _tile3(v2_ptr, m_idx, d_idx, k_idx, sv2_m, sv2_d, sv2_k, M, D, K, UPCAST)
-        s = tl.dot(q, k1_t, input_precision=PRECISION)
-        s += tl.permute(tl.dot(q_by_m, k2_t, input_precision=PRECISION), (1, 0, 2))
-        s = s * scale
-        gone = (k_idx >= K)[None, None, :]  # where dS must be zero: tails, and masked pivots
         if HAS_MASK:
             user = _masked_out(mask_ptr, n_idx, k_idx, smk_n, smk_k, N, K)[:, None, :]
-            s = tl.where(user, _NEG_FLT_MAX, s)
-            gone = gone | user
-        s = tl.where(k_idx[None, None, :] < K, s, float("-inf"))  # tail pivots: P = 0
-        p = tl.exp(s - mx[:, :, None]) * inv_sum[:, :, None]
-        dp = tl.dot(dy, v1_t, input_precision=PRECISION)
-        dp += tl.permute(tl.dot(dy_by_m, v2_t, input_precision=PRECISION), (1, 0, 2))
-        ds = tl.where(gone, 0.0, p * (dp - dr[:, :, None]) * scale)
+        else:
+            user = tl.zeros([1, 1, BLOCK_K], tl.int1)
+        live = (k_idx < K)[None, None, :]
+        p, dp = _probs_and_dp(q, q_by_m, dy, dy_by_m, k1_t, k2_t, v1_t, v2_t, user, live, mx, inv_sum,
+                              scale, HAS_MASK, PRECISION, ACC)
+        # dS is zero where a pivot is masked (its score is a constant) and on tails.
+        ds = tl.where(user | (k_idx >= K)[None, None, :], 0.0, p * (dp - dr[:, :, None]) * scale)
         ds_in = ds.to(q.dtype)
-        dq = tl.dot(ds_in, tl.permute(k1_t, (0, 2, 1)), dq, input_precision=PRECISION)
+        dq = tl.dot(ds_in, tl.permute(k1_t, (0, 2, 1)), dq, input_precision=PRECISION, out_dtype=ACC)
         dq += tl.permute(tl.dot(tl.permute(ds_in, (1, 0, 2)), tl.permute(k2_t, (0, 2, 1)),
-                                input_precision=PRECISION), (1, 0, 2))
+                                input_precision=PRECISION, out_dtype=ACC), (1, 0, 2))
     _store3(dq_ptr + b * sdq_b + h * sdq_h, dq, n_idx, m_idx, d_idx, sdq_n, sdq_m, sdq_d, N, M, D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["scale"])
 def _bwd_dkv_kernel(
     q_ptr, dy_ptr, own_k_ptr, own_v_ptr, other_k_ptr, other_v_ptr, mask_ptr, max_ptr, sum_ptr,
     dr_ptr, dk_ptr, dv_ptr,
@@ -279,7 +349,7 @@ def _bwd_dkv_kernel(
     ssum_b, ssum_h, ssum_own, ssum_loop,
     sdr_b, sdr_h, sdr_own, sdr_loop,
     sg_b, sg_h, sg_own, sg_k, sg_d,  # dK and dV: the launcher's, same strides
-    H, OWN, LOOP, K, D, scale_ptr,
+    H, OWN, LOOP, K, D, scale,
     HAS_MASK: tl.constexpr, MASK_ON_LOOP: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_OWN: tl.constexpr, BLOCK_LOOP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, IDX: tl.constexpr, UPCAST: tl.constexpr,
@@ -294,11 +364,12 @@ def _bwd_dkv_kernel(
     [B,1,N,1,K] breaks the symmetry: ``MASK_ON_LOOP`` says that n is the looped axis, so the
     mask is loaded per step rather than once.
 
-    The score tile is held as [BJ, BK, BL] (pivot before l) so both reductions over l are
-    batched products over j with l as the contraction.
+    The tile is computed as [BJ, BL, BK], the orientation of the dQ kernel, through the same
+    ``_probs_and_dp`` (so P, dP and dS are bitwise the dQ pass's), and P, dS are transposed
+    to [BJ, BK, BL] for the two reductions over l (batched products over j).
     """
     bh, tj, tk = _program_tile(tl.program_id(0), tl.cdiv(OWN, BLOCK_OWN), tl.cdiv(K, BLOCK_K), GROUP)
-    scale = tl.load(scale_ptr)  # in ACC: a float argument would be rounded to float32
+    scale = _unpack_scale(scale, ACC)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     j_idx = (tj * BLOCK_OWN + tl.arange(0, BLOCK_OWN)).to(IDX)
@@ -313,16 +384,16 @@ def _bwd_dkv_kernel(
     sum_ptr += b * ssum_b + h * ssum_h
     dr_ptr += b * sdr_b + h * sdr_h
 
-    own_k = _tile3(own_k_ptr + b * sok_b + h * sok_h, j_idx, k_idx, d_idx, sok_own, sok_k, sok_d,
-                   OWN, K, D, UPCAST)  # [BJ,BK,BD]
-    own_v = _tile3(own_v_ptr + b * sov_b + h * sov_h, j_idx, k_idx, d_idx, sov_own, sov_k, sov_d,
-                   OWN, K, D, UPCAST)
+    own_k = _tile3(own_k_ptr + b * sok_b + h * sok_h, j_idx, d_idx, k_idx, sok_own, sok_d, sok_k,
+                   OWN, D, K, UPCAST)  # [BJ,BD,BK]
+    own_v = _tile3(own_v_ptr + b * sov_b + h * sov_h, j_idx, d_idx, k_idx, sov_own, sov_d, sov_k,
+                   OWN, D, K, UPCAST)
     # The mask's n is j here (this program's own tile, loaded once) or l (a tile per step).
-    own_user = tl.zeros([BLOCK_OWN, BLOCK_K, 1], tl.int1)
+    own_user = tl.zeros([1, 1, BLOCK_K], tl.int1)
     if not MASK_ON_LOOP:
         if HAS_MASK:
-            own_user = _masked_out(mask_ptr, j_idx, k_idx, smk_n, smk_k, OWN, K)[:, :, None]
-    k_ok = (k_idx < K)[None, :, None]
+            own_user = _masked_out(mask_ptr, j_idx, k_idx, smk_n, smk_k, OWN, K)[:, None, :]  # [BJ,1,BK]
+    k_ok = (k_idx < K)[None, None, :]
 
     dk = tl.zeros([BLOCK_OWN, BLOCK_K, BLOCK_D], ACC)
     dv = tl.zeros([BLOCK_OWN, BLOCK_K, BLOCK_D], ACC)
@@ -330,30 +401,24 @@ def _bwd_dkv_kernel(
         l_idx = (l0 + tl.arange(0, BLOCK_LOOP)).to(IDX)
         q = _tile3(q_ptr, j_idx, l_idx, d_idx, sq_own, sq_loop, sq_d, OWN, LOOP, D, UPCAST)  # [BJ,BL,BD]
         dy = _tile3(dy_ptr, j_idx, l_idx, d_idx, sdy_own, sdy_loop, sdy_d, OWN, LOOP, D, UPCAST)
-        # [BL,BK,BD]
-        other_k = _tile3(other_k_ptr, l_idx, k_idx, d_idx, sxk_loop, sxk_k, sxk_d, LOOP, K, D, UPCAST)
-        other_v = _tile3(other_v_ptr, l_idx, k_idx, d_idx, sxv_loop, sxv_k, sxv_d, LOOP, K, D, UPCAST)
-        s = tl.dot(own_k, tl.permute(q, (0, 2, 1)), input_precision=PRECISION)  # [BJ,BK,BL]
-        s += tl.permute(tl.dot(other_k, tl.permute(q, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
-        s = s * scale
+        # [BL,BD,BK]
+        other_k = _tile3(other_k_ptr, l_idx, d_idx, k_idx, sxk_loop, sxk_d, sxk_k, LOOP, D, K, UPCAST)
+        other_v = _tile3(other_v_ptr, l_idx, d_idx, k_idx, sxv_loop, sxv_d, sxv_k, LOOP, D, K, UPCAST)
         if MASK_ON_LOOP:
-            user = tl.zeros([1, BLOCK_K, BLOCK_LOOP], tl.int1)
+            user = tl.zeros([1, 1, BLOCK_K], tl.int1)
             if HAS_MASK:
-                user = _masked_out(mask_ptr, k_idx, l_idx, smk_k, smk_n, K, LOOP)[None, :, :]
+                user = _masked_out(mask_ptr, l_idx, k_idx, smk_n, smk_k, LOOP, K)[None, :, :]  # [1,BL,BK]
         else:
             user = own_user
-        if HAS_MASK:
-            s = tl.where(user, _NEG_FLT_MAX, s)
-        mx = _tile2(max_ptr, j_idx, l_idx, smax_own, smax_loop, OWN, LOOP, 0.0)[:, None, :]
-        sm = _tile2(sum_ptr, j_idx, l_idx, ssum_own, ssum_loop, OWN, LOOP, 1.0)[:, None, :]
-        dr = _tile2(dr_ptr, j_idx, l_idx, sdr_own, sdr_loop, OWN, LOOP, 0.0)[:, None, :]
-        live = k_ok & (l_idx < LOOP)[None, None, :]  # rows past the loop's end must add nothing
-        p = tl.exp(tl.where(live, s, float("-inf")) - mx) / sm
-        dp = tl.dot(own_v, tl.permute(dy, (0, 2, 1)), input_precision=PRECISION)
-        dp += tl.permute(tl.dot(other_v, tl.permute(dy, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
-        ds = tl.where(user, 0.0, p * (dp - dr) * scale)
-        dv = tl.dot(p.to(dy.dtype), dy, dv, input_precision=PRECISION)
-        dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=PRECISION)
+        mx = _tile2(max_ptr, j_idx, l_idx, smax_own, smax_loop, OWN, LOOP, 0.0)
+        inv_sum = 1.0 / _tile2(sum_ptr, j_idx, l_idx, ssum_own, ssum_loop, OWN, LOOP, 1.0)
+        dr = _tile2(dr_ptr, j_idx, l_idx, sdr_own, sdr_loop, OWN, LOOP, 0.0)
+        live = k_ok & (l_idx < LOOP)[None, :, None]  # rows past the loop's end must add nothing
+        p, dp = _probs_and_dp(q, tl.permute(q, (1, 0, 2)), dy, tl.permute(dy, (1, 0, 2)), own_k, other_k,
+                              own_v, other_v, user, live, mx, inv_sum, scale, HAS_MASK, PRECISION, ACC)
+        ds = tl.where(user, 0.0, p * (dp - dr[:, :, None]) * scale)
+        dv = tl.dot(tl.permute(p, (0, 2, 1)).to(dy.dtype), dy, dv, input_precision=PRECISION, out_dtype=ACC)
+        dk = tl.dot(tl.permute(ds, (0, 2, 1)).to(q.dtype), q, dk, input_precision=PRECISION, out_dtype=ACC)
     g_off = b * sg_b + h * sg_h
     _store3(dk_ptr + g_off, dk, j_idx, k_idx, d_idx, sg_own, sg_k, sg_d, OWN, K, D)
     _store3(dv_ptr + g_off, dv, j_idx, k_idx, d_idx, sg_own, sg_k, sg_d, OWN, K, D)
@@ -362,8 +427,16 @@ def _bwd_dkv_kernel(
 # ----------------------------------------------------------------------------------------------
 # Launchers (the backend functions of docs/backends.md)
 # ----------------------------------------------------------------------------------------------
+def _scale_bits(scale: float) -> int:
+    """``scale`` as the kernels take it: the IEEE-754 bits of the float64, as a signed int64
+    (``_unpack_scale`` bitcasts them back). A float kernel argument would be rounded to
+    float32 on the way in, wrong for float64 inputs; a device tensor (as before) costs a
+    synchronous host-to-device copy per call and cannot be captured in a CUDA graph."""
+    return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+
+
 def _launch_args(q: torch.Tensor, scale: float):
-    """(accumulation dtype, constexprs shared by every kernel, scale as a 1-element tensor)."""
+    """(accumulation dtype, constexprs shared by every kernel, scale as ``_scale_bits``)."""
     acc = _ACC.get(q.dtype)
     if acc is None:  # gradops.ops admits only float dtypes; reaching here is a bug
         raise TypeError(f"Floyd attention kernels take float16, bfloat16, float32 or float64, got {q.dtype}")
@@ -374,7 +447,7 @@ def _launch_args(q: torch.Tensor, scale: float):
     # (triton#11584): there bfloat16 tiles are widened to float32 as they are loaded.
     upcast = q.dtype == torch.bfloat16 and q.device.type == "cpu"
     consts = dict(PRECISION=precision, ACC=_TL[acc], UPCAST=upcast)
-    return acc, consts, torch.tensor([scale], dtype=acc, device=q.device)
+    return acc, consts, _scale_bits(scale)
 
 
 def _index_dtype(*tensors):
@@ -426,7 +499,7 @@ def unsupported(q) -> "str | None":
 
 def floyd_attention(q, k1, v1, k2, v2, mask, scale):
     """Forward: ``(out [B,H,N,M,D] q.dtype, softmax_max, softmax_sum [B,H,N,M] acc)``."""
-    acc, consts, scale_t = _launch_args(q, scale)
+    acc, consts, scale_bits = _launch_args(q, scale)
     B, H, N, M, D = q.shape
     K = k1.shape[3]
     dev = q.device
@@ -448,14 +521,17 @@ def floyd_attention(q, k1, v1, k2, v2, mask, scale):
         q, k1, v1, k2, v2, mask_t, out, softmax_max, softmax_sum,
         *q.stride(), *k1.stride(), *v1.stride(), *k2.stride(), *v2.stride(), *mask_strides,
         *out.stride(), *softmax_max.stride(),
-        H, N, M, K, D, scale_t, HAS_MASK=has_mask, **consts, **_meta(cfg),
+        H, N, M, K, D, scale_bits, HAS_MASK=has_mask, **consts, **_meta(cfg),
     )
     return out, softmax_max, softmax_sum
 
 
 def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask, scale):
-    """Backward: ``(dq, dk1, dv1, dk2, dv2)`` in q.dtype, deterministic (no atomics)."""
-    acc, consts, scale_t = _launch_args(q, scale)
+    """Backward: ``(dq, dk1, dv1, dk2, dv2)`` in q.dtype, deterministic (no atomics).
+
+    ``out`` (Y) is not read: Dr = sum_k P dP is computed from the recomputed P and dP in
+    the accumulation dtype (OPERATORS.md section 5, "Dr and precision")."""
+    acc, consts, scale_bits = _launch_args(q, scale)
     B, H, N, M, D = q.shape
     K = k1.shape[3]
     dev = q.device
@@ -469,8 +545,8 @@ def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, m
             g.zero_()
         return dq, dk1, dv1, dk2, dv2
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
-    dr = torch.empty((B, H, N, M), dtype=acc, device=dev)  # rowsum(dY * Y), contiguous
-    consts["IDX"] = _index_dtype(q, k1, v1, k2, v2, mask, dy, out, softmax_max, softmax_sum, dq, dk1, dk2)
+    dr = torch.empty((B, H, N, M), dtype=acc, device=dev)  # sum_k P dP, contiguous
+    consts["IDX"] = _index_dtype(q, k1, v1, k2, v2, mask, dy, softmax_max, softmax_sum, dq, dk1, dk2)
 
     def strides(*tensors):
         return [stride for t in tensors for stride in t.stride()]
@@ -478,9 +554,9 @@ def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, m
     cfg = floyd_config("bwd_dq", D, q.element_size())  # first: it writes Dr, which the dK/dV launches read
     grid = (B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(M, cfg.block_m),)
     _bwd_dq_kernel[grid](
-        q, k1, v1, k2, v2, mask_t, dy, out, softmax_max, softmax_sum, dr, dq,
-        *strides(q, k1, v1, k2, v2), *mask_strides, *strides(dy, out, softmax_max, softmax_sum, dq),
-        H, N, M, K, D, scale_t, HAS_MASK=has_mask, **consts, **_meta(cfg),
+        q, k1, v1, k2, v2, mask_t, dy, softmax_max, softmax_sum, dr, dq,
+        *strides(q, k1, v1, k2, v2), *mask_strides, *strides(dy, softmax_max, softmax_sum, dq),
+        H, N, M, K, D, scale_bits, HAS_MASK=has_mask, **consts, **_meta(cfg),
     )
     # dK/dV one side per launch of the same kernel, in terms of the side's own axis (n for
     # K1/V1, m for K2/V2) and the looped one: its own keys/values are indexed [own, k], the
@@ -505,6 +581,6 @@ def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, m
         _bwd_dkv_kernel[grid](
             *rows, *own_kv, *other_kv, mask_t, *stats, *grads,
             *strides(*rows, *own_kv, *other_kv), *mask_strides, *strides(*stats), *grads[0].stride(),
-            H, own_len, loop_len, K, D, scale_t, HAS_MASK=has_mask, **consts, **meta,
+            H, own_len, loop_len, K, D, scale_bits, HAS_MASK=has_mask, **consts, **meta,
         )
     return dq, dk1, dv1, dk2, dv2

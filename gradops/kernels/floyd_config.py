@@ -14,7 +14,8 @@ this). The kept tile is the largest with no or few spills and at most ~192 KiB o
 memory (an H100 SM has 227 KiB):
 
 - shared memory is about the sum of the operand tiles a loop step feeds to ``tl.dot``
-  (4 in the forward, up to 8 in the dQ kernel), each ``side * step * block_d`` elements,
+  (4 in the forward, up to 8 in a loop of the dQ kernel: its two loops over k reuse the
+  same buffers), each ``side * step * block_d`` elements,
   so it grows with ``block_d`` and the element size; one pipeline stage, since double
   buffering would not fit;
 - registers: every ``tl.dot`` here is batched (3-D) and lowers to ``mma.sync`` with the
@@ -37,7 +38,7 @@ from typing import Dict, Tuple
 
 import triton
 
-# The kernel launches: forward; backward dQ (also writes Dr = rowsum(dY*Y)); backward dK1/dV1
+# The kernel launches: forward; backward dQ (also writes Dr = sum_k P dP); backward dK1/dV1
 # and backward dK2/dV2 (two launches of one kernel, mirror images of each other).
 KERNELS = ("fwd", "bwd_dq", "bwd_dk1", "bwd_dk2")
 

@@ -89,7 +89,8 @@ def floyd_attention(q, k1, v1, k2, v2, mask, scale):
 def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask, scale):
     dtype = q.dtype
     acc = stat_dtype(dtype)
-    dy, q, k1, v1, k2, v2, out = (t.to(acc) for t in (dy, q, k1, v1, k2, v2, out))
+    # ``out`` (Y) is not read: Dr = sum_k P dP below (OPERATORS.md section 5, "Dr and precision")
+    dy, q, k1, v1, k2, v2 = (t.to(acc) for t in (dy, q, k1, v1, k2, v2))
     smax, ssum = softmax_max.to(acc), softmax_sum.to(acc)
     b, h, n, m, d = q.shape
     kk = k1.shape[3]
@@ -109,9 +110,13 @@ def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, m
             maskc = None if mask is None else mask[:, :, nt]
             p = torch.exp(_scores(qc, k1c, k2m, maskc, scale) - smax[:, :, nt, mt, None])
             p /= ssum[:, :, nt, mt, None]
-            dr = (dyc * out[:, :, nt, mt]).sum(dim=-1, keepdim=True)  # Dr = rowsum(dY * Y)
             dp = torch.matmul(dyc, v1c.transpose(-1, -2))
             dp += torch.matmul(dyc.transpose(2, 3), v2m.transpose(-1, -2)).transpose(2, 3)
+            # Dr = sum_k P dP in acc, not dY.Y: equal in exact arithmetic, but Y is the output
+            # rounded to the input dtype, and with values of a large common mean dP - dY.Y
+            # cancels down to that rounding. From P and dP, dS is exactly zero where P is
+            # one-hot (a single pivot): the exact derivative.
+            dr = (p * dp).sum(dim=-1, keepdim=True)
             ds = p * (dp - dr) * scale
             del dp
             if maskc is not None:
