@@ -26,20 +26,33 @@ cuda_only = pytest.mark.skipif(TEST_DEVICE != "cuda" or not torch.cuda.is_availa
 
 
 class _HostData(TorchDispatchMode):
-    """Records the aten ops that bring host data into a tensor (``torch.tensor(list)``,
-    ``.item()``-style reads of a tensor's value)."""
+    """Records the operators that make a tensor out of host data (``torch.tensor``: lift_fresh),
+    read a device value back (``.item()``: _local_scalar_dense), or copy from the CPU to
+    another device."""
 
-    WATCHED = ("aten.lift_fresh", "aten.lift_fresh_copy", "aten._local_scalar_dense")
+    READS = ("aten.lift_fresh", "aten.lift_fresh_copy", "aten._local_scalar_dense")
 
     def __init__(self):
         super().__init__()
         self.seen = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         name = str(func.overloadpacket)
-        if name in self.WATCHED:
+        if name in self.READS:
             self.seen[name] += 1
-        return func(*args, **(kwargs or {}))
+        elif name in ("aten._to_copy", "aten.copy_"):
+            src = args[1] if name == "aten.copy_" else args[0]
+            dst = args[0].device if name == "aten.copy_" else torch.device(kwargs.get("device") or src.device)
+            if src.device.type == "cpu" and dst.type != "cpu":
+                self.seen[f"{name} cpu -> {dst}"] += 1
+        return func(*args, **kwargs)
+
+
+def test_the_recorder_sees_host_data(device):
+    with _HostData() as watch:
+        torch.tensor([0.3], device=device)
+    assert watch.seen
 
 
 def _every_operator(device):
