@@ -232,8 +232,8 @@ FLOYD = (1, 2, 7, 19, 67, 32)
 FLOYD_GRADS = ("dq", "dk1", "dv1", "dk2", "dv2")
 
 
-def _floyd_inputs(draw):
-    b, h, n, m, k, d = FLOYD
+def _floyd_inputs(draw, shape=FLOYD):
+    b, h, n, m, k, d = shape
     q, k1, v1 = draw(b, h, n, m, d), draw(b, h, n, k, d), draw(b, h, n, k, d)
     k2, v2 = draw(b, h, k, m, d), draw(b, h, k, m, d)
     # about a quarter of the pivots masked, never a whole row (a fully masked row is gradops'
@@ -260,9 +260,9 @@ def _floyd_attention(draw):
     return golden, bench, call, inputs
 
 
-def _floyd_attention_grad(draw):
-    inputs, mask = _floyd_inputs(draw)
-    dy = draw(*FLOYD[:4], FLOYD[5])
+def _floyd_attention_grad(draw, shape=FLOYD):
+    inputs, mask = _floyd_inputs(draw, shape)
+    dy = draw(*shape[:4], shape[5])
     golden = dict(zip(FLOYD_GRADS, oracles.floyd_attention_backward(dy, *inputs, mask)))
     _, grads = _grad(lambda *t: _floyd_bench(*t, mask), inputs, dy)
     bench = dict(zip(FLOYD_GRADS, grads))
@@ -325,36 +325,22 @@ def test_double_benchmark(op, output, dtype, dist, backend, device):
     assert verdict.passed, str(verdict)
 
 
-class _ExtremeDraw(_Draw):
-    """Draws of the stress distribution with each tensor's mean and std fixed at a corner of
-    CANN's ranges (mean in [-100, 100], std in [1, 25], then / 100) instead of drawn: the
-    members of the distribution where a half-precision cancellation hurts most."""
-
-    def __init__(self, op, dtype, device, corners):
-        super().__init__(op, dtype, "stress", device)
-        self.corners = iter(corners)
-
-    def __call__(self, *shape, dtype=None):
-        mean, std = next(self.corners)
-        x = torch.randn(shape, generator=self.gen, dtype=F64, device="cpu") * std + mean
-        return (x / 100.0).to(dtype or self.dtype).to(self.device)
+# A long pivot axis and a short head dim: the softmax spreads over many pivots, so dP - Dr is
+# small against the common mean of V that Y carries. With Dr = rowsum(dY * Y) from the
+# half-precision Y (CANN's formula) dQ fails on most stress draws here (mean relative error
+# up to 6x PyTorch's); every draw must pass.
+FLOYD_LONG = (1, 2, 3, 5, 200, 8)
 
 
-# (mean, std) of q, k1, v1, k2, v2, dy: a flat softmax (q near 0) over keys and values with a
-# large common mean. With Dr = rowsum(dY * Y) taken from the half-precision Y (CANN's
-# formula), Y's rounding, scaled by the keys' mean, swamps dQ: an RMSE ratio of 4.8 in float16
-# on this draw (limit 2; bfloat16 1.6), on both backends.
-FLOYD_EXTREMES = ((0, 25), (100, 1), (100, 1), (100, 1), (100, 1), (0, 25))
-
-
+@pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
-def test_floyd_grad_on_stress_extremes(dtype, backend, device):
-    golden, bench, call, args = _floyd_attention_grad(
-        _ExtremeDraw("floyd_attention_grad", dtype, device, FLOYD_EXTREMES))
+def test_floyd_grad_long_pivot_axis_on_stress(dtype, seed, backend, device):
+    draw = _Draw("floyd_attention_grad[long]", dtype, "stress", device, seed)
+    golden, bench, call, args = _floyd_attention_grad(draw, FLOYD_LONG)
     got = call(backend, *args)
     for output in FLOYD_GRADS:
         verdict = compare(got[output], bench[output], golden[output],
-                          what=f"floyd_attention_grad {output} {_name(dtype)} {backend} stress extremes")
+                          what=f"floyd_attention_grad {output} {_name(dtype)} {backend} K=200 stress seed {seed}")
         assert verdict.passed, str(verdict)
 
 
