@@ -53,14 +53,14 @@ def _assert_same(ours, theirs, **tol):
         torch.testing.assert_close(a, b, **tol, msg=lambda m, n=name: f"grad {n}: {m}")
 
 
-def test_package_is_the_one_we_compare_against():
+def test_package_is_the_one_we_compare_against(backend):
     assert floydnet.pivotal_attention is floyd_pivotal
     from importlib.metadata import version
     assert version("floydnet") == "1.1.0"
 
 
 @pytest.mark.parametrize("scale", [None, 0.37])
-def test_no_mask_default_and_explicit_scale(scale):
+def test_no_mask_default_and_explicit_scale(backend, scale):
     ours, theirs = _run_both(_leaves(), scale=scale)
     _assert_same(ours, theirs, **F64_TOL)
 
@@ -78,7 +78,7 @@ BOOL_MASK_SHAPES = [
 
 
 @pytest.mark.parametrize("shape", BOOL_MASK_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_boolean_masks(shape, monkeypatch):
+def test_boolean_masks(backend, shape, monkeypatch):
     fused_calls = []
     fused = pivotal_mod.floyd_attention
     monkeypatch.setattr(pivotal_mod, "floyd_attention", lambda *a, **k: fused_calls.append(1) or fused(*a, **k))
@@ -90,7 +90,7 @@ def test_boolean_masks(shape, monkeypatch):
 
 
 @pytest.mark.parametrize("shape", [(B, 1, LI, 1, LJ), (B, H, LI, LK, LJ)], ids=["fused", "full"])
-def test_boolean_mask_with_fully_masked_rows(shape):
+def test_boolean_mask_with_fully_masked_rows(backend, shape):
     # FloydNet writes -1e9 everywhere in such a row: a uniform softmax over all pivots
     mask = torch.rand(shape) < 0.3
     mask[0, ..., 1, :, :] = True  # every pivot of i == 1 in batch 0
@@ -100,7 +100,7 @@ def test_boolean_mask_with_fully_masked_rows(shape):
 
 @pytest.mark.parametrize("shape", [(B, H, LI, LK, LJ), (B, 1, LI, 1, LJ), (1, 1, 1, LK, 1)],
                          ids=["full", "per_bij", "per_k"])
-def test_additive_float_masks(shape):
+def test_additive_float_masks(backend, shape):
     mask = torch.randn(shape, dtype=f64) * 2
     mask[torch.rand(shape) < 0.2] = -1e4
     ours, theirs = _run_both(_leaves(), attn_mask=mask)
@@ -108,28 +108,28 @@ def test_additive_float_masks(shape):
 
 
 @pytest.mark.parametrize("cap", [0.5, 5.0])
-def test_softmax_cap(cap):
+def test_softmax_cap(backend, cap):
     # scores up to ~ 3 with scale=1.0: a cap of 0.5 saturates, 5.0 barely bends them
     mask = torch.rand(B, 1, LI, 1, LJ) < 0.3
     ours, theirs = _run_both(_leaves(), attn_mask=mask, softmax_cap=cap, scale=1.0)
     _assert_same(ours, theirs, **F64_TOL)
 
 
-def test_small_inf_keeps_a_visible_share():
+def test_small_inf_keeps_a_visible_share(backend):
     # with inf=2 a masked pivot keeps weight; FloydNet's literal formula must be reproduced
     mask = torch.rand(B, 1, LI, 1, LJ) < 0.4
     ours, theirs = _run_both(_leaves(), attn_mask=mask, inf=2.0)
     _assert_same(ours, theirs, **F64_TOL)
 
 
-def test_dropout_zero_keyword_and_positional():
+def test_dropout_zero_keyword_and_positional(backend):
     leaves = _leaves()
     a = gradops.pivotal_attention(*leaves, None, 0.0)
     b = floyd_pivotal(*leaves, attn_mask=None, dropout=0.0)
     torch.testing.assert_close(a, b, **F64_TOL)
 
 
-def test_permuted_views_as_floydnet_blocks_pass_them():
+def test_permuted_views_as_floydnet_blocks_pass_them(backend):
     # PivotalAttentionBlock.attn: chunk a [B,L,L,5C] projection and permute to [B,H,L,L,d]
     n, c = 5, H * D
     proj = torch.randn(B, n, n, 5 * c, dtype=f64, requires_grad=True)
@@ -154,7 +154,7 @@ def test_permuted_views_as_floydnet_blocks_pass_them():
     (torch.bfloat16, dict(rtol=4e-2, atol=4e-2)),
 ])
 @pytest.mark.parametrize("masked", [False, True])
-def test_low_precision_forward(dtype, tol, masked):
+def test_low_precision_forward(backend, dtype, tol, masked):
     leaves64 = [t.detach() for t in _leaves()]
     leaves = [t.to(dtype) for t in leaves64]
     mask = (torch.rand(B, 1, LI, 1, LJ) < 0.3) if masked else None
@@ -169,7 +169,7 @@ def test_low_precision_forward(dtype, tol, masked):
     assert err_ours <= err_theirs + torch.finfo(dtype).eps
 
 
-def test_chunked_path_tiles_agree_with_floydnet(monkeypatch):
+def test_chunked_path_tiles_agree_with_floydnet(backend, monkeypatch):
     # force many tiles on the chunked path (additive mask), both axes split
     monkeypatch.setattr(pivotal_mod, "TILE_ELEMENTS", B * H * LJ * 2)
     mask = torch.randn(B, H, LI, LK, LJ, dtype=f64)
@@ -200,7 +200,7 @@ def _block_and_layer(c, heads, bias):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_floyd_attention_module_matches_floydnet_attn(bias, masked):
+def test_floyd_attention_module_matches_floydnet_attn(backend, bias, masked):
     n, c, heads = 5, 12, 3
     block, layer = _block_and_layer(c, heads, bias)
     x = torch.randn(B, n, n, c, dtype=f64)
@@ -220,7 +220,7 @@ def test_floyd_attention_module_matches_floydnet_attn(bias, masked):
         torch.testing.assert_close(grads[0][k], grads[1][k], **F64_TOL, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def test_swapping_our_function_into_floydnets_block(monkeypatch):
+def test_swapping_our_function_into_floydnets_block(backend, monkeypatch):
     # the whole FloydNet block (symmetric mix, pre-norm, FFN) with its pivotal_attention
     # replaced by ours: same outputs and parameter gradients
     import floydnet.transformer as floyd_transformer
@@ -247,7 +247,7 @@ def test_swapping_our_function_into_floydnets_block(monkeypatch):
         torch.testing.assert_close(runs[1][2][k], runs[0][2][k], **F64_TOL, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def test_swapped_block_trains_with_dropout():
+def test_swapped_block_trains_with_dropout(backend):
     # training mode: FloydNet's block passes dropout=p; with ours swapped in the step must run
     # and, for a fixed RNG seed, produce a finite loss with gradients for every parameter
     import floydnet.transformer as floyd_transformer
@@ -266,7 +266,7 @@ def test_swapped_block_trains_with_dropout():
         floyd_transformer.pivotal_attention = original
 
 
-def test_dropout_matches_floydnet_under_same_rng():
+def test_dropout_matches_floydnet_under_same_rng(backend):
     # with the same seed FloydNet and the chunked path (one tile) draw the same dropout mask
     leaves = _leaves()
     torch.manual_seed(123)
@@ -278,7 +278,7 @@ def test_dropout_matches_floydnet_under_same_rng():
 
 
 @pytest.mark.parametrize("shape", [(B, H, LI, LK, LJ), (LK, LJ), (1, H, LI, 1, LJ)], ids=["full", "2d", "per_h_i"])
-def test_learnable_additive_mask_gets_floydnets_gradient(shape):
+def test_learnable_additive_mask_gets_floydnets_gradient(backend, shape):
     # a learned attention bias passed as attn_mask: its (broadcast-summed) gradient too
     leaves = _leaves()
     grads = []
@@ -290,7 +290,7 @@ def test_learnable_additive_mask_gets_floydnets_gradient(shape):
     torch.testing.assert_close(grads[0], grads[1], **F64_TOL)
 
 
-def test_integer_mask_is_additive_as_in_floydnet():
+def test_integer_mask_is_additive_as_in_floydnet(backend):
     # FloydNet adds any non-boolean mask, a uint8 one included (0/1 added to the scores)
     leaves = _leaves()
     mask = (torch.rand(B, 1, LI, 1, LJ) < 0.5).to(torch.uint8)
@@ -298,7 +298,7 @@ def test_integer_mask_is_additive_as_in_floydnet():
     torch.testing.assert_close(ours, theirs, **F64_TOL)
 
 
-def test_floyd_attention_training_with_dropout_matches_floydnet_under_same_rng():
+def test_floyd_attention_training_with_dropout_matches_floydnet_under_same_rng(backend):
     # train mode, dropout on the attention weights and the output: one tile, so both draw
     # the same random numbers in the same order
     n, c, heads = 4, 8, 2
@@ -321,7 +321,7 @@ def test_floyd_attention_training_with_dropout_matches_floydnet_under_same_rng()
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_autocast_bf16_matches_floydnet_under_autocast(masked):
+def test_autocast_bf16_matches_floydnet_under_autocast(backend, masked):
     # under CPU autocast FloydNet's einsums run in bf16; ours casts to bf16 and computes in
     # float32, so ours is the closer one to float64 and both return bf16
     leaves = [t.detach().float() for t in _leaves()]
@@ -335,7 +335,7 @@ def test_autocast_bf16_matches_floydnet_under_autocast(masked):
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=5e-2, atol=5e-2)
 
 
-def test_swapped_floydnet_block_compiles_fullgraph(monkeypatch):
+def test_swapped_floydnet_block_compiles_fullgraph(backend, monkeypatch):
     import floydnet.transformer as floyd_transformer
     torch._dynamo.reset()
     n, c, heads = 4, 8, 2
@@ -365,7 +365,7 @@ def test_swapped_floydnet_block_compiles_fullgraph(monkeypatch):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_dropout_gradients_match_floydnet_under_same_rng(compiled):
+def test_dropout_gradients_match_floydnet_under_same_rng(backend, compiled):
     # the chunked path recomputes each tile in backward (checkpoint): the recomputed dropout
     # mask must be the forward's, eagerly and under torch.compile, or gradients are silently wrong
     torch._dynamo.reset()
@@ -426,3 +426,29 @@ def test_single_pivot_training_matches_floydnet(backend):
         ours = train(ours_block, gradops.pivotal_attention)
     for k in theirs:
         torch.testing.assert_close(ours[k], theirs[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_float64_block_under_autocast_stays_float64(backend, monkeypatch, mask_kind):
+    """torch's autocast never lowers float64, so FloydNet's float64 block runs in float64 under
+    bf16 autocast; with ours swapped in it must too (it used to cast to bf16, and the block's
+    next Linear then failed on mixed dtypes). Both paths: fused (None/bool mask) and chunked."""
+    import floydnet.transformer as floyd_transformer
+    n, c, heads = 4, 8, 2
+    block = PivotalAttentionBlock(c, heads, bias=True).to(f64).eval()
+    x = torch.randn(B, n, n, c, dtype=f64)
+    mask = {"none": None, "bool": torch.rand(B, 1, n, 1, n) < 0.3,
+            "additive": torch.randn(B, 1, n, n, n, dtype=f64)}[mask_kind]
+    runs = []
+    for swap in (False, True):
+        if swap:
+            monkeypatch.setattr(floyd_transformer, "pivotal_attention", gradops.pivotal_attention)
+        block.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = block(xi, attn_mask=mask)
+        assert y.dtype == f64
+        y.pow(2).sum().backward()
+        runs.append((y.detach(), xi.grad))
+    torch.testing.assert_close(runs[1][0], runs[0][0], **F64_TOL)
+    torch.testing.assert_close(runs[1][1], runs[0][1], **F64_TOL)
