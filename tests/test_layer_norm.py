@@ -1,5 +1,6 @@
 """LayerNorm (aclnnLayerNorm/aclnnLayerNormBackward semantics) and the AscendC LayerNormGrad /
-LayerNormGradBeta semantics, reference backend, against float64 oracles."""
+LayerNormGradBeta semantics, against float64 oracles, on both backends (calls that name no
+backend take the ``backend`` fixture's)."""
 import pytest
 import torch
 
@@ -14,7 +15,7 @@ SHAPES = [((1, 3), 1), ((4, 64), 1), ((3, 5, 33), 1), ((2, 3, 4, 5), 2), ((7, 10
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,n_norm", SHAPES)
-def test_forward_and_backward_match_aten_float64(shape, n_norm, dtype, device):
+def test_forward_and_backward_match_aten_float64(backend, shape, n_norm, dtype, device):
     ns = shape[len(shape) - n_norm:]
     x, dy = rand(shape, dtype, device), rand(shape, dtype, device)
     w, b = rand(ns, dtype, device), rand(ns, dtype, device)
@@ -37,7 +38,7 @@ def test_forward_and_backward_match_aten_float64(shape, n_norm, dtype, device):
     assert_close(dw, adw, dtype, what="dw vs autograd")
 
 
-def test_width_one_normalises_to_zero_exactly():
+def test_width_one_normalises_to_zero_exactly(backend):
     """With one element per row x-hat is 0: dx and dw are exactly zero, db = dy summed."""
     x, dy, w = rand((5, 1)), rand((5, 1)), rand((1,))
     y, mean, rstd = gradops.layer_norm(x, [1], w, w)
@@ -47,7 +48,7 @@ def test_width_one_normalises_to_zero_exactly():
     assert torch.allclose(db, dy.sum(0))
 
 
-def test_float64_is_exact_to_1e_10_on_random_shapes():
+def test_float64_is_exact_to_1e_10_on_random_shapes(backend):
     gen = torch.Generator().manual_seed(3)
     for _ in range(10):
         rows = int(torch.randint(1, 20, (1,), generator=gen))
@@ -76,14 +77,14 @@ class _LayerNormFn(torch.autograd.Function):
         return gradops.layer_norm_backward(dy.contiguous(), x, x.shape[-1:], mean, rstd, w, b)
 
 
-def test_gradcheck_finite_differences():
+def test_gradcheck_finite_differences(backend):
     x = rand((3, 6), torch.float64).requires_grad_()
     w = rand((6,), torch.float64).requires_grad_()
     b = rand((6,), torch.float64).requires_grad_()
     assert torch.autograd.gradcheck(_LayerNormFn.apply, (x, w, b))
 
 
-def test_weight_none_returns_float32_dw_db_as_if_ones(device):
+def test_weight_none_returns_float32_dw_db_as_if_ones(backend, device):
     x, dy = rand((5, 12), torch.bfloat16, device), rand((5, 12), torch.bfloat16, device)
     _, mean, rstd = gradops.layer_norm(x, [12])
     dx, dw, db = gradops.layer_norm_backward(dy, x, [12], mean, rstd)
@@ -96,7 +97,7 @@ def test_weight_none_returns_float32_dw_db_as_if_ones(device):
     assert gradops.layer_norm_backward(dy.double(), x.double(), [12], rstd64 * 0, rstd64)[1].dtype == torch.float64
 
 
-def test_float32_weight_with_half_activations():
+def test_float32_weight_with_half_activations(backend):
     x, dy = rand((4, 16), torch.float16), rand((4, 16), torch.float16)
     w = rand((16,), torch.float32)
     y, mean, rstd = gradops.layer_norm(x, [16], w, w)
@@ -110,7 +111,7 @@ def test_float32_weight_with_half_activations():
 
 @pytest.mark.parametrize("mask", [(True, False, False), (False, True, False), (False, False, True),
                                   (False, False, False), (True, True, False)])
-def test_output_mask_returns_none_for_masked_outputs(mask):
+def test_output_mask_returns_none_for_masked_outputs(backend, mask):
     x, dy, w = rand((3, 8)), rand((3, 8)), rand((8,))
     _, mean, rstd = gradops.layer_norm(x, [8], w)
     got = gradops.layer_norm_backward(dy, x, [8], mean, rstd, w, None, mask)
@@ -122,7 +123,7 @@ def test_output_mask_returns_none_for_masked_outputs(mask):
             assert g is None
 
 
-def test_statistics_accepted_keepdim_or_not():
+def test_statistics_accepted_keepdim_or_not(backend):
     x, dy = rand((2, 3, 8)), rand((2, 3, 8))
     _, mean, rstd = gradops.layer_norm(x, [8])
     a = gradops.layer_norm_backward(dy, x, [8], mean, rstd)
@@ -131,7 +132,7 @@ def test_statistics_accepted_keepdim_or_not():
         assert torch.equal(u, v)
 
 
-def test_in_place_writes_dx_into_dy():
+def test_in_place_writes_dx_into_dy(backend):
     x, dy = rand((4, 10)), rand((4, 10))
     _, mean, rstd = gradops.layer_norm(x, [10])
     expected = gradops.layer_norm_backward(dy, x, [10], mean, rstd)
@@ -147,7 +148,7 @@ def test_in_place_writes_dx_into_dy():
     assert dxn is dyn and torch.allclose(dyn, want, rtol=0, atol=1e-6)
 
 
-def test_empty_leading_dims_give_zero_weight_grads():
+def test_empty_leading_dims_give_zero_weight_grads(backend):
     x = torch.empty(0, 7)
     _, mean, rstd = gradops.layer_norm(x, [7])
     assert mean.shape == (0, 1)
@@ -155,7 +156,7 @@ def test_empty_leading_dims_give_zero_weight_grads():
     assert dx.shape == (0, 7) and torch.equal(dw, torch.zeros(7)) and torch.equal(db, torch.zeros(7))
 
 
-def test_non_contiguous_inputs():
+def test_non_contiguous_inputs(backend):
     base_x, base_dy = rand((8, 6, 4)), rand((8, 6, 4))
     x, dy = base_x.transpose(0, 1)[:, ::2], base_dy.transpose(0, 1)[:, ::2]  # [6, 4, 4]
     w = rand((8,))[::2]
@@ -168,7 +169,7 @@ def test_non_contiguous_inputs():
         assert_close(a, e, torch.float32)
 
 
-def test_nan_propagates_to_its_row_only():
+def test_nan_propagates_to_its_row_only(backend):
     x, dy = rand((4, 8)), rand((4, 8))
     x[2, 3] = float("nan")
     y, mean, rstd = gradops.layer_norm(x, [8])
@@ -178,7 +179,7 @@ def test_nan_propagates_to_its_row_only():
     assert torch.isnan(dw).all() and not torch.isnan(db).any()
 
 
-def test_inputs_are_not_modified():
+def test_inputs_are_not_modified(backend):
     x, dy, w = rand((3, 8)), rand((3, 8)), rand((8,))
     _, mean, rstd = gradops.layer_norm(x, [8], w)
     copies = [t.clone() for t in (x, dy, w, mean, rstd)]
@@ -196,7 +197,7 @@ def _args():
 
 
 @pytest.mark.parametrize("name", ["dy", "x", "normalized_shape", "mean", "rstd", "output_mask"])
-def test_none_required_argument_is_161001(name):
+def test_none_required_argument_is_161001(backend, name):
     args = _args()
     args[name] = None
     with raises_status(NULLPTR, name):
@@ -219,14 +220,14 @@ def test_none_required_argument_is_161001(name):
     (dict(output_mask=(True, True)), ("output_mask", "length 3")),
     (dict(normalized_shape=8.0), ("normalized_shape",)),
 ])
-def test_invalid_arguments_are_161002(change, words):
+def test_invalid_arguments_are_161002(backend, change, words):
     args = _args()
     args.update(change)
     with raises_status(INVALID, *words):
         gradops.layer_norm_backward(**args)
 
 
-def test_forward_errors():
+def test_forward_errors(backend):
     x = rand((3, 8))
     with raises_status(NULLPTR, "x"):
         gradops.layer_norm(None, [8])
@@ -238,7 +239,7 @@ def test_forward_errors():
         gradops.layer_norm(x, [8], eps="small")
 
 
-def test_failed_in_place_call_writes_nothing():
+def test_failed_in_place_call_writes_nothing(backend):
     args = _args()
     args["weight"] = rand((7,))
     before = args["dy"].clone()
@@ -249,7 +250,7 @@ def test_failed_in_place_call_writes_nothing():
 
 # ---- AscendC LayerNormGrad / LayerNormGradBeta semantics -----------------------------------
 
-def test_layer_norm_grad_worked_example_from_cann_docs():
+def test_layer_norm_grad_worked_example_from_cann_docs(backend):
     x = torch.arange(64, dtype=torch.float32).reshape(1, 8, 8)
     dy = x.clone()
     mean = (3.5 + 8 * torch.arange(8, dtype=torch.float32)).reshape(1, 8)
@@ -261,7 +262,7 @@ def test_layer_norm_grad_worked_example_from_cann_docs():
     assert torch.allclose(pd_x[0, 0, :4], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_layer_norm_grad_beta_worked_example_from_cann_docs():
+def test_layer_norm_grad_beta_worked_example_from_cann_docs(backend):
     dy = torch.arange(64, dtype=torch.float32).reshape(8, 8)
     pd_gamma, pd_beta = gradops.layer_norm_grad_beta(dy.clone(), dy)
     assert pd_gamma[0].item() == 8960 and pd_beta[0].item() == 224
@@ -269,7 +270,7 @@ def test_layer_norm_grad_beta_worked_example_from_cann_docs():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_layer_norm_grad_equals_layer_norm_dx_with_true_statistics(dtype):
+def test_layer_norm_grad_equals_layer_norm_dx_with_true_statistics(backend, dtype):
     x, dy = rand((2, 5, 24), dtype), rand((2, 5, 24), dtype)
     gamma = rand((24,), dtype)
     xd = x.double()
@@ -286,7 +287,7 @@ def test_layer_norm_grad_equals_layer_norm_dx_with_true_statistics(dtype):
     assert_close(pd_beta, rows_dy.sum(0), dtype)
 
 
-def test_layer_norm_grad_literal_pd_mean_term():
+def test_layer_norm_grad_literal_pd_mean_term(backend):
     """The pd_mean term CANN keeps (sum(-2 x2) / H) matters when mean is not x's mean."""
     x, dy, gamma = rand((3, 8), torch.float64), rand((3, 8), torch.float64), rand((8,), torch.float64)
     mean, var, eps = x.mean(-1) + 0.5, x.var(-1, unbiased=False), 1e-5
@@ -299,7 +300,7 @@ def test_layer_norm_grad_literal_pd_mean_term():
     assert_close(pd_x, expected, tol=1e-12)
 
 
-def test_reuse_source_overwrites_like_cann():
+def test_reuse_source_overwrites_like_cann(backend):
     x, dy = rand((2, 3, 16)), rand((2, 3, 16))
     gamma = rand((16,))
     mean, var = x.mean(-1), x.var(-1, unbiased=False)
@@ -314,7 +315,7 @@ def test_reuse_source_overwrites_like_cann():
     assert torch.equal(pg, gradops.layer_norm_grad_beta(want[1], dy)[0])
 
 
-def test_reuse_source_with_half_is_161002():
+def test_reuse_source_with_half_is_161002(backend):
     x = rand((2, 8), torch.float16)
     with raises_status(INVALID, "reuse_source"):
         gradops.layer_norm_grad(x, x, x[:, 0], x[:, 0], x[0], 1e-5, reuse_source=True)
@@ -322,7 +323,7 @@ def test_reuse_source_with_half_is_161002():
         gradops.layer_norm_grad_beta(x, x, reuse_source=True)
 
 
-def test_layer_norm_grad_errors():
+def test_layer_norm_grad_errors(backend):
     x = rand((2, 3, 8))
     v, m, g = torch.ones(2, 3), torch.zeros(2, 3), torch.ones(8)
     with raises_status(NULLPTR, "variance"):
@@ -337,3 +338,17 @@ def test_layer_norm_grad_errors():
         gradops.layer_norm_grad_beta(x[:, :2], x)
     with raises_status(NULLPTR, "dy"):
         gradops.layer_norm_grad_beta(x, None)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_weight_and_bias_gradients_are_separate_tensors(backend, weight_dtype):
+    """dweight and dbias (and LayerNormGradBeta's pd_gamma and pd_beta) never share memory:
+    gradops.nn's custom ops may not return aliases (a float32 weight beside bf16 input used to
+    get two views of one buffer, and autograd refused them)."""
+    x, dy = rand((5, 12), torch.bfloat16), rand((5, 12), torch.bfloat16)
+    w, b = rand((12,), weight_dtype), rand((12,), weight_dtype)
+    _, mean, rstd = gradops.layer_norm(x, [12], w, b)
+    _, dw, db = gradops.layer_norm_backward(dy, x, [12], mean, rstd, w, b)
+    assert dw.untyped_storage().data_ptr() != db.untyped_storage().data_ptr()
+    pd_gamma, pd_beta = gradops.layer_norm_grad_beta(rand((5, 12)), rand((5, 12)))
+    assert pd_gamma.untyped_storage().data_ptr() != pd_beta.untyped_storage().data_ptr()

@@ -1,5 +1,5 @@
-"""RMSNorm (aclnnRmsNorm / aclnnRmsNormGrad semantics), reference backend, against float64
-autograd through the forward formula."""
+"""RMSNorm (aclnnRmsNorm / aclnnRmsNormGrad semantics) against float64 autograd through the
+forward formula, on both backends (calls that name no backend take the ``backend`` fixture's)."""
 import pytest
 import torch
 
@@ -23,7 +23,7 @@ TABLE = [
 @pytest.mark.parametrize("x_dtype,g_dtype", TABLE)
 @pytest.mark.parametrize("shape,n", [((1, 3), 1), ((4, 64), 1), ((3, 7, 129), 1), ((2, 3, 4, 5), 2),
                                      ((5, 1000), 1)])
-def test_forward_and_backward_match_float64_autograd(shape, n, x_dtype, g_dtype, device):
+def test_forward_and_backward_match_float64_autograd(backend, shape, n, x_dtype, g_dtype, device):
     x, dy = rand(shape, x_dtype, device), rand(shape, x_dtype, device)
     gamma = rand(shape[len(shape) - n:], g_dtype, device)
     y, rstd = gradops.rms_norm(x, gamma)
@@ -41,7 +41,7 @@ def test_forward_and_backward_match_float64_autograd(shape, n, x_dtype, g_dtype,
     assert_close(dgamma, edgamma, acc, what="dgamma")
 
 
-def test_float64_is_exact_to_1e_10_on_random_shapes():
+def test_float64_is_exact_to_1e_10_on_random_shapes(backend):
     gen = torch.Generator().manual_seed(5)
     for _ in range(10):
         rows = int(torch.randint(1, 20, (1,), generator=gen))
@@ -65,13 +65,13 @@ class _RmsNormFn(torch.autograd.Function):
         return gradops.rms_norm_grad(dy.contiguous(), x, rstd, gamma)
 
 
-def test_gradcheck_finite_differences():
+def test_gradcheck_finite_differences(backend):
     x = rand((4, 5), torch.float64).requires_grad_()
     g = rand((5,), torch.float64).requires_grad_()
     assert torch.autograd.gradcheck(_RmsNormFn.apply, (x, g))
 
 
-def test_rstd_accepted_keepdim_or_not():
+def test_rstd_accepted_keepdim_or_not(backend):
     x, dy, g = rand((2, 3, 8)), rand((2, 3, 8)), rand((8,))
     _, rstd = gradops.rms_norm(x, g)
     a = gradops.rms_norm_grad(dy, x, rstd, g)
@@ -79,7 +79,7 @@ def test_rstd_accepted_keepdim_or_not():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_in_place_writes_dx_into_dy():
+def test_in_place_writes_dx_into_dy(backend):
     x, dy, g = rand((4, 10)), rand((4, 10)), rand((10,))
     _, rstd = gradops.rms_norm(x, g)
     want = gradops.rms_norm_grad(dy, x, rstd, g)
@@ -88,7 +88,7 @@ def test_in_place_writes_dx_into_dy():
     assert dx is buf and torch.equal(buf, want[0]) and torch.equal(dgamma, want[1])
 
 
-def test_empty_rows_and_non_contiguous():
+def test_empty_rows_and_non_contiguous(backend):
     x = torch.empty(0, 5)
     y, rstd = gradops.rms_norm(x, torch.ones(5))
     assert y.shape == (0, 5) and rstd.shape == (0, 1)
@@ -102,7 +102,7 @@ def test_empty_rows_and_non_contiguous():
         assert_close(a, e, torch.float32)
 
 
-def test_nan_propagates_to_its_row_only():
+def test_nan_propagates_to_its_row_only(backend):
     x, dy, g = rand((4, 8)), rand((4, 8)), rand((8,))
     x[1, 0] = float("nan")
     y, rstd = gradops.rms_norm(x, g)
@@ -117,13 +117,13 @@ def test_nan_propagates_to_its_row_only():
     (torch.float32, torch.float16), (torch.float32, torch.bfloat16), (torch.float16, torch.bfloat16),
     (torch.bfloat16, torch.float16), (torch.float64, torch.float32), (torch.float32, torch.float64),
 ])
-def test_dtype_outside_the_table_is_161002(x_dtype, g_dtype):
+def test_dtype_outside_the_table_is_161002(backend, x_dtype, g_dtype):
     x = rand((2, 8), x_dtype)
     with raises_status(INVALID, "gamma", "dtype"):
         gradops.rms_norm(x, rand((8,), g_dtype))
 
 
-def test_grad_errors():
+def test_grad_errors(backend):
     x, dy, g = rand((3, 8)), rand((3, 8)), rand((8,))
     _, rstd = gradops.rms_norm(x, g)
     for name in ("dy", "x", "rstd", "gamma"):
@@ -145,7 +145,7 @@ def test_grad_errors():
         gradops.rms_norm(torch.ones(3, 8, dtype=torch.int64), g)
 
 
-def test_failed_in_place_call_writes_nothing():
+def test_failed_in_place_call_writes_nothing(backend):
     x, dy, g = rand((3, 8)), rand((3, 8)), rand((8,))
     _, rstd = gradops.rms_norm(x, g)
     before = dy.clone()
@@ -154,7 +154,7 @@ def test_failed_in_place_call_writes_nothing():
     assert torch.equal(dy, before)
 
 
-def test_dtype_rules_come_before_tiling_shape_rules():
+def test_dtype_rules_come_before_tiling_shape_rules(backend):
     """CANN reports a dtype error (161002) even when a shape is also wrong (561002)."""
     x, dy = rand((3, 8)), rand((3, 8))
     with raises_status(INVALID, "rstd", "dtype"):
