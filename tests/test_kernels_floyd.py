@@ -398,61 +398,11 @@ def test_scale_reaches_the_kernels_exactly(dtype, scale, device):
 # in this one. Prints one JSON line per kernel (pytest -s shows them; docs/kernels-floyd.md
 # records them).
 _COMPILE_SM90 = r"""
-import json, os, re, subprocess, sys, tempfile
-import torch, triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from gradops.kernels import floyd_attention as fa
-from gradops.kernels.floyd_config import floyd_config
-
-# stride arguments the JIT turns into the constant 1 for contiguous tensors
-UNIT = {"sq_d", "sk1_d", "sv1_d", "sk2_d", "sv2_d", "so_d", "sdy_d", "sdq_d", "sg_d", "smk_k", "sst_m", "smax_m",
-        "ssum_m", "sok_d", "sov_d", "sxk_d", "sxv_d"}
-# _bwd_dkv_kernel sees the statistics and Dr as [own, loop]: m, their unit stride, is looped in
-# the dK1/dV1 launch and owned in the dK2/dV2 launch
-UNIT_DKV = {"bwd_dk1": {"smax_loop", "ssum_loop", "sdr_loop"}, "bwd_dk2": {"smax_own", "ssum_own", "sdr_own"}}
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
-KERNELS = (("fwd", fa._fwd_kernel), ("bwd_dq", fa._bwd_dq_kernel), ("bwd_dk1", fa._bwd_dkv_kernel),
-           ("bwd_dk2", fa._bwd_dkv_kernel))
-nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+import json, sys, torch
+from gradops.bench.floyd import compile_check
 for case in sys.argv[1:]:
     dtype_name, head_dim = case.split(":")
-    dtype, head_dim = DTYPES[dtype_name], int(head_dim)
-    ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float64: "*fp64"}[dtype]
-    acc = "*fp64" if dtype == torch.float64 else "*fp32"
-    for name, kernel in KERNELS:
-        cfg = floyd_config(name, head_dim, dtype.itemsize)
-        consts = dict(HAS_MASK=True, PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32",
-                      ACC=tl.float64 if dtype == torch.float64 else tl.float32, IDX=tl.int32, UPCAST=False)
-        if kernel is fa._bwd_dkv_kernel:
-            consts.update({k: v for k, v in fa._dkv_meta(name, cfg).items() if k not in ("num_warps", "num_stages")})
-        else:
-            consts.update(BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
-                          GROUP=cfg.group)
-        sig, attrs = {}, {}
-        for idx, arg in enumerate(kernel.arg_names):
-            if kernel.params[idx].is_constexpr:
-                continue
-            if arg in UNIT or arg in UNIT_DKV.get(name, ()):
-                sig[arg], consts[arg] = "constexpr", 1
-            elif arg == "scale":  # the float64's bits (do_not_specialize: no attributes)
-                sig[arg] = "i64"
-            else:
-                sig[arg] = ("*u8" if arg == "mask_ptr" else acc if arg in ("max_ptr", "sum_ptr", "dr_ptr") else ptr) \
-                    if arg.endswith("_ptr") else "i32"
-                attrs[(idx,)] = [["tt.divisibility", 16]]
-        row = dict(kernel=name, dtype=dtype_name, D=head_dim,
-                   tile=f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k}x{cfg.block_d}")
-        compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-        with tempfile.TemporaryDirectory() as tmp:
-            cubin = os.path.join(tmp, "k.cubin")
-            with open(cubin, "wb") as f:
-                f.write(compiled.asm["cubin"])
-            sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
-        registers = [int(r) for r in re.findall(r"\bR(\d+)\b", sass)]
-        row.update(shared=compiled.metadata.shared, registers=max(registers) + 1, spill_loads=sass.count("LDL"),
-                   spill_stores=sass.count("STL"))
+    for row in compile_check(getattr(torch, dtype_name), int(head_dim)):
         print(json.dumps(row), flush=True)
 """
 
@@ -495,6 +445,7 @@ def test_kernels_compile_for_sm90_within_resources(device):
     print("\n".join(map(json.dumps, rows)))
     assert len(rows) == 4 * len(cases)
     for row in rows:
+        assert "error" not in row, row
         assert row["shared"] <= H100_SHARED, row
         if row["D"] <= 32 and row["dtype"] == "bfloat16":
             assert row["spill_loads"] == row["spill_stores"] == 0, row

@@ -291,9 +291,11 @@ def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dic
             if arg in _UNIT_STRIDES or arg in _UNIT_STRIDES_DKV.get(name, ()):
                 sig[arg], consts[arg] = "constexpr", 1
                 continue
+            if arg == "scale":  # the float64's bit pattern (do_not_specialize: no attributes)
+                sig[arg] = "i64"
+                continue
             if arg.endswith("_ptr"):
-                sig[arg] = "*u8" if arg == "mask_ptr" else \
-                    acc if arg in ("max_ptr", "sum_ptr", "dr_ptr", "scale_ptr") else ptr
+                sig[arg] = "*u8" if arg == "mask_ptr" else acc if arg in ("max_ptr", "sum_ptr", "dr_ptr") else ptr
             else:
                 sig[arg] = "i32"
             attrs[(idx,)] = [["tt.divisibility", 16]]
