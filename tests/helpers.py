@@ -46,3 +46,25 @@ def interpreted(backend) -> bool:
     gradcheck them in fast mode there (a random directional derivative per input instead of
     the whole Jacobian); the full Jacobian is checked on the reference backend and on a GPU."""
     return backend == "triton" and TEST_DEVICE == "cpu"
+
+
+def run_sm90_compile(script: str, *args: str, timeout: int = 600) -> str:
+    """Run ``script`` (Python that compiles kernels for an H100, sm_90, with Triton's bundled
+    tools: no GPU needed) in a child process, with the Triton interpreter off and this checkout
+    importable; returns its stdout. Skips on a GPU run (every test compiles the kernels there)
+    and where this Triton cannot cross-compile."""
+    import os
+    import subprocess
+    import sys
+
+    if TEST_DEVICE != "cpu":
+        pytest.skip("on a GPU every other test compiles the kernels")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
+                         timeout=timeout)
+    if out.returncode != 0 and ("GPUTarget" in out.stderr or "ASTSource" in out.stderr):
+        pytest.skip(f"this triton cannot cross-compile: {out.stderr[-300:]}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout

@@ -220,6 +220,23 @@ def test_floyd_attention_module_matches_floydnet_attn(backend, bias, masked):
         torch.testing.assert_close(grads[0][k], grads[1][k], **F64_TOL, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def _block_runs_floydnets_then_ours(block, x, mask, monkeypatch, autocast_dtype=None):
+    """(output, x's gradient, parameter gradients) of a FloydNet block on ``x``, first with
+    FloydNet's pivotal_attention, then with ours swapped into floydnet.transformer."""
+    import floydnet.transformer as floyd_transformer
+    runs = []
+    for swap in (False, True):
+        if swap:
+            monkeypatch.setattr(floyd_transformer, "pivotal_attention", gradops.pivotal_attention)
+        block.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            y = block(xi, attn_mask=mask)
+        y.pow(2).sum().backward()
+        runs.append((y.detach(), xi.grad, {k: p.grad.clone() for k, p in block.named_parameters()}))
+    return runs
+
+
 def test_swapping_our_function_into_floydnets_block(backend, monkeypatch):
     # the whole FloydNet block (symmetric mix, pre-norm, FFN) with its pivotal_attention
     # replaced by ours: same outputs and parameter gradients
@@ -231,15 +248,7 @@ def test_swapping_our_function_into_floydnets_block(backend, monkeypatch):
             p.copy_(torch.randn_like(p) * 0.3)
     x = torch.randn(B, n, n, c, dtype=f64)
     mask = torch.rand(B, 1, n, 1, n) < 0.3
-    runs = []
-    for swap in (False, True):
-        if swap:
-            monkeypatch.setattr(floyd_transformer, "pivotal_attention", gradops.pivotal_attention)
-        block.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_(True)
-        y = block(xi, attn_mask=mask)
-        y.pow(2).sum().backward()
-        runs.append((y.detach(), xi.grad, {k: p.grad.clone() for k, p in block.named_parameters()}))
+    runs = _block_runs_floydnets_then_ours(block, x, mask, monkeypatch)
     assert floyd_transformer.pivotal_attention is gradops.pivotal_attention
     torch.testing.assert_close(runs[1][0], runs[0][0], **F64_TOL)
     torch.testing.assert_close(runs[1][1], runs[0][1], **F64_TOL)
@@ -433,22 +442,12 @@ def test_float64_block_under_autocast_stays_float64(backend, monkeypatch, mask_k
     """torch's autocast never lowers float64, so FloydNet's float64 block runs in float64 under
     bf16 autocast; with ours swapped in it must too (it used to cast to bf16, and the block's
     next Linear then failed on mixed dtypes). Both paths: fused (None/bool mask) and chunked."""
-    import floydnet.transformer as floyd_transformer
     n, c, heads = 4, 8, 2
     block = PivotalAttentionBlock(c, heads, bias=True).to(f64).eval()
     x = torch.randn(B, n, n, c, dtype=f64)
     mask = {"none": None, "bool": torch.rand(B, 1, n, 1, n) < 0.3,
             "additive": torch.randn(B, 1, n, n, n, dtype=f64)}[mask_kind]
-    runs = []
-    for swap in (False, True):
-        if swap:
-            monkeypatch.setattr(floyd_transformer, "pivotal_attention", gradops.pivotal_attention)
-        block.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_(True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = block(xi, attn_mask=mask)
-        assert y.dtype == f64
-        y.pow(2).sum().backward()
-        runs.append((y.detach(), xi.grad))
+    runs = _block_runs_floydnets_then_ours(block, x, mask, monkeypatch, autocast_dtype=torch.bfloat16)
+    assert runs[0][0].dtype == runs[1][0].dtype == f64
     torch.testing.assert_close(runs[1][0], runs[0][0], **F64_TOL)
     torch.testing.assert_close(runs[1][1], runs[0][1], **F64_TOL)

@@ -23,6 +23,8 @@ import gradops
 from gradops.kernels import floyd_config as config
 from gradops.reference import floyd_attention as reference
 
+from helpers import run_sm90_compile
+
 kernels = pytest.importorskip("gradops.kernels.floyd_attention")
 
 FLT_MAX = 3.4028234663852886e38
@@ -412,36 +414,25 @@ SM90_CASES = ("bfloat16:32", "bfloat16:64", "bfloat16:128", "float32:32", "float
 
 
 @pytest.mark.slow
-def test_kernels_compile_for_sm90_within_resources(device):
+def test_kernels_compile_for_sm90_within_resources():
     """Every kernel compiles for an H100 at these shipped configurations, within its shared
     memory; at 16-bit D = 32, where the tiles fit, without a register spill. (The other spill
     counts are Triton-version dependent: docs/kernels-floyd.md records them.)"""
     import json
     import os
-    import subprocess
-    import sys
 
     import triton
 
-    if device != "cpu":
-        pytest.skip("on a GPU every other test compiles the kernels")
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     if not os.path.exists(nvdisasm):
         pytest.skip("triton's bundled CUDA tools are not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     cases = SM90_CASES
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):
         # Triton 3.6 cannot lower the float64 batched dots for sm_90 (its LLVM pipeline fails):
         # float64 inputs on a GPU need Triton >= 3.9 (the interpreter runs them on any)
         cases = tuple(c for c in cases if not c.startswith("float64"))
-    out = subprocess.run([sys.executable, "-c", _COMPILE_SM90, *cases], capture_output=True, text=True,
-                         env=env, timeout=900)
-    if out.returncode != 0 and ("GPUTarget" in out.stderr or "ASTSource" in out.stderr):
-        pytest.skip(f"this triton cannot cross-compile: {out.stderr[-300:]}")
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    stdout = run_sm90_compile(_COMPILE_SM90, *cases, timeout=900)
+    rows = [json.loads(line) for line in stdout.splitlines()]
     print("\n".join(map(json.dumps, rows)))
     assert len(rows) == 4 * len(cases)
     for row in rows:

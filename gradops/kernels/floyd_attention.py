@@ -248,6 +248,29 @@ def _probs_and_dp(q, q_by_m, dy, dy_by_m, k1_t, k2_t, v1_t, v2_t, user, live, mx
     return p, dp
 
 
+@triton.jit
+def _dq_pivot_tile(k0, q, q_by_m, dy, dy_by_m, mx, inv_sum, scale, n_idx, m_idx, d_idx,
+                   k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, sk1_n, sk1_k, sk1_d, sv1_n, sv1_k, sv1_d,
+                   sk2_k, sk2_m, sk2_d, sv2_k, sv2_m, sv2_d, smk_n, smk_k, N, M, K, D,
+                   HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+                   BLOCK_K: tl.constexpr, IDX: tl.constexpr, UPCAST: tl.constexpr):
+    """One k-tile of the dQ kernel's two walks: the key tiles, the mask tile, P and dP
+    (both walks call this, so the second recomputes the first's P and dP bitwise)."""
+    k_idx = (k0 + tl.arange(0, BLOCK_K)).to(IDX)
+    k1_t = _tile3(k1_ptr, n_idx, d_idx, k_idx, sk1_n, sk1_d, sk1_k, N, D, K, UPCAST)  # [BN,BD,BK]
+    k2_t = _tile3(k2_ptr, m_idx, d_idx, k_idx, sk2_m, sk2_d, sk2_k, M, D, K, UPCAST)  # [BM,BD,BK]
+    v1_t = _tile3(v1_ptr, n_idx, d_idx, k_idx, sv1_n, sv1_d, sv1_k, N, D, K, UPCAST)
+    v2_t = _tile3(v2_ptr, m_idx, d_idx, k_idx, sv2_m, sv2_d, sv2_k, M, D, K, UPCAST)
+    if HAS_MASK:
+        user = _masked_out(mask_ptr, n_idx, k_idx, smk_n, smk_k, N, K)[:, None, :]
+    else:
+        user = tl.zeros([1, 1, BLOCK_K], tl.int1)
+    live = (k_idx < K)[None, None, :]
+    p, dp = _probs_and_dp(q, q_by_m, dy, dy_by_m, k1_t, k2_t, v1_t, v2_t, user, live, mx, inv_sum,
+                          scale, HAS_MASK, PRECISION, ACC)
+    return k1_t, k2_t, user | ~live, p, dp
+
+
 @triton.jit(do_not_specialize=["scale"])
 def _bwd_dq_kernel(
     q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, dy_ptr, max_ptr, sum_ptr,
@@ -295,38 +318,24 @@ def _bwd_dq_kernel(
     # rounding). A first walk over k; the second recomputes the same P and dP.
     dr = tl.zeros([BLOCK_N, BLOCK_M], ACC)
     for k0 in range(0, K, BLOCK_K):
-        k_idx = (k0 + tl.arange(0, BLOCK_K)).to(IDX)
-        k1_t = _tile3(k1_ptr, n_idx, d_idx, k_idx, sk1_n, sk1_d, sk1_k, N, D, K, UPCAST)  # [BN,BD,BK]
-        k2_t = _tile3(k2_ptr, m_idx, d_idx, k_idx, sk2_m, sk2_d, sk2_k, M, D, K, UPCAST)  # [BM,BD,BK]
-        v1_t = _tile3(v1_ptr, n_idx, d_idx, k_idx, sv1_n, sv1_d, sv1_k, N, D, K, UPCAST)
-        v2_t = _tile3(v2_ptr, m_idx, d_idx, k_idx, sv2_m, sv2_d, sv2_k, M, D, K, UPCAST)
-        if HAS_MASK:
-            user = _masked_out(mask_ptr, n_idx, k_idx, smk_n, smk_k, N, K)[:, None, :]
-        else:
-            user = tl.zeros([1, 1, BLOCK_K], tl.int1)
-        live = (k_idx < K)[None, None, :]
-        p, dp = _probs_and_dp(q, q_by_m, dy, dy_by_m, k1_t, k2_t, v1_t, v2_t, user, live, mx, inv_sum,
-                              scale, HAS_MASK, PRECISION, ACC)
+        k1_t, k2_t, gone, p, dp = _dq_pivot_tile(
+            k0, q, q_by_m, dy, dy_by_m, mx, inv_sum, scale, n_idx, m_idx, d_idx,
+            k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, sk1_n, sk1_k, sk1_d, sv1_n, sv1_k, sv1_d,
+            sk2_k, sk2_m, sk2_d, sv2_k, sv2_m, sv2_d, smk_n, smk_k, N, M, K, D,
+            HAS_MASK, PRECISION, ACC, BLOCK_K, IDX, UPCAST)
         dr += tl.sum(p * dp, axis=2)
     # Dr is a [B,H,N,M] buffer of the launcher's, contiguous.
     _store2(dr_ptr + bh.to(tl.int64) * N * M, dr, n_idx, m_idx, M, 1, N, M)
 
     dq = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_D], ACC)
     for k0 in range(0, K, BLOCK_K):
-        k_idx = (k0 + tl.arange(0, BLOCK_K)).to(IDX)
-        k1_t = _tile3(k1_ptr, n_idx, d_idx, k_idx, sk1_n, sk1_d, sk1_k, N, D, K, UPCAST)  # [BN,BD,BK]
-        k2_t = _tile3(k2_ptr, m_idx, d_idx, k_idx, sk2_m, sk2_d, sk2_k, M, D, K, UPCAST)  # [BM,BD,BK]
-        v1_t = _tile3(v1_ptr, n_idx, d_idx, k_idx, sv1_n, sv1_d, sv1_k, N, D, K, UPCAST)
-        v2_t = _tile3(v2_ptr, m_idx, d_idx, k_idx, sv2_m, sv2_d, sv2_k, M, D, K, UPCAST)
-        if HAS_MASK:
-            user = _masked_out(mask_ptr, n_idx, k_idx, smk_n, smk_k, N, K)[:, None, :]
-        else:
-            user = tl.zeros([1, 1, BLOCK_K], tl.int1)
-        live = (k_idx < K)[None, None, :]
-        p, dp = _probs_and_dp(q, q_by_m, dy, dy_by_m, k1_t, k2_t, v1_t, v2_t, user, live, mx, inv_sum,
-                              scale, HAS_MASK, PRECISION, ACC)
+        k1_t, k2_t, gone, p, dp = _dq_pivot_tile(
+            k0, q, q_by_m, dy, dy_by_m, mx, inv_sum, scale, n_idx, m_idx, d_idx,
+            k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, sk1_n, sk1_k, sk1_d, sv1_n, sv1_k, sv1_d,
+            sk2_k, sk2_m, sk2_d, sv2_k, sv2_m, sv2_d, smk_n, smk_k, N, M, K, D,
+            HAS_MASK, PRECISION, ACC, BLOCK_K, IDX, UPCAST)
         # dS is zero where a pivot is masked (its score is a constant) and on tails.
-        ds = tl.where(user | (k_idx >= K)[None, None, :], 0.0, p * (dp - dr[:, :, None]) * scale)
+        ds = tl.where(gone, 0.0, p * (dp - dr[:, :, None]) * scale)
         ds_in = ds.to(q.dtype)
         dq = tl.dot(ds_in, tl.permute(k1_t, (0, 2, 1)), dq, input_precision=PRECISION, out_dtype=ACC)
         dq += tl.permute(tl.dot(tl.permute(ds_in, (1, 0, 2)), tl.permute(k2_t, (0, 2, 1)),
