@@ -10,8 +10,15 @@ from conftest import TEST_DEVICE
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
 
-def rand(shape, dtype=torch.float32, device="cpu", scale=1.0):
-    return (torch.randn(shape, dtype=torch.float64) * scale).to(dtype).to(device)
+def rand(shape, dtype=torch.float32, device=None, scale=1.0):
+    """Normal draws rounded to ``dtype``, on ``device`` (torch's default device when None)."""
+    return (torch.randn(shape, dtype=torch.float64, device=device) * scale).to(dtype)
+
+
+def autocast(dtype=torch.bfloat16, enabled=True):
+    """``torch.autocast`` for the device tests create tensors on (the backend fixture makes the
+    test device torch's default): CPU autocast would leave CUDA tensors alone."""
+    return torch.autocast(torch.get_default_device().type, dtype=dtype, enabled=enabled)
 
 
 def assert_close(actual, expected, dtype=None, tol=None, what=""):

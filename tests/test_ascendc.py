@@ -537,10 +537,10 @@ def test_layer_norm_grad_padded_rows_follow_cann(backend, dtype):
     g = torch.Generator().manual_seed(7)
     x = torch.zeros(b, s, h, dtype=torch.float64)
     dy = torch.zeros(b, s, h, dtype=torch.float64)
-    x[..., :oh] = torch.randn(b, s, oh, generator=g, dtype=torch.float64)
-    dy[..., :oh] = torch.randn(b, s, oh, generator=g, dtype=torch.float64)
+    x[..., :oh] = torch.randn(b, s, oh, generator=g, dtype=torch.float64, device="cpu")
+    dy[..., :oh] = torch.randn(b, s, oh, generator=g, dtype=torch.float64, device="cpu")
     gamma = torch.zeros(h, dtype=torch.float64)
-    gamma[:oh] = torch.randn(oh, generator=g, dtype=torch.float64)
+    gamma[:oh] = torch.randn(oh, generator=g, dtype=torch.float64, device="cpu")
     x, dy, gamma = x.to(dtype), dy.to(dtype), gamma.to(dtype)  # the values the kernel sees
     mean = x.double()[..., :oh].mean(-1).to(dtype)
     var = x.double()[..., :oh].var(-1, unbiased=False).to(dtype)

@@ -12,6 +12,8 @@ from functorch.compile import make_boxed_func
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 
+from helpers import autocast
+
 import gradops.nn as gnn
 from gradops.nn.pivotal import pivotal_attention
 
@@ -130,7 +132,7 @@ def test_autocast_under_compile_matches_eager_autocast(backend):
     torch.manual_seed(0)
     model = PairModel()
     x = torch.randn(1, 4, 4, 8)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with autocast():
         eager = run_and_grads(model, x, [16])
         compiled = run_and_grads(torch.compile(model, fullgraph=True, backend="aot_eager"), x, [16])
     assert compiled[0].dtype == eager[0].dtype == torch.bfloat16

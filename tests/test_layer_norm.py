@@ -51,8 +51,8 @@ def test_width_one_normalises_to_zero_exactly(backend):
 def test_float64_is_exact_to_1e_10_on_random_shapes(backend):
     gen = torch.Generator().manual_seed(3)
     for _ in range(10):
-        rows = int(torch.randint(1, 20, (1,), generator=gen))
-        cols = int(torch.randint(1, 300, (1,), generator=gen))
+        rows = int(torch.randint(1, 20, (1,), generator=gen, device="cpu"))
+        cols = int(torch.randint(1, 300, (1,), generator=gen, device="cpu"))
         x, dy = rand((rows, cols), torch.float64), rand((rows, cols), torch.float64)
         w = rand((cols,), torch.float64)
         _, mean, rstd = gradops.layer_norm(x, [cols], w)

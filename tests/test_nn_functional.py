@@ -12,7 +12,7 @@ import gradops.ops.rms_norm as rms_ops
 from gradops.errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, AclnnError
 from gradops.nn import functional as F
 
-from helpers import interpreted
+from helpers import autocast, interpreted
 
 f64 = torch.float64
 
@@ -330,7 +330,7 @@ def test_autocast_norms_keep_the_input_dtype(backend):
     computed exactly as outside autocast; a bf16 input stays bf16."""
     x, w, b = torch.randn(4, 16), torch.randn(16), torch.randn(16)
     plain = F.layer_norm(x, 16, w, b)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with autocast():
         y = F.layer_norm(x, 16, w, b)
         r = F.rms_norm(x, 16, w)
         yb = F.layer_norm(x.bfloat16(), 16, w, b)
@@ -344,7 +344,7 @@ def test_autocast_matmul_like_ops_take_the_autocast_dtype(backend):
     and SDPA do); gradients flow back to the float32 leaves in float32; the op's own math is
     not lowered further: the result equals the op run on the bf16-cast inputs outside autocast."""
     ins = leaves(*floyd_inputs(dtype=torch.float32))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with autocast():
         y = F.floyd_attention(*ins, scale=0.5)
     assert y.dtype == torch.bfloat16
     expected = F.floyd_attention(*(t.detach().bfloat16() for t in ins), scale=0.5)
@@ -353,7 +353,7 @@ def test_autocast_matmul_like_ops_take_the_autocast_dtype(backend):
     assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in ins)
 
     x, w = leaves(torch.randn(12, 2, 16), torch.randn(4, 2))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with autocast():
         out = F.nsa_compress(x, w, 4, 4, [12])
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, F.nsa_compress(x.detach().bfloat16(), w.detach().bfloat16(), 4, 4, [12]),
