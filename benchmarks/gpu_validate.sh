@@ -1,36 +1,36 @@
 #!/usr/bin/env bash
-# Validate gradops on a lent GPU machine in one call of the device tool (docs/gpu.md):
+# Validate gradops on a CUDA machine (docs/gpu.md):
 #
 #   bash benchmarks/gpu_validate.sh tests   # install, the whole test suite on CUDA
 #   bash benchmarks/gpu_validate.sh bench   # install, `gradops bench all` (4 to 6.5 minutes, an estimate)
-#   bash benchmarks/gpu_validate.sh all     # both in one call: the suite gets at most TESTS_SECONDS,
-#                                           # the sweep what is left of CALL_SECONDS
+#   bash benchmarks/gpu_validate.sh all     # both within CALL_SECONDS (for machines that stop a job
+#                                           # after a fixed time): the suite gets at most TESTS_SECONDS
 #
-# Run from the repository root. Installs the wheels carried in .whl/ (benchmarks/gpu_wheels.sh
-# prepares them) and the checkout, then leaves at most 6 files in $OUT (the device tool brings
-# back 8): info.txt, tests.log, junit.xml, bench.log, summary.txt, results.tar.gz (the results
-# folder, to unpack into benchmarks/results/). Exit status: non-zero when a step failed.
+# Run from the repository root. Installs, without network, the wheels found in .whl/
+# (benchmarks/gpu_wheels.sh fetches them) and the checkout, then leaves 6 files in $OUT:
+# info.txt, tests.log, junit.xml, bench.log, summary.txt, results.tar.gz (the results folder,
+# to unpack into benchmarks/results/ elsewhere). Exit status: non-zero when a step failed.
 # Optional: TESTS (pytest paths, default tests), TEST_WORKERS (xdist workers, default 8),
 # BENCH_ARGS (more flags for `gradops bench all`), PYTHON (default python3).
 set -uo pipefail
 step=${1:-all}
 case "$step" in tests|bench|all) ;; *) echo "usage: $0 [tests|bench|all]" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}
-CALL_SECONDS=${CALL_SECONDS:-570}    # the tool's 600 s per call, less a margin for packing and transfer
+CALL_SECONDS=${CALL_SECONDS:-570}    # `all` mode's limit: 10 minutes less a margin for packing
 TESTS_SECONDS=${TESTS_SECONDS:-240}  # the suite's share of an `all` call
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 status=0
 
-# 1. Packages. The machine has torch, triton, pytest (+xdist, timeout), matplotlib and tqdm
-#    but no network: floydnet and liger-kernel travel as wheels; gradops is this checkout.
+# 1. Packages: torch, triton, pytest (+xdist, timeout when present), matplotlib and tqdm are
+#    expected on the machine; floydnet and liger-kernel come from .whl/ when it exists.
 {
     if ls .whl/*.whl >/dev/null 2>&1; then
         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
             && echo "installed from .whl/: $(cd .whl && ls *.whl | tr '\n' ' ')"
     else
-        echo "no .whl/ carried: floydnet and liger-kernel will be reported as not importable"
+        echo "no .whl/: floydnet and liger-kernel are used only if already installed"
     fi
     $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . \
         || echo "pip install -e . failed: using the checkout through PYTHONPATH"

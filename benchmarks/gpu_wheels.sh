@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# Prepare .whl/ on the CPU machine (it has PyPI; the lent GPU machine has no network): the
-# Python packages gradops' tests and benchmarks use that the GPU machine's image lacks
-# (/work/.library/device/KINDS.md lists what it holds: torch, triton, pytest and its xdist
-# and timeout plugins, matplotlib, tqdm, numpy, typing-extensions are there). Both are
-# pure-Python wheels whose own needs (torch, triton, typing-extensions) are already there.
+# Fetch, on a machine with network access, the wheels of the pure-Python packages gradops'
+# tests and benchmarks use beyond torch, triton, pytest, matplotlib and tqdm: floydnet and
+# liger-kernel (no dependencies fetched: theirs are torch, triton and typing-extensions).
+# Copy the resulting .whl/ into the checkout on a GPU machine without network, where
+# benchmarks/gpu_validate.sh installs them (docs/gpu.md).
 #
-#   bash benchmarks/gpu_wheels.sh     # then carry .whl in the device tool's `run`
+#   PY_VERSION=3.12 bash benchmarks/gpu_wheels.sh   # the GPU machine's Python (default 3.12)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 mkdir -p .whl
-# .whl/ is in .gitignore, so it travels only when named in `carry`.
-$PY -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+$PY -m pip download --no-deps --only-binary=:all: --python-version "${PY_VERSION:-3.12}" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl floydnet==1.1.0 liger-kernel==0.8.5
 ls -l .whl
