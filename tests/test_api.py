@@ -1,4 +1,7 @@
 """The package surface: exports, status codes, backend choice."""
+import importlib
+import types
+
 import pytest
 import torch
 
@@ -76,6 +79,31 @@ def test_kernel_limits_route_auto_to_the_reference_and_refuse_explicit_triton(mo
     impl = _backend.implementation("floyd_attention", "floyd_attention", "auto", torch.device("cuda"),
                                    kernel_limit=lambda kernels: kernels.unsupported(q))
     assert impl.__name__ == "gradops.kernels.floyd_attention"
+
+
+@pytest.mark.parametrize("version,on_gpu", [("3.6.0", False), ("3.9.0", True), ("3.10.1+git0abc", True)])
+def test_float64_floyd_on_a_gpu_needs_triton_3_9(monkeypatch, version, on_gpu):
+    """Triton 3.6 fails to compile the float64 Floyd kernels for sm_90 (its LLVM lowering of
+    the batched float64 dots; seen with gradops.bench.floyd.compile_check): with such a
+    Triton, "auto" sends float64 CUDA calls to the reference. The interpreter runs them."""
+    if not _backend.has_triton_kernels("floyd_attention"):
+        pytest.skip("triton is not installed")
+    import triton
+
+    kernels = importlib.import_module("gradops.kernels.floyd_attention")
+    monkeypatch.setattr(triton, "__version__", version)
+    monkeypatch.setattr(_backend, "_triton_usable_on", lambda device: True)  # as on a GPU
+    on_cuda = types.SimpleNamespace(shape=(1, 1, 2, 2, 64), dtype=torch.float64, device=torch.device("cuda"))
+    impl = _backend.implementation("floyd_attention", "floyd_attention", "auto", torch.device("cuda"),
+                                   kernel_limit=lambda k: k.unsupported(on_cuda))
+    assert impl.__name__ == f"gradops.{'kernels' if on_gpu else 'reference'}.floyd_attention"
+    if not on_gpu:
+        with raises_status(INVALID, "backend='triton'", "float64", "triton >= 3.9", version):
+            _backend.implementation("floyd_attention", "floyd_attention", "triton", torch.device("cuda"),
+                                    kernel_limit=lambda k: k.unsupported(on_cuda))
+    assert kernels.unsupported(rand((1, 1, 2, 2, 64), torch.float64)) is None  # CPU: the interpreter
+    assert kernels.unsupported(types.SimpleNamespace(shape=(1, 1, 2, 2, 64), dtype=torch.float32,
+                                                     device=torch.device("cuda"))) is None
 
 
 def test_operators_build_no_autograd_graph_and_write_in_place_into_grad_tensors():

@@ -46,6 +46,7 @@ copy.
 """
 from __future__ import annotations
 
+import re
 import struct
 
 import torch
@@ -495,14 +496,21 @@ def _dkv_meta(kernel: str, cfg):
                 BLOCK_D=cfg.block_d, GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def _triton_version() -> tuple:
+    return tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
+
+
 def unsupported(q) -> "str | None":
     """Why these kernels cannot take a call on ``q`` (None when they can): past these head
     dims a program's tiles exceed an H100's shared memory even at the smallest tile of
-    floyd_config's table (docs/kernels-floyd.md)."""
+    floyd_config's table; and Triton before 3.9 fails to compile the float64 kernels for a
+    GPU (its LLVM lowering of the batched float64 dots; docs/kernels-floyd.md, Limits)."""
     d = q.shape[-1]
     limit = 128 if q.dtype == torch.float64 else 256
     if d > limit:
         return f"head dim D = {d} > {limit} for {str(q.dtype).replace('torch.', '')} inputs"
+    if q.dtype == torch.float64 and q.device.type == "cuda" and _triton_version() < (3, 9):
+        return f"float64 inputs on a GPU need triton >= 3.9 (installed: {triton.__version__})"
     return None
 
 
