@@ -41,7 +41,8 @@ def default_backend() -> str:
 
 def set_default_backend(backend: Optional[str]) -> str:
     """Make ``backend`` ("auto", "reference" or "triton"; None means "auto") what calls
-    without an explicit backend use, process-wide; returns the previous default."""
+    without an explicit backend use, process-wide (one setting shared by every thread, as
+    torch.set_default_dtype; not thread-local); returns the previous default."""
     global _default_backend
     previous = _default_backend
     _default_backend = _check_name("set_default_backend", "auto" if backend is None else backend)
@@ -50,7 +51,8 @@ def set_default_backend(backend: Optional[str]) -> str:
 
 @contextlib.contextmanager
 def use_backend(backend: Optional[str]) -> Iterator[str]:
-    """``with gradops.use_backend("triton"): ...``: set_default_backend for a block."""
+    """``with gradops.use_backend("triton"): ...``: set_default_backend for a block. The
+    setting is process-wide, not per thread: other threads see it while the block runs."""
     previous = set_default_backend(backend)
     try:
         yield default_backend()

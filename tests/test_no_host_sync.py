@@ -4,9 +4,9 @@ Once a shape (and an NSA packing) has been seen, a forward and backward of every
 must neither wait for the GPU nor copy host data to it: a training step can then run ahead
 of the GPU and be captured in a CUDA graph. On a GPU (GRADOPS_TEST_DEVICE=cuda) a training
 step using every operator runs under ``torch.cuda.set_sync_debug_mode("error")`` and is
-captured in a CUDA graph and replayed, on both backends. On CPU two proxies run: a repeated
-call of every operator builds no tensor from host data, and a ``seq_lens`` tensor is read
-once per training step.
+captured in a CUDA graph and replayed, on both backends. On CPU three proxies run: a repeated
+call of every operator, and a repeated training step through every module, bring no host
+data in, and a ``seq_lens`` tensor is read once per training step.
 """
 import collections
 
@@ -27,8 +27,8 @@ cuda_only = pytest.mark.skipif(TEST_DEVICE != "cuda" or not torch.cuda.is_availa
 
 class _HostData(TorchDispatchMode):
     """Records the operators that make a tensor out of host data (``torch.tensor``: lift_fresh),
-    read a device value back (``.item()``: _local_scalar_dense), or copy from the CPU to
-    another device."""
+    read a device value back (``.item()``: _local_scalar_dense), or copy between the CPU and
+    another device, either way (``.to(device)``, ``.cpu()``, ``.tolist()``)."""
 
     READS = ("aten.lift_fresh", "aten.lift_fresh_copy", "aten._local_scalar_dense")
 
@@ -44,8 +44,8 @@ class _HostData(TorchDispatchMode):
         elif name in ("aten._to_copy", "aten.copy_"):
             src = args[1] if name == "aten.copy_" else args[0]
             dst = args[0].device if name == "aten.copy_" else torch.device(kwargs.get("device") or src.device)
-            if src.device.type == "cpu" and dst.type != "cpu":
-                self.seen[f"{name} cpu -> {dst}"] += 1
+            if (src.device.type == "cpu") != (dst.type == "cpu"):
+                self.seen[f"{name} {src.device} -> {dst}"] += 1
         return func(*args, **kwargs)
 
 
@@ -128,6 +128,21 @@ def _inputs(device, seed):
     x = torch.randn(2, 6, 6, 16, generator=g, device="cpu").to(device)
     mask = (torch.rand(2, 1, 6, 1, 6, generator=g, device="cpu") < 0.3).to(device)
     return x, mask
+
+
+def test_repeated_training_steps_through_the_modules_bring_no_host_data(backend, device):
+    """Forward and backward of every module (the layers users call, a Python-list seq_lens
+    included): after the first step, none makes a tensor from host data, reads one back or
+    copies across devices."""
+    torch.manual_seed(0)
+    model = _EveryModule().to(device)
+    x, mask = _inputs(device, 0)
+    model(x, mask).backward()  # first step: compiles kernels, builds the NSA tables of this packing
+    with _HostData() as watch:
+        for _ in range(2):
+            model.zero_grad(set_to_none=False)
+            model(x, mask).backward()
+    assert not watch.seen, f"host data brought in by a repeated step: {dict(watch.seen)}"
 
 
 @cuda_only
