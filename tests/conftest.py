@@ -29,6 +29,8 @@ if TEST_DEVICE == "cpu":
 
     interpreter_fixes.install()  # float32 -> bfloat16 rounds to nearest even, as on a GPU
 
+from helpers import skip_if_floyd_float64_refused  # noqa: E402
+
 BACKENDS = ("reference", "triton")
 
 
@@ -42,6 +44,8 @@ def backend(request):
     """Each backend in turn, as gradops' default backend for the test."""
     if request.param == "triton" and not triton_available():
         pytest.skip("triton is not installed: pip install -e '.[test]'")
+    if request.node.get_closest_marker("floyd_float64"):
+        skip_if_floyd_float64_refused(request.param, TEST_DEVICE)
     with contextlib.ExitStack() as stack:
         stack.enter_context(gradops.use_backend(request.param))
         if TEST_DEVICE != "cpu":  # factory calls without a device create tensors on the test device

@@ -21,6 +21,19 @@ def autocast(dtype=torch.bfloat16, enabled=True):
     return torch.autocast(torch.get_default_device().type, dtype=dtype, enabled=enabled)
 
 
+def skip_if_floyd_float64_refused(backend, device, dtype=torch.float64):
+    """Skip a triton run of float64 Floyd attention where the Floyd kernels refuse float64
+    (a GPU with triton < 3.9, which cannot compile them: gradops.kernels.floyd_attention.
+    unsupported says so, and "auto" runs such calls on the reference)."""
+    if backend != "triton" or dtype != torch.float64:
+        return
+    from gradops.kernels import floyd_attention as kernels
+
+    reason = kernels.unsupported(torch.empty((1, 1, 1, 1, 16), dtype=dtype, device=device))
+    if reason is not None:
+        pytest.skip(f"the Triton Floyd kernels refuse this call here: {reason}")
+
+
 def assert_close(actual, expected, dtype=None, tol=None, what=""):
     """Relative error (to expected's largest magnitude) within the dtype's tolerance."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"

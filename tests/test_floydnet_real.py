@@ -60,6 +60,7 @@ def test_package_is_the_one_we_compare_against(backend):
     assert version("floydnet") == "1.1.0"
 
 
+@pytest.mark.floyd_float64
 @pytest.mark.parametrize("scale", [None, 0.37])
 def test_no_mask_default_and_explicit_scale(backend, scale):
     ours, theirs = _run_both(_leaves(), scale=scale)
@@ -78,6 +79,7 @@ BOOL_MASK_SHAPES = [
 ]
 
 
+@pytest.mark.floyd_float64
 @pytest.mark.parametrize("shape", BOOL_MASK_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_boolean_masks(backend, shape, monkeypatch):
     fused_calls = []
@@ -90,6 +92,7 @@ def test_boolean_masks(backend, shape, monkeypatch):
     assert bool(fused_calls) == (shape in BOOL_MASK_SHAPES[:2])
 
 
+@pytest.mark.floyd_float64
 @pytest.mark.parametrize("shape", [(B, 1, LI, 1, LJ), (B, H, LI, LK, LJ)], ids=["fused", "full"])
 def test_boolean_mask_with_fully_masked_rows(backend, shape):
     # FloydNet writes -1e9 everywhere in such a row: a uniform softmax over all pivots
@@ -123,6 +126,7 @@ def test_small_inf_keeps_a_visible_share(backend):
     _assert_same(ours, theirs, **F64_TOL)
 
 
+@pytest.mark.floyd_float64
 def test_dropout_zero_keyword_and_positional(backend):
     leaves = _leaves()
     a = gradops.pivotal_attention(*leaves, None, 0.0)
@@ -130,6 +134,7 @@ def test_dropout_zero_keyword_and_positional(backend):
     torch.testing.assert_close(a, b, **F64_TOL)
 
 
+@pytest.mark.floyd_float64
 def test_permuted_views_as_floydnet_blocks_pass_them(backend):
     # PivotalAttentionBlock.attn: chunk a [B,L,L,5C] projection and permute to [B,H,L,L,d]
     n, c = 5, H * D
@@ -199,6 +204,7 @@ def _block_and_layer(c, heads, bias):
     return block, layer
 
 
+@pytest.mark.floyd_float64
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 def test_floyd_attention_module_matches_floydnet_attn(backend, bias, masked):
@@ -238,6 +244,7 @@ def _block_runs_floydnets_then_ours(block, x, mask, monkeypatch, autocast_dtype=
     return runs
 
 
+@pytest.mark.floyd_float64
 def test_swapping_our_function_into_floydnets_block(backend, monkeypatch):
     # the whole FloydNet block (symmetric mix, pre-norm, FFN) with its pivotal_attention
     # replaced by ours: same outputs and parameter gradients
@@ -435,6 +442,7 @@ def test_single_pivot_training_matches_floydnet(backend):
         torch.testing.assert_close(ours[k], theirs[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
+@pytest.mark.floyd_float64
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
 def test_float64_block_under_autocast_stays_float64(backend, monkeypatch, mask_kind):
     """torch's autocast never lowers float64, so FloydNet's float64 block runs in float64 under

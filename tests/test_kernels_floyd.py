@@ -23,7 +23,7 @@ import gradops
 from gradops.kernels import floyd_config as config
 from gradops.reference import floyd_attention as reference
 
-from helpers import run_sm90_compile
+from helpers import run_sm90_compile, skip_if_floyd_float64_refused
 
 kernels = pytest.importorskip("gradops.kernels.floyd_attention")
 
@@ -286,6 +286,7 @@ def test_deterministic(device):
 
 
 def test_float64(device):
+    skip_if_floyd_float64_refused("triton", device)
     shape = (1, 2, 6, 17, 5, 8)
     inputs, dy, mask = make_inputs(*shape, torch.float64, device, "full_rows")
     out, mx, sm, grads = run_kernels(inputs, dy, mask, 0.9)
@@ -372,6 +373,7 @@ def test_scale_reaches_the_kernels_exactly(dtype, scale, device):
     reference's float32 multiply does) or by the float64 scale itself (float64 inputs: not
     rounded to float32 on the way in). With D = 1 every score is one correctly rounded
     expression, so the softmax max must equal, bitwise, that expression computed here."""
+    skip_if_floyd_float64_refused("triton", device, dtype)
     b, h, n, m, k, d = 1, 2, 5, 19, 20, 1
     inputs, _, _ = make_inputs(b, h, n, m, k, d, dtype, device)
     _, mx, _ = kernels.floyd_attention(*inputs, None, scale)

@@ -12,7 +12,7 @@ import gradops.ops.rms_norm as rms_ops
 from gradops.errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, AclnnError
 from gradops.nn import functional as F
 
-from helpers import autocast, interpreted
+from helpers import autocast, interpreted, skip_if_floyd_float64_refused
 
 f64 = torch.float64
 
@@ -123,6 +123,7 @@ def test_nsa_compress_gradcheck(backend, seq_lens, kind):
                                     fast_mode=interpreted(backend))
 
 
+@pytest.mark.floyd_float64
 @pytest.mark.parametrize("masked", ["none", "some", "full_row"])
 def test_floyd_attention_gradcheck(backend, masked):
     ins = leaves(*floyd_inputs())
@@ -161,6 +162,7 @@ def test_nsa_compress_matches_formula(backend):
                        lambda x, w: nsa_oracle(x, w, 5, 3, ends), (x, w))
 
 
+@pytest.mark.floyd_float64
 def test_floyd_attention_matches_formula_on_views(backend):
     q, k1, v1, k2, v2 = floyd_inputs(b=2, h=2, n=4, m=3, k=5, d=4)
     mask = torch.rand(2, 1, 4, 1, 5) < 0.3
@@ -244,6 +246,7 @@ def test_double_backward_is_a_clear_error(backend, family):
         x, w = leaves(torch.randn(8, 2, 4, dtype=f64), torch.randn(4, 2, dtype=f64))
         y = F.nsa_compress(x, w, 4, 2, [8])
     else:
+        skip_if_floyd_float64_refused(backend, torch.get_default_device())
         ins = leaves(*floyd_inputs())
         x = ins[0]
         y = F.floyd_attention(*ins)

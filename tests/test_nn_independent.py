@@ -123,6 +123,7 @@ def _floyd(b, h, n, m, k, d):
             _leaf(b, h, k, m, d))
 
 
+@pytest.mark.floyd_float64
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8])
 def test_floyd_attention_gradcheck_fully_masked_rows(backend, mask_dtype):
     b, h, n, m, k, d = 2, 1, 3, 2, 4, 5
@@ -135,6 +136,7 @@ def test_floyd_attention_gradcheck_fully_masked_rows(backend, mask_dtype):
                                     fast_mode=interpreted(backend))
 
 
+@pytest.mark.floyd_float64
 def test_floyd_attention_gradcheck_single_pivot_no_mask(backend):
     ins = _floyd(1, 3, 2, 3, 1, 2)   # K = 1: softmax over one pivot is constant 1
     assert torch.autograd.gradcheck(lambda *t: F.floyd_attention(*t), ins,
@@ -146,6 +148,7 @@ def test_floyd_attention_gradcheck_single_pivot_no_mask(backend):
     dict(attn_mask="bool_per_k", softmax_cap=1.5),       # chunked path
     dict(attn_mask="additive", scale=0.7),               # chunked path, additive
 ])
+@pytest.mark.floyd_float64
 def test_pivotal_attention_gradcheck(backend, kwargs):
     b, h, li, lk, lj, d = 1, 2, 3, 2, 4, 3
     ins = (_leaf(b, h, li, lk, d), _leaf(b, h, li, lj, d), _leaf(b, h, lj, lk, d), _leaf(b, h, li, lj, d),

@@ -147,6 +147,7 @@ class FloydNetAttention(nn.Module):
         return self.c_proj(y.permute(0, 2, 3, 1, 4).reshape(b, n, n, c))
 
 
+@pytest.mark.floyd_float64
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 def test_floyd_attention_is_floydnet_attention(backend, bias, masked):
@@ -163,6 +164,7 @@ def test_floyd_attention_is_floydnet_attention(backend, bias, masked):
     assert_same_forward_and_grads(ours, theirs, torch.randn(b, n, n, c, dtype=f64), **fwd)
 
 
+@pytest.mark.floyd_float64
 def test_floyd_attention_dropout_only_while_training(backend):
     m = gnn.FloydAttention(8, 2, dropout=0.5, dtype=f64)
     x = torch.randn(1, 4, 4, 8, dtype=f64)

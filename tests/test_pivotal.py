@@ -94,6 +94,7 @@ MASKS = {
 }
 
 
+@pytest.mark.floyd_float64
 @pytest.mark.parametrize("kind", list(MASKS))
 def test_masks_match_floydnet(backend, kind, path_spy):
     factory, expected_path = MASKS[kind]
@@ -104,6 +105,7 @@ def test_masks_match_floydnet(backend, kind, path_spy):
     assert path_spy == [expected_path]
 
 
+@pytest.mark.floyd_float64
 @pytest.mark.parametrize("scale", [None, 0.3])
 @pytest.mark.parametrize("cap", [-1, 0.0, 2.0])
 def test_scale_default_and_softmax_cap(backend, scale, cap, path_spy):
@@ -114,6 +116,7 @@ def test_scale_default_and_softmax_cap(backend, scale, cap, path_spy):
     assert path_spy == ["chunked" if cap > 0 else "fused"]
 
 
+@pytest.mark.floyd_float64
 def test_scale_default_is_one_over_sqrt_2d(backend):
     ins = [t.detach() for t in make_inputs(d=8)]
     torch.testing.assert_close(pivotal_attention(*ins), pivotal_attention(*ins, scale=1 / math.sqrt(16)),
@@ -129,6 +132,7 @@ def test_small_inf_takes_the_literal_path(backend, path_spy):
     assert path_spy == ["chunked"]
 
 
+@pytest.mark.floyd_float64
 def test_floydnet_block_views(backend, path_spy):
     """FloydNet's block layout: one [B, N, N, 5C] projection chunked and permuted to five
     non-contiguous [B, H, N, N, D] views, passed with the dropout= keyword."""
