@@ -1,5 +1,4 @@
 """The package surface: exports, status codes, backend choice."""
-import importlib
 import types
 
 import pytest
@@ -90,7 +89,7 @@ def test_float64_floyd_on_a_gpu_needs_triton_3_9(monkeypatch, version, on_gpu):
         pytest.skip("triton is not installed")
     import triton
 
-    kernels = importlib.import_module("gradops.kernels.floyd_attention")
+    from gradops.kernels import floyd_attention as kernels
     monkeypatch.setattr(triton, "__version__", version)
     monkeypatch.setattr(_backend, "_triton_usable_on", lambda device: True)  # as on a GPU
     on_cuda = types.SimpleNamespace(shape=(1, 1, 2, 2, 64), dtype=torch.float64, device=torch.device("cuda"))
