@@ -39,18 +39,25 @@ def device():
     return TEST_DEVICE
 
 
+@contextlib.contextmanager
+def as_default_backend(request, name):
+    """``name`` as gradops' default backend (and the test device as torch's) for a test."""
+    if name == "triton" and not triton_available():
+        pytest.skip("triton is not installed: pip install -e '.[test]'")
+    if request.node.get_closest_marker("floyd_float64"):
+        skip_if_floyd_float64_refused(name, TEST_DEVICE)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(gradops.use_backend(name))
+        if TEST_DEVICE != "cpu":  # factory calls without a device create tensors on the test device
+            stack.enter_context(torch.device(TEST_DEVICE))
+        yield name
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """Each backend in turn, as gradops' default backend for the test."""
-    if request.param == "triton" and not triton_available():
-        pytest.skip("triton is not installed: pip install -e '.[test]'")
-    if request.node.get_closest_marker("floyd_float64"):
-        skip_if_floyd_float64_refused(request.param, TEST_DEVICE)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(gradops.use_backend(request.param))
-        if TEST_DEVICE != "cpu":  # factory calls without a device create tensors on the test device
-            stack.enter_context(torch.device(TEST_DEVICE))
-        yield request.param
+    with as_default_backend(request, request.param) as name:
+        yield name
 
 
 @pytest.fixture(autouse=True)

@@ -292,9 +292,11 @@ def test_errors_carry_cann_status_and_name_the_parameter(backend):
 
 def test_custom_op_registrations_pass_opcheck(backend):
     """Fake implementations, autograd registrations and schemas agree with the real ops."""
-    x, w, b = leaves(torch.randn(3, 8), torch.randn(8), torch.randn(8))
-    torch.library.opcheck(torch.ops.gradops.layer_norm.default, (x, [8], w, b, 1e-5, None))
-    torch.library.opcheck(torch.ops.gradops.rms_norm.default, (x, w, 1e-6, None))
+    x, r, w, b = leaves(torch.randn(3, 8), torch.randn(3, 8), torch.randn(8), torch.randn(8))
+    for residual in (None, r):  # the plain norms and the fused residual add
+        torch.library.opcheck(torch.ops.gradops.layer_norm.default, (x, residual, [8], w, b, 1e-5, None))
+        torch.library.opcheck(torch.ops.gradops.rms_norm.default, (x, residual, w, 1e-6, 0.0, "gemma", None))
+        torch.library.opcheck(torch.ops.gradops.rms_norm.default, (x, residual, w, 1e-6, 1.0, "llama", None))
     xs, ws = leaves(torch.randn(12, 2, 4), torch.randn(4, 2))
     torch.library.opcheck(torch.ops.gradops.nsa_compress.default, (xs, ws, 4, 2, [5, 12], "cumsum", None))
     ins = leaves(*floyd_inputs(dtype=torch.float32))
@@ -309,11 +311,13 @@ def test_backward_op_registrations_pass_opcheck(backend):
     graphs) have consistent fake implementations too. Inputs do not require grad: these ops
     deliberately have no derivative."""
     x, w, b, dy = torch.randn(3, 8), torch.randn(8), torch.randn(8), torch.randn(3, 8)
-    _, mean, rstd = torch.ops.gradops.layer_norm(x, [8], w, b, 1e-5, None)
-    torch.library.opcheck(torch.ops.gradops.layer_norm_backward.default,
-                          (dy, x, [8], mean, rstd, w, b, [True, False, True], None))
-    _, rstd = torch.ops.gradops.rms_norm(x, w, 1e-6, None)
-    torch.library.opcheck(torch.ops.gradops.rms_norm_backward.default, (dy, x, rstd, w, None))
+    _, mean, rstd, _ = torch.ops.gradops.layer_norm(x, None, [8], w, b, 1e-5, None)
+    _, rstd_rms, _ = torch.ops.gradops.rms_norm(x, None, w, 1e-6, 0.0, "gemma", None)
+    for dres in (None, torch.randn(3, 8)):  # h's gradient of the fused residual add
+        torch.library.opcheck(torch.ops.gradops.layer_norm_backward.default,
+                              (dy, dres, x, [8], mean, rstd, w, b, [True, False, True], None))
+        torch.library.opcheck(torch.ops.gradops.rms_norm_backward.default,
+                              (dy, dres, x, rstd_rms, w, 1.0, "llama", None))
     xs, ws = torch.randn(12, 2, 4), torch.randn(4, 2)
     dout = torch.randn_like(F.nsa_compress(xs, ws, 4, 2, [5, 12]))
     for seq_lens, op in (([5, 12], torch.ops.gradops.nsa_compress_backward.default),

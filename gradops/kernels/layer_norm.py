@@ -10,6 +10,10 @@ Conventions shared by all kernels below: rows are addressed as ``row * stride + 
 with the row index widened to int64 first (so a tensor may pass 2**31 elements); masked
 lanes load 0 and are forced back to 0 after any shift, so they never leak into a sum;
 ACC is the accumulator dtype (float32, float64 for float64 inputs).
+
+The fused residual add (``residual``/``dres``, see the reference) is a flag of the same
+kernels: HAS_RES reads the residual and writes h = x + residual beside y, HAS_DRES reads the
+gradient that reaches h from elsewhere and adds it to dx, each in the one pass.
 """
 from __future__ import annotations
 
@@ -24,8 +28,8 @@ from ._norm_common import as_rows, dx_target, row_stride, sum_partial_rows, tl_a
 
 # --------------------------------------------------------------------------- forward
 @triton.jit
-def _ln_fwd_fused_kernel(X, Y, W, B, Mean, Rstd, M, N, stride_x, stride_y, eps,
-                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr,
+def _ln_fwd_fused_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps,
+                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, ACC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # One tile of BLOCK_M whole rows per program: x is read once, y written once.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -34,7 +38,13 @@ def _ln_fwd_fused_kernel(X, Y, W, B, Mean, Rstd, M, N, stride_x, stride_y, eps,
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        # h in x's dtype, rounded as torch's add rounds it: the norm sees the h it returns
+        r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(ACC) + r.to(ACC)).to(X.dtype.element_ty)
+        tl.store(H + rows64[:, None] * stride_h + cols[None, :], x, mask=mask)
+    x = x.to(ACC)
     mean = tl.sum(x, axis=1) / N
     xc = tl.where(mask, x - mean[:, None], 0.0)
     var = tl.sum(xc * xc, axis=1) / N  # two-pass (in registers): no cancellation
@@ -50,14 +60,24 @@ def _ln_fwd_fused_kernel(X, Y, W, B, Mean, Rstd, M, N, stride_x, stride_y, eps,
 
 
 @triton.jit
-def _ln_fwd_wide_kernel(X, Y, W, B, Mean, Rstd, N, stride_x, stride_y, eps,
-                        HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr,
+def _ln_load_h(X, R, row, stride_x, stride_r, cols, cmask, HAS_RES: tl.constexpr, ACC: tl.constexpr):
+    # A block of the row to normalise, x or h = x + residual (rounded to x's dtype).
+    x = tl.load(X + row * stride_x + cols, mask=cmask, other=0.0)
+    if HAS_RES:
+        r = tl.load(R + row * stride_r + cols, mask=cmask, other=0.0)
+        x = (x.to(ACC) + r.to(ACC)).to(X.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _ln_fwd_wide_kernel(X, R, H, Y, W, B, Mean, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps,
+                        HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, ACC: tl.constexpr,
                         BLOCK_N: tl.constexpr):
     # One row per program, too wide for registers. Pass 1 merges exact per-block mean and
-    # sum of squared deviations (Chan et al.'s pairwise update, as accurate as two-pass);
-    # pass 2 re-reads the row, which the program has just touched (L2), and writes y.
+    # sum of squared deviations (Chan et al.'s pairwise update, as accurate as two-pass) and
+    # writes h; pass 2 re-reads the row, which the program has just touched (L2), and writes
+    # y (h is recomputed from x and the residual: reading it back would need a barrier).
     row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * stride_x
     offs = tl.arange(0, BLOCK_N)
     count = tl.zeros([1], dtype=ACC)
     mean = tl.zeros([1], dtype=ACC)
@@ -65,7 +85,10 @@ def _ln_fwd_wide_kernel(X, Y, W, B, Mean, Rstd, N, stride_x, stride_y, eps,
     for c0 in range(0, N, BLOCK_N):
         cols = c0 + offs
         cmask = cols < N
-        x = tl.load(x_row + cols, mask=cmask, other=0.0).to(ACC)
+        x = _ln_load_h(X, R, row, stride_x, stride_r, cols, cmask, HAS_RES, ACC)
+        if HAS_RES:
+            tl.store(H + row * stride_h + cols, x, mask=cmask)
+        x = x.to(ACC)
         n_b = tl.minimum(N - c0, BLOCK_N).to(ACC)
         mean_b = tl.sum(x, axis=0) / n_b
         d = tl.where(cmask, x - mean_b, 0.0)
@@ -81,7 +104,7 @@ def _ln_fwd_wide_kernel(X, Y, W, B, Mean, Rstd, N, stride_x, stride_y, eps,
     for c0 in range(0, N, BLOCK_N):
         cols = c0 + offs
         cmask = cols < N
-        x = tl.load(x_row + cols, mask=cmask, other=0.0).to(ACC)
+        x = _ln_load_h(X, R, row, stride_x, stride_r, cols, cmask, HAS_RES, ACC).to(ACC)
         y = (x - mean) * rstd
         if HAS_W:
             y = y * tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
@@ -93,7 +116,7 @@ def _ln_fwd_wide_kernel(X, Y, W, B, Mean, Rstd, N, stride_x, stride_y, eps,
     tl.store(Rstd + row + one, rstd.to(Rstd.dtype.element_ty))
 
 
-def layer_norm(x, weight, bias, eps):
+def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
     m, n = x.shape
     acc = stat_dtype(x.dtype)
     x = as_rows(x)
@@ -108,25 +131,30 @@ def layer_norm(x, weight, bias, eps):
         return y, mean, rstd
     w = vector(weight) if weight is not None else x
     b = vector(bias) if bias is not None else x
-    common = dict(HAS_W=weight is not None, HAS_B=bias is not None, ACC=tl_acc(x.dtype))
+    has_res = residual is not None
+    r = as_rows(residual) if has_res else x
+    h = h_out if has_res else x  # the ops layer passes a fresh contiguous h_out
+    strides = (row_stride(x), row_stride(r), row_stride(h), row_stride(y))
+    common = dict(HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=has_res, ACC=tl_acc(x.dtype))
     if norm_config.is_fused(n, x.device):
         cfg = norm_config.fused_config(m, n, x.device, persistent=False)
         _ln_fwd_fused_kernel[(cfg.grid,)](
-            x, y, w, b, mean, rstd, m, n, row_stride(x), row_stride(y), eps,
+            x, r, h, y, w, b, mean, rstd, m, n, *strides, eps,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **common)
     else:
         cfg = norm_config.split_config(m, n, x.device)
         _ln_fwd_wide_kernel[(m,)](
-            x, y, w, b, mean, rstd, n, row_stride(x), row_stride(y), eps,
+            x, r, h, y, w, b, mean, rstd, n, *strides, eps,
             BLOCK_N=cfg.block_n, num_warps=cfg.row_num_warps, **common)
     return y, mean, rstd
 
 
 # -------------------------------------------------------------------------- backward
 @triton.jit
-def _ln_bwd_fused_kernel(DY, X, W, Mean, Rstd, DX, DW_P, DB_P,
-                         M, N, stride_dy, stride_x, stride_dx, stride_p, tiles_per_program, num_programs,
-                         HAS_W: tl.constexpr, WANT_DX: tl.constexpr, WANT_DW: tl.constexpr,
+def _ln_bwd_fused_kernel(DY, X, W, Mean, Rstd, DRES, DX, DW_P, DB_P,
+                         M, N, stride_dy, stride_x, stride_dres, stride_dx, stride_p, tiles_per_program,
+                         num_programs, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr, WANT_DX: tl.constexpr,
+                         WANT_DW: tl.constexpr,
                          WANT_DB: tl.constexpr, ACC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Persistent: program p takes row tiles p, p + P, p + 2P, ... Each element of x and dy
@@ -159,6 +187,9 @@ def _ln_bwd_fused_kernel(DY, X, W, Mean, Rstd, DX, DW_P, DB_P,
             c1 = tl.sum(xhat * g, axis=1) / N
             c2 = tl.sum(g, axis=1) / N
             dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+            if HAS_DRES:
+                dx += tl.load(DRES + rows64[:, None] * stride_dres + cols[None, :], mask=mask,
+                              other=0.0).to(ACC)
             tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if WANT_DW:
             acc_dw += tl.sum(dy * xhat, axis=0)
@@ -197,9 +228,10 @@ def _ln_bwd_row_sums_kernel(DY, X, W, Mean, Rstd, C1, C2, N, stride_dy, stride_x
 
 
 @triton.jit
-def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DX, DW_P, DB_P,
-                        M, N, stride_dy, stride_x, stride_dx, stride_p, tiles_per_group, num_row_groups,
-                        HAS_W: tl.constexpr, WANT_DX: tl.constexpr, WANT_DW: tl.constexpr,
+def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DRES, DX, DW_P, DB_P,
+                        M, N, stride_dy, stride_x, stride_dres, stride_dx, stride_p, tiles_per_group,
+                        num_row_groups, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr, WANT_DX: tl.constexpr,
+                        WANT_DW: tl.constexpr,
                         WANT_DB: tl.constexpr, ACC: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Wide rows, step 2: program (column block, row group) owns BLOCK_N columns of every
@@ -231,6 +263,9 @@ def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DX, DW_P, DB_P,
             else:
                 g = dy
             dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+            if HAS_DRES:
+                dx += tl.load(DRES + rows64[:, None] * stride_dres + cols[None, :], mask=mask,
+                              other=0.0).to(ACC)
             tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if WANT_DW:
             acc_dw += tl.sum(dy * xhat, axis=0)
@@ -242,7 +277,7 @@ def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DX, DW_P, DB_P,
         tl.store(DB_P + rg.to(tl.int64) * stride_p + cols, acc_db, mask=cmask)
 
 
-def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
+def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dres=None):
     want_dx, want_dw, want_db = (bool(v) for v in output_mask)
     m, n = x.shape
     acc = stat_dtype(x.dtype)
@@ -251,6 +286,8 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
     if m == 0 or n == 0:
         if want_dx:
             dx = dx_out if dx_out is not None else torch.empty((m, n), dtype=x.dtype, device=device)
+            if dres is not None:
+                dx.copy_(dres)  # an empty row's norm gradient is empty; h's own gradient remains
         if want_dw:
             dw = torch.zeros(n, dtype=acc, device=device)
         if want_db:
@@ -263,7 +300,9 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
     mean, rstd = vector(mean), vector(rstd)
     w = vector(weight) if weight is not None else x_rows
     dx_buf, copy_back = dx_target(dx_out, x) if want_dx else (x_rows, False)
-    flags = dict(HAS_W=weight is not None, WANT_DX=want_dx, WANT_DW=want_dw, WANT_DB=want_db,
+    has_dres = dres is not None and want_dx
+    dres_rows = as_rows(dres) if has_dres else x_rows
+    flags = dict(HAS_W=weight is not None, HAS_DRES=has_dres, WANT_DX=want_dx, WANT_DW=want_dw, WANT_DB=want_db,
                  ACC=tl_acc(x.dtype))
 
     if norm_config.is_fused(n, device):
@@ -281,9 +320,9 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
 
     if norm_config.is_fused(n, device):
         _ln_bwd_fused_kernel[(cfg.grid,)](
-            dy_rows, x_rows, w, mean, rstd, dx_buf, dw_p, db_p,
-            m, n, row_stride(dy_rows), row_stride(x_rows), row_stride(dx_buf), stride_p,
-            cfg.tiles_per_program, cfg.grid,
+            dy_rows, x_rows, w, mean, rstd, dres_rows, dx_buf, dw_p, db_p,
+            m, n, row_stride(dy_rows), row_stride(x_rows), row_stride(dres_rows), row_stride(dx_buf),
+            stride_p, cfg.tiles_per_program, cfg.grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
     else:
         c1 = c2 = mean  # unused unless dx is wanted
@@ -295,9 +334,9 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
                 HAS_W=weight is not None, ACC=flags["ACC"], BLOCK_N=cfg.block_n,
                 num_warps=cfg.row_num_warps)
         _ln_bwd_cols_kernel[(cfg.col_blocks, cfg.row_groups)](
-            dy_rows, x_rows, w, mean, rstd, c1, c2, dx_buf, dw_p, db_p,
-            m, n, row_stride(dy_rows), row_stride(x_rows), row_stride(dx_buf), stride_p,
-            cfg.tiles_per_group, cfg.row_groups,
+            dy_rows, x_rows, w, mean, rstd, c1, c2, dres_rows, dx_buf, dw_p, db_p,
+            m, n, row_stride(dy_rows), row_stride(x_rows), row_stride(dres_rows), row_stride(dx_buf),
+            stride_p, cfg.tiles_per_group, cfg.row_groups,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
 
     if want_dx:

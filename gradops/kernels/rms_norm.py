@@ -6,6 +6,11 @@ docs/backends.md). The organisation mirrors ``gradops.kernels.layer_norm`` (and
 docs/kernels-norm.md): whole rows in registers up to ``norm_config.max_fused_n``, column
 blocks beyond; int64 row offsets; masked lanes load 0; ACC is float32 (float64 for
 float64 inputs).
+
+The variants (``offset``, ``round_xhat``, ``residual``/``dres``; see the reference) are
+flags of the same kernels, so a Gemma, Llama or fused-residual norm costs one pass over
+memory like the plain one: HAS_RES reads the residual and writes h beside y, HAS_DRES reads
+one more gradient and adds it to dx.
 """
 from __future__ import annotations
 
@@ -20,50 +25,85 @@ from ._norm_common import as_rows, dx_target, row_stride, sum_partial_rows, tl_a
 
 # --------------------------------------------------------------------------- forward
 @triton.jit
-def _rms_fwd_fused_kernel(X, Y, W, Rstd, M, N, stride_x, stride_y, eps,
-                          HAS_W: tl.constexpr, ACC: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps, offset,
+                          HAS_W: tl.constexpr, HAS_RES: tl.constexpr, ROUND_XHAT: tl.constexpr,
+                          ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        # h in x's dtype, rounded as torch's add rounds it: the norm sees the h it returns
+        r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(ACC) + r.to(ACC)).to(X.dtype.element_ty)
+        tl.store(H + rows64[:, None] * stride_h + cols[None, :], x, mask=mask)
+    x = x.to(ACC)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
     y = x * rstd[:, None]
+    if ROUND_XHAT:
+        y = y.to(Y.dtype.element_ty).to(ACC)
     if HAS_W:
-        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(ACC)[None, :]
+        y = y * (tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + offset)[None, :]
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     tl.store(Rstd + rows, rstd.to(Rstd.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
-def _rms_fwd_wide_kernel(X, Y, W, Rstd, N, stride_x, stride_y, eps,
-                         HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr):
-    # One row per program: pass 1 sums squares, pass 2 re-reads the row (just touched by
-    # this program, so mostly from L2) and writes y.
+def _rms_load_h(X, R, row, stride_x, stride_r, cols, cmask, HAS_RES: tl.constexpr, ACC: tl.constexpr):
+    # A block of the row to normalise, x or h = x + residual (rounded to x's dtype), in ACC.
+    x = tl.load(X + row * stride_x + cols, mask=cmask, other=0.0)
+    if HAS_RES:
+        r = tl.load(R + row * stride_r + cols, mask=cmask, other=0.0)
+        x = (x.to(ACC) + r.to(ACC)).to(X.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps, offset,
+                         HAS_W: tl.constexpr, HAS_RES: tl.constexpr, ROUND_XHAT: tl.constexpr,
+                         ACC: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One row per program: pass 1 sums squares (and writes h), pass 2 re-reads the row (just
+    # touched by this program, so mostly from L2; h is recomputed from x and the residual
+    # rather than read back, which would need a barrier) and writes y.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
-    x_row = X + row * stride_x
     ss = tl.zeros([BLOCK_N], dtype=ACC)
     for c0 in range(0, N, BLOCK_N):
         cols = c0 + offs
-        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(ACC)
-        ss += x * x
+        cmask = cols < N
+        h = _rms_load_h(X, R, row, stride_x, stride_r, cols, cmask, HAS_RES, ACC)
+        if HAS_RES:
+            tl.store(H + row * stride_h + cols, h, mask=cmask)
+        h = h.to(ACC)
+        ss += h * h
     rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / N + eps)
     y_row = Y + row * stride_y
     for c0 in range(0, N, BLOCK_N):
         cols = c0 + offs
         cmask = cols < N
-        y = tl.load(x_row + cols, mask=cmask, other=0.0).to(ACC) * rstd
+        y = _rms_load_h(X, R, row, stride_x, stride_r, cols, cmask, HAS_RES, ACC).to(ACC) * rstd
+        if ROUND_XHAT:
+            y = y.to(Y.dtype.element_ty).to(ACC)
         if HAS_W:
-            y = y * tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
+            y = y * (tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + offset)
         tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=cmask)
     tl.store(Rstd + row, rstd.to(Rstd.dtype.element_ty))
 
 
-def rms_norm(x, gamma, eps):
+def _gamma_and_offset(gamma, offset, acc):
+    """(gamma, offset) for the kernels: a float kernel argument is float32, so float64 rows
+    take their offset added to gamma here, exactly as the reference adds it."""
+    if gamma is None:
+        return None, 0.0
+    if offset and acc == torch.float64:
+        return gamma.to(acc) + offset, 0.0
+    return vector(gamma), float(offset)
+
+
+def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=None):
     m, n = x.shape
     x = as_rows(x)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -72,25 +112,32 @@ def rms_norm(x, gamma, eps):
         return y, rstd
     if n == 0:
         return y, rstd.fill_(float("nan"))  # the mean of an empty row, as in the reference
-    w = vector(gamma) if gamma is not None else x
-    common = dict(HAS_W=gamma is not None, ACC=tl_acc(x.dtype))
+    gamma, offset = _gamma_and_offset(gamma, offset, stat_dtype(x.dtype))
+    w = gamma if gamma is not None else x
+    has_res = residual is not None
+    r = as_rows(residual) if has_res else x
+    h = h_out if has_res else x  # the ops layer passes a fresh contiguous h_out
+    common = dict(HAS_W=gamma is not None, HAS_RES=has_res, ROUND_XHAT=bool(round_xhat), ACC=tl_acc(x.dtype))
+    strides = (row_stride(x), row_stride(r), row_stride(h), row_stride(y))
     if norm_config.is_fused(n, x.device):
         cfg = norm_config.fused_config(m, n, x.device, persistent=False)
         _rms_fwd_fused_kernel[(cfg.grid,)](
-            x, y, w, rstd, m, n, row_stride(x), row_stride(y), eps,
+            x, r, h, y, w, rstd, m, n, *strides, eps, offset,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **common)
     else:
         cfg = norm_config.split_config(m, n, x.device)
         _rms_fwd_wide_kernel[(m,)](
-            x, y, w, rstd, n, row_stride(x), row_stride(y), eps,
+            x, r, h, y, w, rstd, n, *strides, eps, offset,
             BLOCK_N=cfg.block_n, num_warps=cfg.row_num_warps, **common)
     return y, rstd
 
 
 # -------------------------------------------------------------------------- backward
 @triton.jit
-def _rms_bwd_fused_kernel(DY, X, W, Rstd, DX, DW_P, M, N, stride_dy, stride_x, stride_dx, stride_p,
-                          tiles_per_program, num_programs, HAS_W: tl.constexpr, ACC: tl.constexpr,
+def _rms_bwd_fused_kernel(DY, X, W, Rstd, DRES, DX, DW_P, M, N,
+                          stride_dy, stride_x, stride_dres, stride_dx, stride_p, offset,
+                          tiles_per_program, num_programs, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr,
+                          ROUND_XHAT: tl.constexpr, ACC: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Persistent: program p takes row tiles p, p + P, ...; x and dy are read once, dx is
     # written once, dgamma accumulates in registers and leaves as partial row DW_P[p, :].
@@ -98,7 +145,7 @@ def _rms_bwd_fused_kernel(DY, X, W, Rstd, DX, DW_P, M, N, stride_dy, stride_x, s
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + offset
     acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
     # (a plain trip count, not range(pid, num_tiles, step): Triton 3.6's interpreter needs it)
     for i in range(0, tiles_per_program):
@@ -116,13 +163,18 @@ def _rms_bwd_fused_kernel(DY, X, W, Rstd, DX, DW_P, M, N, stride_dy, stride_x, s
             g = dy
         c = tl.sum(g * x, axis=1) / N
         dx = rstd[:, None] * g - (rstd * rstd * rstd * c)[:, None] * x
+        if HAS_DRES:
+            dx += tl.load(DRES + rows64[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(ACC)
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        acc_dw += tl.sum(dy * x * rstd[:, None], axis=0)
+        xhat = x * rstd[:, None]
+        if ROUND_XHAT:  # gamma multiplied the rounded x-hat
+            xhat = xhat.to(X.dtype.element_ty).to(ACC)
+        acc_dw += tl.sum(dy * xhat, axis=0)
     tl.store(DW_P + pid.to(tl.int64) * stride_p + cols, acc_dw, mask=cmask)
 
 
 @triton.jit
-def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x,
+def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset,
                              HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr):
     # Wide rows, step 1: c = mean(dy * gamma * x) per row.
     row = tl.program_id(0).to(tl.int64)
@@ -134,14 +186,16 @@ def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x,
         dy = tl.load(DY + row * stride_dy + cols, mask=cmask, other=0.0).to(ACC)
         x = tl.load(X + row * stride_x + cols, mask=cmask, other=0.0).to(ACC)
         if HAS_W:
-            dy = dy * tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
+            dy = dy * (tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + offset)
         s += dy * x
     tl.store(C + row, tl.sum(s, axis=0) / N)
 
 
 @triton.jit
-def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DX, DW_P, M, N, stride_dy, stride_x, stride_dx, stride_p,
-                         tiles_per_group, num_row_groups, HAS_W: tl.constexpr, ACC: tl.constexpr,
+def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DRES, DX, DW_P, M, N,
+                         stride_dy, stride_x, stride_dres, stride_dx, stride_p, offset,
+                         tiles_per_group, num_row_groups, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr,
+                         ROUND_XHAT: tl.constexpr, ACC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Wide rows, step 2: program (column block, row group) writes dx for its tiles and keeps
     # dgamma for its columns in registers: one partial row per row group.
@@ -150,7 +204,7 @@ def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DX, DW_P, M, N, stride_dy, stride_x,
     cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + offset
     acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
     for i in range(0, tiles_per_group):
         rows = (rg + i * num_row_groups) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
@@ -166,42 +220,52 @@ def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DX, DW_P, M, N, stride_dy, stride_x,
         else:
             g = dy
         dx = rstd[:, None] * g - (rstd * rstd * rstd * c)[:, None] * x
+        if HAS_DRES:
+            dx += tl.load(DRES + rows64[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(ACC)
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        acc_dw += tl.sum(dy * x * rstd[:, None], axis=0)
+        xhat = x * rstd[:, None]
+        if ROUND_XHAT:
+            xhat = xhat.to(X.dtype.element_ty).to(ACC)
+        acc_dw += tl.sum(dy * xhat, axis=0)
     tl.store(DW_P + rg.to(tl.int64) * stride_p + cols, acc_dw, mask=cmask)
 
 
-def rms_norm_grad(dy, x, rstd, gamma, dx_out=None):
+def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False, dres=None):
     m, n = x.shape
     acc = stat_dtype(x.dtype)
     device = x.device
     if m == 0 or n == 0:
         dx = dx_out if dx_out is not None else torch.empty((m, n), dtype=x.dtype, device=device)
+        if dres is not None:
+            dx.copy_(dres)  # an empty row's norm gradient is empty; h's own gradient remains
         return dx, torch.zeros(n, dtype=acc, device=device)
     dy_rows, x_rows = as_rows(dy), as_rows(x)
     rstd = vector(rstd)
-    w = vector(gamma) if gamma is not None else x_rows
+    gamma, offset = _gamma_and_offset(gamma, offset, acc)
+    w = gamma if gamma is not None else x_rows
+    dres_rows = as_rows(dres) if dres is not None else x_rows
     dx_buf, copy_back = dx_target(dx_out, x)
-    flags = dict(HAS_W=gamma is not None, ACC=tl_acc(x.dtype))
+    flags = dict(HAS_W=gamma is not None, HAS_DRES=dres is not None, ROUND_XHAT=bool(round_xhat),
+                 ACC=tl_acc(x.dtype))
     if norm_config.is_fused(n, device):
         cfg = norm_config.fused_config(m, n, device, persistent=True)
         partial = torch.empty((cfg.grid, n), dtype=acc, device=device)
         _rms_bwd_fused_kernel[(cfg.grid,)](
-            dy_rows, x_rows, w, rstd, dx_buf, partial, m, n,
-            row_stride(dy_rows), row_stride(x_rows), row_stride(dx_buf), partial.stride(0),
-            cfg.tiles_per_program, cfg.grid,
+            dy_rows, x_rows, w, rstd, dres_rows, dx_buf, partial, m, n,
+            row_stride(dy_rows), row_stride(x_rows), row_stride(dres_rows), row_stride(dx_buf),
+            partial.stride(0), offset, cfg.tiles_per_program, cfg.grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
     else:
         cfg = norm_config.split_config(m, n, device)
         c = torch.empty(m, dtype=acc, device=device)
         _rms_bwd_row_sums_kernel[(m,)](
-            dy_rows, x_rows, w, c, n, row_stride(dy_rows), row_stride(x_rows),
-            BLOCK_N=cfg.block_n, num_warps=cfg.row_num_warps, **flags)
+            dy_rows, x_rows, w, c, n, row_stride(dy_rows), row_stride(x_rows), offset,
+            HAS_W=flags["HAS_W"], ACC=flags["ACC"], BLOCK_N=cfg.block_n, num_warps=cfg.row_num_warps)
         partial = torch.empty((cfg.row_groups, n), dtype=acc, device=device)
         _rms_bwd_cols_kernel[(cfg.col_blocks, cfg.row_groups)](
-            dy_rows, x_rows, w, rstd, c, dx_buf, partial, m, n,
-            row_stride(dy_rows), row_stride(x_rows), row_stride(dx_buf), partial.stride(0),
-            cfg.tiles_per_group, cfg.row_groups,
+            dy_rows, x_rows, w, rstd, c, dres_rows, dx_buf, partial, m, n,
+            row_stride(dy_rows), row_stride(x_rows), row_stride(dres_rows), row_stride(dx_buf),
+            partial.stride(0), offset, cfg.tiles_per_group, cfg.row_groups,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
     dx = dx_out.copy_(dx_buf) if copy_back else dx_buf
     return dx, sum_partial_rows(partial, acc)

@@ -38,10 +38,11 @@ from ..ops import floyd_attention as _floyd_ops
 from ..ops import layer_norm as _ln_ops
 from ..ops import nsa_compress as _nsa_ops
 from ..ops import rms_norm as _rms_ops
-from ..ops._checks import stat_dtype
+from ..ops._checks import check_float_attr, stat_dtype
 from ..ops._shapes import as_int_tuple
 
-__all__ = ["layer_norm", "rms_norm", "nsa_compress", "floyd_attention"]
+__all__ = ["layer_norm", "rms_norm", "fused_add_layer_norm", "fused_add_rms_norm", "nsa_compress",
+           "floyd_attention"]
 
 _LIB = torch.library.Library("gradops", "FRAGMENT")
 
@@ -110,62 +111,79 @@ def _register_autocast(op_name: str, cast_to_autocast_dtype: bool):
 # --------------------------------------------------------------------------------------------
 # LayerNorm
 # --------------------------------------------------------------------------------------------
+# One op serves each norm with and without the fused residual add: ``residual`` is None or
+# the tensor added to the input first, and the op returns h = input + residual last. Custom
+# ops cannot return None, so without a residual h is an empty tensor.
+
+def _with_h(outputs: tuple, n: int, like: Tensor) -> tuple:
+    """The first ``n`` results, then h (results[n]) or, without a residual, an empty tensor."""
+    h = outputs[n] if len(outputs) > n else like.new_empty(_NOT_COMPUTED)
+    return tuple(outputs[:n]) + (h,)
+
 
 @torch.library.custom_op("gradops::layer_norm", mutates_args=())
-def _layer_norm_op(x: Tensor, normalized_shape: List[int], weight: Optional[Tensor],
-                   bias: Optional[Tensor], eps: float, backend: Optional[str]
-                   ) -> Tuple[Tensor, Tensor, Tensor]:
+def _layer_norm_op(x: Tensor, residual: Optional[Tensor], normalized_shape: List[int],
+                   weight: Optional[Tensor], bias: Optional[Tensor], eps: float, backend: Optional[str]
+                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     with _no_autocast(x.device.type):
-        y, mean, rstd = _ln_ops.prepare_layer_norm(x, normalized_shape, weight, bias, eps,
-                                                   backend=backend).run()
-    return _fresh(y), _fresh(mean), _fresh(rstd)
+        out = _ln_ops.prepare_layer_norm(x, normalized_shape, weight, bias, eps, residual=residual,
+                                         backend=backend).run()
+    return _with_h(tuple(_fresh(t) for t in out), 3, x)
 
 
 @_layer_norm_op.register_fake
-def _(x, normalized_shape, weight, bias, eps, backend):
-    p = _ln_ops.prepare_layer_norm(x, normalized_shape, weight, bias, eps, backend=backend)
-    return tuple(_empty_like_spec(s, x) for s in p.outputs)
+def _(x, residual, normalized_shape, weight, bias, eps, backend):
+    p = _ln_ops.prepare_layer_norm(x, normalized_shape, weight, bias, eps, residual=residual, backend=backend)
+    return _with_h(tuple(_empty_like_spec(s, x) for s in p.outputs), 3, x)
 
 
 @torch.library.custom_op("gradops::layer_norm_backward", mutates_args=())
-def _layer_norm_backward_op(dy: Tensor, x: Tensor, normalized_shape: List[int], mean: Tensor,
-                            rstd: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+def _layer_norm_backward_op(dy: Tensor, dresidual: Optional[Tensor], x: Tensor, normalized_shape: List[int],
+                            mean: Tensor, rstd: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                             output_mask: List[bool], backend: Optional[str]
                             ) -> Tuple[Tensor, Tensor, Tensor]:
     with _no_autocast(x.device.type):
         grads = _ln_ops.prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight, bias,
-                                                    output_mask, backend=backend).run()
+                                                    output_mask, dresidual=dresidual, backend=backend).run()
     return tuple(x.new_empty(_NOT_COMPUTED) if g is None else _fresh(g) for g in grads)
 
 
 @_layer_norm_backward_op.register_fake
-def _(dy, x, normalized_shape, mean, rstd, weight, bias, output_mask, backend):
+def _(dy, dresidual, x, normalized_shape, mean, rstd, weight, bias, output_mask, backend):
     p = _ln_ops.prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight, bias,
-                                            output_mask, backend=backend)
+                                            output_mask, dresidual=dresidual, backend=backend)
     return tuple(x.new_empty(_NOT_COMPUTED) if s is None else _empty_like_spec(s, x) for s in p.outputs)
 
 
 def _layer_norm_setup(ctx, inputs, output):
-    x, normalized_shape, weight, bias, eps, backend = inputs
-    _, mean, rstd = output
+    x, residual, normalized_shape, weight, bias, eps, backend = inputs
+    _, mean, rstd, h = output
     ctx.mark_non_differentiable(mean, rstd)
-    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.has_residual = residual is not None
+    if not ctx.has_residual:
+        ctx.mark_non_differentiable(h)
+    # the backward needs what was normalised: h with a residual, else x
+    ctx.save_for_backward(h if ctx.has_residual else x, weight, bias, mean, rstd)
     ctx.normalized_shape = normalized_shape
     ctx.backend = backend
 
 
-def _layer_norm_backward(ctx, dy, _dmean, _drstd):
+def _layer_norm_backward(ctx, dy, _dmean, _drstd, dh):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    need_x, _, need_w, need_b = ctx.needs_input_grad[:4]
-    mask = [bool(need_x), bool(need_w and weight is not None), bool(need_b and bias is not None)]
+    need_x, need_res, _, need_w, need_b = ctx.needs_input_grad[:5]
+    need_input = bool(need_x or (ctx.has_residual and need_res))
+    mask = [need_input, bool(need_w and weight is not None), bool(need_b and bias is not None)]
     if not any(mask):
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
     if dy is None:
         dy = torch.zeros_like(x)
-    dx, dw, db = torch.ops.gradops.layer_norm_backward(dy, x, ctx.normalized_shape, mean, rstd, weight,
+    dres = dh if ctx.has_residual else None  # h's gradient from its other uses (None: unused)
+    dx, dw, db = torch.ops.gradops.layer_norm_backward(dy, dres, x, ctx.normalized_shape, mean, rstd, weight,
                                                        bias, mask, ctx.backend)
+    dx = dx if mask[0] else None
     # bias is accepted by the backward operator only for its shape check; db = sum(dy) needs no bias
-    return (dx if mask[0] else None, None, dw if mask[1] else None, db if mask[2] else None, None, None)
+    return (dx, dx if ctx.has_residual else None, None, dw if mask[1] else None, db if mask[2] else None,
+            None, None)
 
 
 torch.library.register_autograd("gradops::layer_norm", _layer_norm_backward, setup_context=_layer_norm_setup)
@@ -188,8 +206,20 @@ def layer_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.
     gradients come back in their own dtype.
     """
     shape = _normalized_shape("layer_norm", normalized_shape)
-    y, _, _ = torch.ops.gradops.layer_norm(input, shape, weight, bias, float(eps), requested(backend))
-    return y
+    return torch.ops.gradops.layer_norm(input, None, shape, weight, bias, float(eps), requested(backend))[0]
+
+
+def fused_add_layer_norm(input: Tensor, residual: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
+                         weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5, *,
+                         backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """The residual add of a pre-norm block fused into ``layer_norm``: returns
+    ``(layer_norm(h, ...), h)`` with ``h = input + residual`` (in input's dtype, as torch
+    adds), computed in one pass over memory, forward and backward. ``residual`` has input's
+    shape and dtype."""
+    shape = _normalized_shape("fused_add_layer_norm", normalized_shape)
+    y, _, _, h = torch.ops.gradops.layer_norm(input, residual, shape, weight, bias, float(eps),
+                                              requested(backend))
+    return y, h
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,49 +227,62 @@ def layer_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.
 # --------------------------------------------------------------------------------------------
 
 @torch.library.custom_op("gradops::rms_norm", mutates_args=())
-def _rms_norm_op(x: Tensor, gamma: Tensor, eps: float, backend: Optional[str]) -> Tuple[Tensor, Tensor]:
+def _rms_norm_op(x: Tensor, residual: Optional[Tensor], gamma: Tensor, eps: float, offset: float,
+                 casting_mode: str, backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
     with _no_autocast(x.device.type):
-        y, rstd = _rms_ops.prepare_rms_norm(x, gamma, eps, backend=backend).run()
-    return _fresh(y), _fresh(rstd)
+        out = _rms_ops.prepare_rms_norm(x, gamma, eps, offset=offset, casting_mode=casting_mode,
+                                        residual=residual, backend=backend).run()
+    return _with_h(tuple(_fresh(t) for t in out), 2, x)
 
 
 @_rms_norm_op.register_fake
-def _(x, gamma, eps, backend):
-    p = _rms_ops.prepare_rms_norm(x, gamma, eps, backend=backend)
-    return tuple(_empty_like_spec(s, x) for s in p.outputs)
+def _(x, residual, gamma, eps, offset, casting_mode, backend):
+    p = _rms_ops.prepare_rms_norm(x, gamma, eps, offset=offset, casting_mode=casting_mode, residual=residual,
+                                  backend=backend)
+    return _with_h(tuple(_empty_like_spec(s, x) for s in p.outputs), 2, x)
 
 
 @torch.library.custom_op("gradops::rms_norm_backward", mutates_args=())
-def _rms_norm_backward_op(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor,
-                          backend: Optional[str]) -> Tuple[Tensor, Tensor]:
+def _rms_norm_backward_op(dy: Tensor, dresidual: Optional[Tensor], x: Tensor, rstd: Tensor, gamma: Tensor,
+                          offset: float, casting_mode: str, backend: Optional[str]) -> Tuple[Tensor, Tensor]:
     with _no_autocast(x.device.type):
-        dx, dgamma = _rms_ops.prepare_rms_norm_grad(dy, x, rstd, gamma, backend=backend).run()
+        dx, dgamma = _rms_ops.prepare_rms_norm_grad(dy, x, rstd, gamma, offset=offset, casting_mode=casting_mode,
+                                                    dresidual=dresidual, backend=backend).run()
     return _fresh(dx), _fresh(dgamma)
 
 
 @_rms_norm_backward_op.register_fake
-def _(dy, x, rstd, gamma, backend):
-    p = _rms_ops.prepare_rms_norm_grad(dy, x, rstd, gamma, backend=backend)
+def _(dy, dresidual, x, rstd, gamma, offset, casting_mode, backend):
+    p = _rms_ops.prepare_rms_norm_grad(dy, x, rstd, gamma, offset=offset, casting_mode=casting_mode,
+                                       dresidual=dresidual, backend=backend)
     return tuple(_empty_like_spec(s, x) for s in p.outputs)
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, gamma, eps, backend = inputs
-    _, rstd = output
+    x, residual, gamma, eps, offset, casting_mode, backend = inputs
+    _, rstd, h = output
     ctx.mark_non_differentiable(rstd)
-    ctx.save_for_backward(x, gamma, rstd)
+    ctx.has_residual = residual is not None
+    if not ctx.has_residual:
+        ctx.mark_non_differentiable(h)
+    ctx.save_for_backward(h if ctx.has_residual else x, gamma, rstd)
+    ctx.offset = offset
+    ctx.casting_mode = casting_mode
     ctx.backend = backend
 
 
-def _rms_norm_backward(ctx, dy, _drstd):
+def _rms_norm_backward(ctx, dy, _drstd, dh):
     x, gamma, rstd = ctx.saved_tensors
-    if not any(ctx.needs_input_grad[:2]):
-        return None, None, None, None
+    need_x, need_res, need_gamma = ctx.needs_input_grad[:3]
+    if not (need_x or need_gamma or (ctx.has_residual and need_res)):
+        return None, None, None, None, None, None, None
     if dy is None:
         dy = torch.zeros_like(x)
-    dx, dgamma = torch.ops.gradops.rms_norm_backward(dy, x, rstd, gamma, ctx.backend)
+    dres = dh if ctx.has_residual else None  # h's gradient from its other uses (None: unused)
+    dx, dgamma = torch.ops.gradops.rms_norm_backward(dy, dres, x, rstd, gamma, ctx.offset, ctx.casting_mode,
+                                                     ctx.backend)
     # the operator accumulates dgamma in float32; the parameter's gradient has its own dtype
-    return dx, dgamma.to(gamma.dtype), None, None
+    return dx, dx if ctx.has_residual else None, dgamma.to(gamma.dtype), None, None, None, None
 
 
 torch.library.register_autograd("gradops::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
@@ -247,17 +290,10 @@ torch.library.register_autograd("gradops::rms_norm_backward",
                                 _double_backward_error("rms_norm", "torch.nn.functional.rms_norm"))
 
 
-def rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
-             weight: Optional[Tensor] = None, eps: Optional[float] = None, *,
-             backend: Optional[str] = None) -> Tensor:
-    """``torch.nn.functional.rms_norm`` with gradops' forward and backward operators.
-
-    ``eps=None`` means the machine eps of the dtype torch computes in, as in torch:
-    ``torch.finfo(torch.float32).eps`` for float16/bfloat16/float32 input, float64's for float64. ``weight=None``
-    normalises without a scale (a constant ones gamma, which receives no gradient).
-    """
-    op = "rms_norm"
+def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, casting_mode, backend):
+    """rms_norm and fused_add_rms_norm: (y, h), h empty without a residual."""
     shape = tuple(_normalized_shape(op, normalized_shape))
+    offset = check_float_attr(op, "offset", offset)
     if not isinstance(input, Tensor):
         raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: input is a {type(input).__name__}, expected a torch.Tensor")
     if eps is None:
@@ -265,6 +301,10 @@ def rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Si
         # (not bf16's 2**-7, which would visibly shift small-magnitude rows)
         eps = torch.finfo(stat_dtype(input.dtype)).eps if input.is_floating_point() else 0.0
     if weight is None:
+        if offset != 0:
+            raise AclnnError(ACLNN_ERR_PARAM_INVALID,
+                             f"{op}: offset is {offset!r} but weight is None, expected a weight for the offset "
+                             f"to shift (offset + weight scales the row)")
         # float32 gamma beside half input is in CANN's dtype table; float32/float64 input keep their own
         gamma_dtype = stat_dtype(input.dtype) if input.is_floating_point() else torch.float32
         weight = torch.ones(shape, dtype=gamma_dtype, device=input.device)
@@ -273,12 +313,49 @@ def rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Si
                          f"{op}: weight has shape {tuple(weight.shape)}, expected normalized_shape == {shape}")
     elif (input.dtype in (torch.float32, torch.float64) and weight.is_floating_point()
           and weight.dtype.itemsize < input.dtype.itemsize):
-        # torch.nn.functional.rms_norm computes a float32/float64 input with a half weight in
-        # the input's precision; CANN's table has no such pair, so widen the weight (exactly;
+        # torch (and HF's norms) compute a float32/float64 input with a half weight in the
+        # input's precision; CANN's table has no such pair, so widen the weight (exactly;
         # its gradient flows back through the cast)
         weight = weight.to(input.dtype)
-    y, _ = torch.ops.gradops.rms_norm(input, weight, float(eps), requested(backend))
-    return y
+    elif (casting_mode == "llama" and weight.is_floating_point() and input.is_floating_point()
+          and weight.dtype.itemsize > input.dtype.itemsize):
+        # Llama multiplies the half x-hat by a wider (float32 master) weight in the weight's
+        # dtype and returns that dtype: the operator returns the rounded x-hat, torch scales it
+        y, h = _rms_norm(op, input, residual, shape, None, eps, 0.0, casting_mode, backend)
+        return (weight + offset if offset else weight) * y, h
+    y, _, h = torch.ops.gradops.rms_norm(input, residual, weight, float(eps), float(offset), casting_mode,
+                                         requested(backend))
+    return y, h
+
+
+def rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
+             weight: Optional[Tensor] = None, eps: Optional[float] = None, *, offset: float = 0.0,
+             casting_mode: str = "gemma", backend: Optional[str] = None) -> Tensor:
+    """``torch.nn.functional.rms_norm`` with gradops' forward and backward operators.
+
+    ``eps=None`` means the machine eps of the dtype torch computes in, as in torch:
+    ``torch.finfo(torch.float32).eps`` for float16/bfloat16/float32 input, float64's for float64. ``weight=None``
+    normalises without a scale (a constant ones gamma, which receives no gradient).
+
+    The variants of real models (keyword only): ``offset`` scales by ``offset + weight``
+    (Gemma: ``offset=1.0``); ``casting_mode="gemma"`` (the default) computes everything in
+    float32 and rounds once at the end, as torch's own rms_norm and Gemma do;
+    ``casting_mode="llama"`` rounds the normalised row to input's dtype before the weight,
+    as HF Llama, Mistral, Qwen and Phi-3 do (``weight * hidden.to(input_dtype)``; a float32
+    weight beside half input then gives a float32 result, as there).
+    """
+    return _rms_norm("rms_norm", input, None, normalized_shape, weight, eps, offset, casting_mode, backend)[0]
+
+
+def fused_add_rms_norm(input: Tensor, residual: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
+                       weight: Optional[Tensor] = None, eps: Optional[float] = None, *, offset: float = 0.0,
+                       casting_mode: str = "gemma", backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """The residual add of a pre-norm block fused into :func:`rms_norm`: returns
+    ``(rms_norm(h, ...), h)`` with ``h = input + residual`` (in input's dtype, as torch
+    adds), computed in one pass over memory, forward and backward. ``residual`` has input's
+    shape and dtype; the other arguments are :func:`rms_norm`'s."""
+    return _rms_norm("fused_add_rms_norm", input, residual, normalized_shape, weight, eps, offset, casting_mode,
+                     backend)
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
+from ..ops._checks import check_float_attr
+from ..ops.rms_norm import CASTING_MODES
 from . import functional as F
 from .pivotal import pivotal_attention
 
@@ -25,23 +27,59 @@ class LayerNorm(nn.LayerNorm):
     """``torch.nn.LayerNorm`` whose forward and backward are gradops' operators.
 
     ``LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None,
-    dtype=None)``, exactly torch's.
+    dtype=None)``, exactly torch's. ``forward(input, residual=None)``: with a residual it
+    returns ``(output, input + residual)``, the pre-norm block's add fused into the norm
+    (:func:`gradops.nn.functional.fused_add_layer_norm`).
     """
 
-    def forward(self, input: Tensor) -> Tensor:
-        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+    def forward(self, input: Tensor, residual: Optional[Tensor] = None):
+        if residual is None:
+            return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+        return F.fused_add_layer_norm(input, residual, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
 class RMSNorm(nn.RMSNorm):
     """``torch.nn.RMSNorm`` whose forward and backward are gradops' operators.
 
-    ``RMSNorm(normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None)``,
-    exactly torch's (``eps=None``: the machine epsilon of the dtype torch computes in,
-    float32 for half inputs).
+    ``RMSNorm(normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None, *,
+    offset=0.0, casting_mode="gemma")``: torch's arguments (``eps=None``: the machine epsilon
+    of the dtype torch computes in, float32 for half inputs), and the variants of real
+    models: ``offset`` scales by ``offset + weight`` (Gemma's ``1 + w``; the weight then
+    starts at ``1 - offset``, so a fresh layer scales by 1), ``casting_mode="llama"`` rounds
+    the normalised row to the input's dtype before the weight (see
+    :func:`gradops.nn.functional.rms_norm`). ``forward(input, residual=None)``: with a
+    residual it returns ``(output, input + residual)``, the pre-norm block's add fused into
+    the norm.
     """
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+    def __init__(self, normalized_shape, eps: Optional[float] = None, elementwise_affine: bool = True,
+                 device=None, dtype=None, *, offset: float = 0.0, casting_mode: str = "gemma"):
+        super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
+        self.offset = check_float_attr("RMSNorm", "offset", offset)
+        if casting_mode not in CASTING_MODES:
+            raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"RMSNorm: casting_mode is {casting_mode!r}, expected one "
+                                                      f"of {', '.join(map(repr, CASTING_MODES))}")
+        self.casting_mode = casting_mode
+        if self.offset:
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight is not None and getattr(self, "offset", 0.0):
+            with torch.no_grad():
+                self.weight.fill_(1.0 - self.offset)
+
+    def forward(self, input: Tensor, residual: Optional[Tensor] = None):
+        kwargs = dict(offset=self.offset, casting_mode=self.casting_mode)
+        if residual is None:
+            return F.rms_norm(input, self.normalized_shape, self.weight, self.eps, **kwargs)
+        return F.fused_add_rms_norm(input, residual, self.normalized_shape, self.weight, self.eps, **kwargs)
+
+    def extra_repr(self) -> str:
+        variants = "".join(f", {k}={v!r}" for k, v, default in (("offset", self.offset, 0.0),
+                                                               ("casting_mode", self.casting_mode, "gemma"))
+                           if v != default)
+        return super().extra_repr() + variants
 
 
 class NsaCompress(nn.Module):

@@ -125,3 +125,13 @@ def check_float_attr(op: str, name: str, value) -> float:
         invalid(op, f"{name} is {value!r}, expected a float")
     return float(value)
 
+
+
+def check_companion(op: str, name: str, t, ref_name: str, ref: torch.Tensor,
+                    status: int = ACLNN_ERR_PARAM_INVALID) -> torch.Tensor:
+    """A tensor that goes with ``ref`` element for element (a residual, its gradient): the
+    same dtype (161002) and shape (``status``)."""
+    require_tensor(op, name, t)
+    check_same_dtype(op, name, t, ref_name, ref)
+    check_shape(op, name, t, ref.shape, f"{ref_name}.shape", status=status)
+    return t

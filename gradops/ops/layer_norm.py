@@ -1,7 +1,11 @@
 """LayerNorm: ``layer_norm`` / ``layer_norm_backward`` (aclnnLayerNorm / aclnnLayerNormBackward,
 PyTorch's native_layer_norm) and the AscendC-semantics ``layer_norm_grad`` /
 ``layer_norm_grad_beta`` (OPERATORS.md sections 1 and 2). Every LayerNorm rule is 161001
-(a None) or 161002: CANN checks them in its op API, none at tiling."""
+(a None) or 161002: CANN checks them in its op API, none at tiling.
+
+Beyond CANN: the fused residual add of pre-norm blocks (``residual``: normalise ``h = x +
+residual`` and return h too; ``dresidual``: h's gradient from elsewhere, added to dx).
+"""
 from __future__ import annotations
 
 import torch
@@ -9,6 +13,7 @@ import torch
 from .._backend import implementation
 from ._checks import (
     FLOAT_DTYPES,
+    check_companion,
     check_dtype,
     check_float_attr,
     check_same_device,
@@ -48,8 +53,9 @@ def _check_affine(op, name, t, x, normalized_shape):
     return t
 
 
-def prepare_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, backend=None,
-                       op="layer_norm") -> Prepared:
+def prepare_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, residual=None,
+                       backend=None, op="layer_norm") -> Prepared:
+    """``run()`` returns (y, mean, rstd), and h = x + residual fourth when ``residual`` is given."""
     require_tensor(op, "x", x)
     normalized_shape = as_int_tuple(op, "normalized_shape", normalized_shape)
     check_dtype(op, "x", x, FLOAT_DTYPES)
@@ -57,28 +63,38 @@ def prepare_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *,
     _check_affine(op, "weight", weight, x, normalized_shape)
     _check_affine(op, "bias", bias, x, normalized_shape)
     eps = check_float_attr(op, "eps", eps)
-    check_same_device(op, [("x", x), ("weight", weight), ("bias", bias)])
+    if residual is not None:
+        check_companion(op, "residual", residual, "x", x)
+    check_same_device(op, [("x", x), ("weight", weight), ("bias", bias), ("residual", residual)])
     impl = implementation(op, FAMILY, backend, x.device)
     rows, cols = rows_cols(x, len(normalized_shape))
     stat_shape = tuple(x.shape[: x.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)
     acc = stat_dtype(x.dtype)
 
     def run():
+        h = None if residual is None else torch.empty((rows, cols), dtype=x.dtype, device=x.device)
         y, mean, rstd = impl.layer_norm(
             x.reshape(rows, cols),
             None if weight is None else weight.reshape(cols),
             None if bias is None else bias.reshape(cols),
             eps,
+            None if residual is None else residual.reshape(rows, cols),
+            h,
         )
-        return y.reshape(x.shape), mean.reshape(stat_shape), rstd.reshape(stat_shape)
+        out = (y.reshape(x.shape), mean.reshape(stat_shape), rstd.reshape(stat_shape))
+        return out if h is None else out + (h.reshape(x.shape),)
 
     outputs = ((tuple(x.shape), x.dtype), (stat_shape, acc), (stat_shape, acc))
+    if residual is not None:
+        outputs += ((tuple(x.shape), x.dtype),)
     return Prepared(op, x.device, impl, outputs, run)
 
 
 def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None, bias=None,
-                                output_mask=(True, True, True), *, in_place=False, backend=None,
-                                op="layer_norm_backward") -> Prepared:
+                                output_mask=(True, True, True), *, in_place=False, dresidual=None,
+                                backend=None, op="layer_norm_backward") -> Prepared:
+    """``x`` is what the forward normalised (h, with a residual); ``dresidual`` is the
+    gradient h receives from elsewhere, added to dx."""
     for name, t in (("dy", dy), ("x", x)):
         require_tensor(op, name, t)
     normalized_shape = as_int_tuple(op, "normalized_shape", normalized_shape)
@@ -97,13 +113,15 @@ def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None
     check_shape(op, "rstd", rstd, mean.shape, "mean.shape")
     _check_affine(op, "weight", weight, x, normalized_shape)
     _check_affine(op, "bias", bias, x, normalized_shape)  # checked like CANN, unused by the math
+    if dresidual is not None:
+        check_companion(op, "dresidual", dresidual, "x", x)
     if not isinstance(in_place, bool):
         invalid(op, f"in_place is {in_place!r}, expected a bool")
     if in_place and not output_mask[0]:
         invalid(op, "in_place is True but output_mask[0] is False, expected the input gradient to be "
                     "computed when it is to be written into dy")
     check_same_device(op, [("dy", dy), ("x", x), ("mean", mean), ("rstd", rstd), ("weight", weight),
-                           ("bias", bias)])
+                           ("bias", bias), ("dresidual", dresidual)])
     impl = implementation(op, FAMILY, backend, x.device)
     rows, cols = rows_cols(x, n_norm)
     grad_dtype = weight.dtype if weight is not None else acc
@@ -113,7 +131,8 @@ def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None
         dx_out = in_place_rows(dy, dy2, in_place)
         dx, dw, db = impl.layer_norm_backward(
             dy2, x.reshape(rows, cols), mean.reshape(rows), rstd.reshape(rows),
-            None if weight is None else weight.reshape(cols), output_mask, dx_out=dx_out)
+            None if weight is None else weight.reshape(cols), output_mask, dx_out,
+            None if dresidual is None else dresidual.reshape(rows, cols))
         if dx is not None:
             dx = finish_dx(dx, dy, dx_out, in_place, x.shape)
         if dw is not None:

@@ -1,5 +1,13 @@
 """RMSNorm: ``rms_norm`` / ``rms_norm_grad`` (aclnnRmsNorm / aclnnRmsNormGrad, OPERATORS.md
-section 3). CANN checks RMSNorm's shapes at tiling, so shape rules are 561002; dtypes 161002."""
+section 3). CANN checks RMSNorm's shapes at tiling, so shape rules are 561002; dtypes 161002.
+
+Beyond CANN, the variants real models use (docs/nn.md): ``offset`` (scale by ``offset +
+gamma``, Gemma's ``1 + w``), ``casting_mode`` ("gemma": everything in float32, one
+rounding at the end, as CANN and torch compute; "llama": x-hat rounded to x's dtype before
+gamma, HF Llama's ``weight * hidden.to(input_dtype)``) and the fused residual add
+(``residual``: normalise ``h = x + residual`` and return h too; ``dresidual``: h's gradient
+from elsewhere, added to dx).
+"""
 from __future__ import annotations
 
 import torch
@@ -7,6 +15,7 @@ import torch
 from .._backend import implementation
 from ._checks import (
     TILING,
+    check_companion,
     check_dtype,
     check_float_attr,
     check_same_device,
@@ -39,55 +48,85 @@ def _check_dtypes(op, x, gamma):
                     f"expected dtype in {'/'.join(dtype_name(d) for d in allowed)}")
 
 
+CASTING_MODES = ("gemma", "llama")
+
+
+def _round_xhat(op, casting_mode) -> bool:
+    """Whether ``casting_mode`` rounds x-hat to x's dtype before gamma."""
+    if casting_mode not in CASTING_MODES:
+        invalid(op, f"casting_mode is {casting_mode!r}, expected one of {', '.join(map(repr, CASTING_MODES))}")
+    return casting_mode == "llama"
+
+
 def _check_gamma_shape(op, x, gamma):
     if gamma.dim() < 1:
         invalid(op, "gamma has 0 dims, expected x.shape[-n:] with n >= 1", status=TILING)
     check_trailing(op, "gamma", x, "x", tuple(gamma.shape), status=TILING, verb="has shape")
 
 
-def prepare_rms_norm(x, gamma, eps=1e-6, *, backend=None, op="rms_norm") -> Prepared:
+def prepare_rms_norm(x, gamma, eps=1e-6, *, offset=0.0, casting_mode="gemma", residual=None,
+                     backend=None, op="rms_norm") -> Prepared:
+    """``run()`` returns (y, rstd), and h = x + residual third when ``residual`` is given."""
     require_tensor(op, "x", x)
     require_tensor(op, "gamma", gamma)
     eps = check_float_attr(op, "eps", eps)
+    offset = check_float_attr(op, "offset", offset)
+    round_xhat = _round_xhat(op, casting_mode)
     _check_dtypes(op, x, gamma)
+    if residual is not None:
+        check_companion(op, "residual", residual, "x", x, status=TILING)
     _check_gamma_shape(op, x, gamma)
-    check_same_device(op, [("x", x), ("gamma", gamma)])
+    check_same_device(op, [("x", x), ("gamma", gamma), ("residual", residual)])
     impl = implementation(op, FAMILY, backend, x.device)
     n = gamma.dim()
     rows, cols = rows_cols(x, n)
     rstd_shape = tuple(x.shape[: x.dim() - n]) + (1,) * n
 
     def run():
-        y, rstd = impl.rms_norm(x.reshape(rows, cols), gamma.reshape(cols), eps)
-        return y.reshape(x.shape), rstd.reshape(rstd_shape)
+        h = None if residual is None else torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+        y, rstd = impl.rms_norm(x.reshape(rows, cols), gamma.reshape(cols), eps, offset, round_xhat,
+                                None if residual is None else residual.reshape(rows, cols), h)
+        out = (y.reshape(x.shape), rstd.reshape(rstd_shape))
+        return out if h is None else out + (h.reshape(x.shape),)
 
     outputs = ((tuple(x.shape), x.dtype), (rstd_shape, stat_dtype(x.dtype)))
+    if residual is not None:
+        outputs += ((tuple(x.shape), x.dtype),)
     return Prepared(op, x.device, impl, outputs, run)
 
 
-def prepare_rms_norm_grad(dy, x, rstd, gamma, *, in_place=False, backend=None,
-                          op="rms_norm_grad") -> Prepared:
+def prepare_rms_norm_grad(dy, x, rstd, gamma, *, in_place=False, offset=0.0, casting_mode="gemma",
+                          dresidual=None, backend=None, op="rms_norm_grad") -> Prepared:
+    """``x`` is what the forward normalised (h, with a residual); ``dresidual`` is the
+    gradient h receives from elsewhere, added to dx."""
     for name, t in (("dy", dy), ("x", x), ("rstd", rstd), ("gamma", gamma)):
         require_tensor(op, name, t)
+    offset = check_float_attr(op, "offset", offset)
+    round_xhat = _round_xhat(op, casting_mode)
     # every dtype rule (161002) before the shape rules CANN checks at tiling (561002)
     _check_dtypes(op, x, gamma)
     check_same_dtype(op, "dy", dy, "x", x)
     check_dtype(op, "rstd", rstd, (stat_dtype(x.dtype),))
+    if dresidual is not None:
+        check_same_dtype(op, "dresidual", require_tensor(op, "dresidual", dresidual), "x", x)
     _check_gamma_shape(op, x, gamma)
     check_shape(op, "dy", dy, x.shape, "x.shape", status=TILING)
+    if dresidual is not None:
+        check_companion(op, "dresidual", dresidual, "x", x, status=TILING)
     n = gamma.dim()
     check_stat(op, "rstd", rstd, x, n, status=TILING)
     if not isinstance(in_place, bool):
         invalid(op, f"in_place is {in_place!r}, expected a bool")
-    check_same_device(op, [("dy", dy), ("x", x), ("rstd", rstd), ("gamma", gamma)])
+    check_same_device(op, [("dy", dy), ("x", x), ("rstd", rstd), ("gamma", gamma), ("dresidual", dresidual)])
     impl = implementation(op, FAMILY, backend, x.device)
     rows, cols = rows_cols(x, n)
 
     def run():
         dy2 = dy.reshape(rows, cols)
         dx_out = in_place_rows(dy, dy2, in_place)
-        dx, dgamma = impl.rms_norm_grad(dy2, x.reshape(rows, cols), rstd.reshape(rows),
-                                        gamma.reshape(cols), dx_out=dx_out)
+        dx, dgamma = impl.rms_norm_grad(dy2, x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols),
+                                        dx_out, offset, round_xhat,
+                                        None if dresidual is None else dresidual.reshape(rows, cols))
         return finish_dx(dx, dy, dx_out, in_place, x.shape), dgamma.reshape(gamma.shape)
 
     outputs = ((tuple(x.shape), x.dtype), (tuple(gamma.shape), stat_dtype(x.dtype)))

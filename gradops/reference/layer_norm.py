@@ -15,7 +15,10 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
     return t.to(stat_dtype(t.dtype))
 
 
-def layer_norm(x, weight, bias, eps):
+def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
+    # residual: normalise h = x + residual (in x's dtype, as torch adds), written to h_out
+    if residual is not None:
+        x = torch.add(x, residual, out=h_out)
     acc = stat_dtype(x.dtype)
     xf = x.to(acc)
     mean = xf.mean(dim=1)
@@ -29,7 +32,8 @@ def layer_norm(x, weight, bias, eps):
     return y.to(x.dtype), mean, rstd
 
 
-def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
+def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dres=None):
+    # dres: the gradient that reaches x (the h of a fused residual add) from elsewhere, added to dx
     acc = stat_dtype(x.dtype)
     want_dx, want_dw, want_db = output_mask
     dyf, xf = dy.to(acc), x.to(acc)
@@ -48,6 +52,8 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None):
             c2 = torch.mul(g, xhat, out=prod).mean(dim=1, keepdim=True)
             c1 = g.mean(dim=1, keepdim=True)
             g.sub_(c1).sub_(xhat.mul_(c2)).mul_(rstd)
+        if dres is not None:
+            g.add_(dres.to(acc))
         dx = dx_out.copy_(g) if dx_out is not None else g.to(x.dtype)
     return dx, dw, db
 
