@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
 from ..ops._checks import check_float_attr
-from ..ops.rms_norm import CASTING_MODES
+from ..ops.rms_norm import check_casting_mode
 from . import functional as F
 from .pivotal import pivotal_attention
 
@@ -56,9 +56,7 @@ class RMSNorm(nn.RMSNorm):
                  device=None, dtype=None, *, offset: float = 0.0, casting_mode: str = "gemma"):
         super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
         self.offset = check_float_attr("RMSNorm", "offset", offset)
-        if casting_mode not in CASTING_MODES:
-            raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"RMSNorm: casting_mode is {casting_mode!r}, expected one "
-                                                      f"of {', '.join(map(repr, CASTING_MODES))}")
+        check_casting_mode("RMSNorm", casting_mode)
         self.casting_mode = casting_mode
         if self.offset:
             self.reset_parameters()

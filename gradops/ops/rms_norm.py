@@ -51,8 +51,8 @@ def _check_dtypes(op, x, gamma):
 CASTING_MODES = ("gemma", "llama")
 
 
-def _round_xhat(op, casting_mode) -> bool:
-    """Whether ``casting_mode`` rounds x-hat to x's dtype before gamma."""
+def check_casting_mode(op, casting_mode) -> bool:
+    """Validates ``casting_mode``; returns whether it rounds x-hat to x's dtype before gamma."""
     if casting_mode not in CASTING_MODES:
         invalid(op, f"casting_mode is {casting_mode!r}, expected one of {', '.join(map(repr, CASTING_MODES))}")
     return casting_mode == "llama"
@@ -71,7 +71,7 @@ def prepare_rms_norm(x, gamma, eps=1e-6, *, offset=0.0, casting_mode="gemma", re
     require_tensor(op, "gamma", gamma)
     eps = check_float_attr(op, "eps", eps)
     offset = check_float_attr(op, "offset", offset)
-    round_xhat = _round_xhat(op, casting_mode)
+    round_xhat = check_casting_mode(op, casting_mode)
     _check_dtypes(op, x, gamma)
     if residual is not None:
         check_companion(op, "residual", residual, "x", x, status=TILING)
@@ -102,7 +102,7 @@ def prepare_rms_norm_grad(dy, x, rstd, gamma, *, in_place=False, offset=0.0, cas
     for name, t in (("dy", dy), ("x", x), ("rstd", rstd), ("gamma", gamma)):
         require_tensor(op, name, t)
     offset = check_float_attr(op, "offset", offset)
-    round_xhat = _round_xhat(op, casting_mode)
+    round_xhat = check_casting_mode(op, casting_mode)
     # every dtype rule (161002) before the shape rules CANN checks at tiling (561002)
     _check_dtypes(op, x, gamma)
     check_same_dtype(op, "dy", dy, "x", x)
