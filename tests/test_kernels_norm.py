@@ -577,3 +577,22 @@ def test_bench_norm_runs_and_writes_json(tmp_path):
             ("ln_bwd", "aten bwd")} <= impls
     ours = next(r for r in data["records"] if r["op"] == "ln_bwd" and r["impl"] == "gradops")
     assert ours["bytes"] == 3 * 64 * 64 * 4 + 2 * 64 * 4  # PERFORMANCE.md: 3*M*N*e + 2*N*w_e
+
+
+def test_bench_norm_times_the_fused_residual_add(tmp_path):
+    import json
+
+    from gradops.bench import norm as bench_norm
+
+    rc = bench_norm.main(["--quick", "--device", "cpu", "--ops", "add_rms_bwd", "add_rms_fwd", "--dtypes", "bf16",
+                          "--widths", "64", "--numel", "4096", "--peers", "autograd", "--check",
+                          "--reps", "2", "--warmup", "1", "--out", str(tmp_path), "--tag", "t", "--no-plot"])
+    assert rc == 0
+    records = json.loads((tmp_path / "t.json").read_text())["records"]
+    assert not [r for r in records if r["error"]]
+    impls = {(r["op"], r["impl"]) for r in records}
+    assert {("add_rms_bwd", "gradops"), ("add_rms_bwd", "torch autograd"), ("add_rms_fwd", "gradops"),
+            ("add_rms_fwd", "torch eager")} <= impls
+    bwd = next(r for r in records if r["op"] == "add_rms_bwd" and r["impl"] == "gradops")
+    assert bwd["bytes"] == 4 * 64 * 64 * 2 + 2 * 64 * 2  # dy, h, dh in and dx out; dgamma
+    assert bwd["extra"]["rel_error_vs_reference"] <= 1.6e-2

@@ -51,11 +51,14 @@ GPU_BUDGET = 400.0
 GPU_MAX_SECONDS = 1.0  # per measurement: warm-up and timed repetitions are each bounded by it
 GPU_PLAN = (
     Part("norm", "norm", ("--ops", *NORM_OPS, "--dtype", "bf16", "fp32", "--widths", "1024", "4096", "16384",
-                          "65536", "262144", "--peers", "autograd", "aten", "liger", "--check"), 120,
+                          "65536", "262144", "--peers", "autograd", "aten", "liger", "--check"), 105,
          "width sweep at M = min(32768, 128M/N), bf16 and fp32, outputs checked against the reference"),
     Part("norm-small", "norm", ("--ops", *NORM_OPS, "--dtype", "bf16", "--widths", "1024", "4096",
                                 "--numel", str(2**20), "--peers", "autograd", "aten", "liger"), 15,
          "launch-bound shapes, M*N = 1M"),
+    Part("norm-add", "norm", ("--ops", "add_rms_bwd", "add_rms_fwd", "--dtype", "bf16", "--widths", "4096",
+                              "16384", "--peers", "autograd", "liger", "--check"), 15,
+         "the residual add fused into RMSNorm (Llama's casting) against a separate add and norm, and Liger's"),
     Part("norm-compile", "norm", ("--ops", "rms_bwd", "ln_bwd", "--dtype", "bf16", "--widths", "4096",
                                   "--peers", "compile"), 40,
          "torch.compile at 32K x 4096 (one compilation per case)"),

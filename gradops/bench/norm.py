@@ -13,9 +13,15 @@ process on the same inputs:
 * ``torch.compile``: the same backward formula compiled by Inductor;
 * ``liger``: Liger-Kernel's Triton kernels, when ``liger_kernel`` imports (GPU only).
 
+``add_rms_fwd`` / ``add_rms_bwd`` time the pre-norm residual add fused into RMSNorm (Llama's
+casting): ours through the ops layer (``residual`` / ``dresidual``), against torch's
+separate add and norm (eager, autograd, compiled) and Liger's ``liger_fused_add_rms_norm``.
+
 On a CPU ours is the reference backend (our CPU path), or with ``--interpret`` the Triton
 kernels through the interpreter. Bytes follow PERFORMANCE.md: backward
-``3*M*N*e + 2*N*w_e``, forward ``2*M*N*e``. Writes a table (stdout), a JSON file and a PNG
+``3*M*N*e + 2*N*w_e``, forward ``2*M*N*e``; with the residual add, backward
+``4*M*N*e + 2*N*w_e`` (dy, h and h's gradient in, dx out), forward ``4*M*N*e`` (x and the
+residual in, h and y out). Writes a table (stdout), a JSON file and a PNG
 (GB/s against width).
 """
 from __future__ import annotations
@@ -31,7 +37,7 @@ from . import harness
 from .harness import DTYPES, OURS, Goal, Run
 
 FAMILY = "norm"
-OPS = ("rms_bwd", "ln_bwd", "rms_fwd", "ln_fwd")
+OPS = ("rms_bwd", "ln_bwd", "rms_fwd", "ln_fwd", "add_rms_bwd", "add_rms_fwd")
 PEERS = ("autograd", "aten", "compile", "liger")
 GPU_WIDTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 GPU_ROWS = 32768
@@ -64,16 +70,19 @@ GOALS = (
 def bytes_moved(op: str, m: int, n: int, dtype: torch.dtype, wdtype: torch.dtype) -> float:
     e = torch.empty((), dtype=dtype).element_size()
     we = torch.empty((), dtype=wdtype).element_size()
-    if op.endswith("_bwd"):
-        return 3.0 * m * n * e + 2.0 * n * we
-    return 2.0 * m * n * e
+    streams = 4.0 if op.startswith("add_") else (3.0 if op.endswith("_bwd") else 2.0)
+    return streams * m * n * e + (2.0 * n * we if op.endswith("_bwd") else 0.0)
 
 
 def _liger():
     try:
-        from liger_kernel.transformers.functional import liger_layer_norm, liger_rms_norm
+        from liger_kernel.transformers.functional import (
+            liger_fused_add_rms_norm,
+            liger_layer_norm,
+            liger_rms_norm,
+        )
 
-        return liger_layer_norm, liger_rms_norm
+        return liger_layer_norm, liger_rms_norm, liger_fused_add_rms_norm
     except Exception:
         return None
 
@@ -129,6 +138,53 @@ def _compiled(fn: Callable) -> Optional[Callable]:
         return None
 
 
+def _add_rms_formula(x, r, w):
+    # what an unfused pre-norm block does: the add, then the norm (Llama's rounding)
+    h = x + r
+    hf = h.float()
+    xhat = (hf * torch.rsqrt(hf.square().mean(dim=1, keepdim=True) + EPS_RMS)).to(x.dtype)
+    return w * xhat, h
+
+
+def _add_rms_implementations(op: str, x, dy, w, backend: str, peers, liger) -> Dict[str, Callable]:
+    from ..ops.rms_norm import prepare_rms_norm, prepare_rms_norm_grad
+
+    r, dh = dy.flip(0), x.flip(0)  # a residual and h's own gradient, as large as x
+    impls: Dict[str, Callable] = {}
+    if op == "add_rms_fwd":
+        impls[OURS] = lambda: prepare_rms_norm(x, w, EPS_RMS, casting_mode="llama", residual=r,
+                                               backend=backend).run()
+        if "autograd" in peers or "aten" in peers:
+            impls["torch eager"] = lambda: _add_rms_formula(x, r, w)
+        if "compile" in peers:
+            fn = _compiled(_add_rms_formula)
+            if fn:
+                impls["torch.compile"] = lambda: fn(x, r, w)
+        if liger:
+            impls["liger"] = lambda: liger[2](x, r, w, EPS_RMS, casting_mode="llama", in_place=False)
+        return impls
+    _, rstd, h = prepare_rms_norm(x, w, EPS_RMS, casting_mode="llama", residual=r, backend="reference").run()
+    impls[OURS] = lambda: prepare_rms_norm_grad(dy, h, rstd, w, casting_mode="llama", dresidual=dh,
+                                                backend=backend).run()
+
+    def autograd_of(forward):
+        leaves = [t.detach().requires_grad_(True) for t in (x, r, w)]
+        outs = forward(*leaves)
+        return lambda: torch.autograd.grad(outs, leaves, (dy, dh), retain_graph=True)
+
+    if "autograd" in peers:
+        impls["torch autograd"] = autograd_of(_add_rms_formula)
+    if "compile" in peers:
+        fn = _compiled(lambda a, c, g, d: (lambda dx, dw: (dx + d, dw))(*_rms_backward_formula(a, c, g, w)))
+        if fn:
+            rstd_rows = rstd.reshape(-1)
+            impls["torch.compile"] = lambda: fn(dy, h, rstd_rows, dh)
+    if liger:
+        impls["liger"] = autograd_of(lambda a, c, g: liger[2](a, c, g, EPS_RMS, casting_mode="llama",
+                                                                in_place=False))
+    return impls
+
+
 def implementations(op: str, x, dy, w, b, backend: str, peers, device: str) -> Dict[str, Callable]:
     """name -> zero-argument callable, ours first; a peer that cannot be built is left out
     (one that fails while running is recorded as an error by the harness)."""
@@ -137,6 +193,8 @@ def implementations(op: str, x, dy, w, b, backend: str, peers, device: str) -> D
     m, n = x.shape
     impls: Dict[str, Callable] = {}
     liger = _liger() if ("liger" in peers and device.startswith("cuda")) else None
+    if op.startswith("add_"):
+        return _add_rms_implementations(op, x, dy, w, backend, peers, liger)
     if op == "rms_fwd":
         impls[OURS] = lambda: gradops.rms_norm(x, w, EPS_RMS, backend=backend)
         if "autograd" in peers or "aten" in peers:
