@@ -25,6 +25,7 @@ from .errors import (
 
 from . import aclnn, ascendc, nn, torch_npu  # noqa: E402  (after the API: they build on it)
 from .nn.pivotal import pivotal_attention  # noqa: E402
+from .patch import patch, unpatch  # noqa: E402  (gradops.patch the function; the module stays importable)
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,8 @@ __all__ = [
     "floyd_attention",
     "floyd_attention_grad",
     "pivotal_attention",
+    "patch",
+    "unpatch",
     "use_backend",
     "set_default_backend",
     "default_backend",

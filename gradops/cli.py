@@ -3,7 +3,7 @@
     gradops                 same as ``gradops selftest``
     gradops selftest        every operator, every available backend, against float64 oracles
     gradops info            versions, devices, backends
-    gradops bench FAMILY    benchmarks (norm, nsa, floyd): see ``gradops bench FAMILY --help``
+    gradops bench FAMILY    benchmarks (norm, nsa, floyd, model): see ``gradops bench FAMILY --help``
     gradops bench all       every family at its GPU shapes, one folder of results and a summary
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ def cmd_info(args) -> int:
     return 0
 
 
-BENCH_FAMILIES = ("norm", "nsa", "floyd", "all")
+BENCH_FAMILIES = ("norm", "nsa", "floyd", "model", "all")
 
 
 def cmd_bench(args, rest) -> int:

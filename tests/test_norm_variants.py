@@ -11,8 +11,6 @@ the arithmetic is the same.
 """
 import pytest
 import torch
-from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import gradops
 from gradops import nn as gnn
@@ -24,6 +22,17 @@ from helpers import assert_close, interpreted, raises_status, rand
 
 HALF = (torch.bfloat16, torch.float16)
 EPS = 1e-6
+
+
+def hf_norm(name):
+    """transformers' own norm class (a test dependency: ``pip install -e '.[test]'``; a GPU
+    machine gets it from benchmarks/gpu_wheels.sh)."""
+    pytest.importorskip("transformers")
+    if name == "llama":
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        return LlamaRMSNorm
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    return Gemma3RMSNorm
 
 
 @pytest.fixture(params=["reference", "triton", "triton-split"])
@@ -195,9 +204,9 @@ def _hf_pair(cls, n, dtype, mode, offset, weight):
     return hf, ours
 
 
-MODELS = {  # class, casting mode, offset, weight around: what each model's weight holds
-    "llama": (LlamaRMSNorm, "llama", 0.0, 1.0),
-    "gemma3": (Gemma3RMSNorm, "gemma", 1.0, 0.0),
+MODELS = {  # casting mode, offset, weight around: what each model's weight holds
+    "llama": ("llama", 0.0, 1.0),
+    "gemma3": ("gemma", 1.0, 0.0),
 }
 
 
@@ -207,7 +216,8 @@ MODELS = {  # class, casting mode, offset, weight around: what each model's weig
 def test_matches_the_models_own_module(backend, model, dtype, with_residual):
     """The module configured as the model's norm against the model's own, alone and as the
     decoder layer uses it after the residual add (``norm(residual + hidden)``, fused)."""
-    cls, mode, offset, centre = MODELS[model]
+    cls = hf_norm(model)
+    mode, offset, centre = MODELS[model]
     m, n = 16, 64
     x, dy = rand((m, n), dtype, scale=3.0), rand((m, n), dtype)
     r = rand((m, n), dtype, scale=2.0) if with_residual else torch.zeros_like(x)
@@ -248,7 +258,7 @@ def test_llama_mode_is_what_llama_computes(backend):
     n = 256
     x = rand((32, n), torch.bfloat16, scale=3.0)
     weight = rand((n,), torch.bfloat16, scale=0.3) + 1.0
-    hf = LlamaRMSNorm(n, eps=EPS).to(torch.bfloat16)
+    hf = hf_norm("llama")(n, eps=EPS).to(torch.bfloat16)
     with torch.no_grad():
         hf.weight.copy_(weight)
         want = hf(x)
@@ -265,7 +275,7 @@ def test_llama_mode_with_float32_master_weight(backend, dtype):
     n = 32
     x, dy = rand((6, n), dtype, scale=2.0), rand((6, n), torch.float32)
     weight = rand((n,), torch.float32, scale=0.3) + 1.0
-    hf = LlamaRMSNorm(n, eps=EPS)
+    hf = hf_norm("llama")(n, eps=EPS)
     with torch.no_grad():
         hf.weight.copy_(weight)
     w_ = weight.clone().requires_grad_()
@@ -298,6 +308,32 @@ def test_no_affine_matches_torch_modules(backend, dtype, with_residual):
         yo.backward(dy)
         assert_close(yo, yt, dtype, what=f"{type(ours).__name__} y")
         assert_close(xo.grad, xt.grad, dtype, what=f"{type(ours).__name__} dx")
+
+
+@pytest.mark.parametrize("mode", ["gemma", "llama"])
+def test_the_other_half_type_as_weight(backend, mode):
+    """fp16 input beside a bf16 weight (and the reverse): outside CANN's dtype table, but
+    the models run it, so the variants compute what those models compute: Llama's promoted
+    float32 product, Gemma's float32 arithmetic rounded to the input's dtype."""
+    n = 32
+    for dtype, wdtype in ((torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)):
+        x, weight = rand((6, n), dtype, scale=2.0), rand((n,), wdtype, scale=0.3)
+        cls, offset = (hf_norm("llama"), 0.0) if mode == "llama" else (hf_norm("gemma3"), 1.0)
+        hf = cls(n, eps=EPS).to(wdtype)
+        with torch.no_grad():
+            hf.weight.copy_(weight)
+        w_ = weight.clone().requires_grad_()
+        xh, xo = leaves(x, x)
+        yh = hf(xh)
+        yo = GF.rms_norm(xo, n, w_, EPS, offset=offset, casting_mode=mode)
+        assert yo.dtype == yh.dtype
+        assert (yo != yh).float().mean().item() <= 0.02
+        dy = rand(yh.shape, yh.dtype)
+        yh.backward(dy)
+        yo.backward(dy)
+        assert w_.grad.dtype == wdtype
+        assert_close(w_.grad, hf.weight.grad, wdtype, what="dweight")
+        assert_close(xo.grad, xh.grad, dtype, what="dx")
 
 
 # ------------------------------------------------------------------ modules

@@ -311,18 +311,22 @@ def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, c
     elif tuple(weight.shape) != shape:
         raise AclnnError(ACLNN_ERR_INNER_TILING_ERROR,
                          f"{op}: weight has shape {tuple(weight.shape)}, expected normalized_shape == {shape}")
-    elif (input.dtype in (torch.float32, torch.float64) and weight.is_floating_point()
-          and weight.dtype.itemsize < input.dtype.itemsize):
-        # torch (and HF's norms) compute a float32/float64 input with a half weight in the
-        # input's precision; CANN's table has no such pair, so widen the weight (exactly;
-        # its gradient flows back through the cast)
-        weight = weight.to(input.dtype)
-    elif (casting_mode == "llama" and weight.is_floating_point() and input.is_floating_point()
-          and weight.dtype.itemsize > input.dtype.itemsize):
-        # Llama multiplies the half x-hat by a wider (float32 master) weight in the weight's
-        # dtype and returns that dtype: the operator returns the rounded x-hat, torch scales it
-        y, h = _rms_norm(op, input, residual, shape, None, eps, 0.0, casting_mode, backend)
-        return (weight + offset if offset else weight) * y, h
+    elif weight.is_floating_point() and input.is_floating_point() and weight.dtype != input.dtype:
+        if input.dtype in (torch.float32, torch.float64) and weight.dtype.itemsize < input.dtype.itemsize:
+            # torch (and HF's norms) compute a float32/float64 input with a half weight in
+            # the input's precision; CANN's table has no such pair, so widen the weight
+            # (exactly; its gradient flows back through the cast)
+            weight = weight.to(input.dtype)
+        elif casting_mode == "llama":
+            # Llama multiplies the rounded half x-hat by a weight of another dtype (a float32
+            # master weight, or the other half type) in their promoted dtype and returns that:
+            # the operator returns the rounded x-hat, torch scales it
+            y, h = _rms_norm(op, input, residual, shape, None, eps, 0.0, casting_mode, backend)
+            return (weight + offset if offset else weight) * y, h
+        elif weight.dtype in (torch.float16, torch.bfloat16):
+            # the other half type (fp16 beside bf16): "gemma" computes in float32 anyway, so
+            # the exactly widened weight gives the same result in CANN's dtype table
+            weight = weight.float()
     y, _, h = torch.ops.gradops.rms_norm(input, residual, weight, float(eps), float(offset), casting_mode,
                                          requested(backend))
     return y, h

@@ -1,0 +1,490 @@
+"""``gradops.patch(model)``: one line to run a model's norms on gradops.
+
+:func:`patch` walks a ``torch.nn.Module`` and replaces, in place, every norm module whose
+semantics gradops has (the table below, docs/patch.md) by a :mod:`gradops.nn` module
+holding the **same** ``Parameter`` objects: an optimizer built before patching keeps
+updating them, dtypes, devices, ``requires_grad``, the training flag and the state_dict
+keys are unchanged, so checkpoints (``save_pretrained``/``from_pretrained``,
+``load_state_dict``) do not see the difference. :func:`unpatch` puts the original module
+objects back.
+
+=========================================================  ======================================================
+class (``type(m)``)                                        replaced by
+=========================================================  ======================================================
+``torch.nn.LayerNorm`` (the class itself)                  ``gradops.nn.LayerNorm``
+``torch.nn.RMSNorm`` (the class itself)                    ``gradops.nn.RMSNorm`` (``casting_mode="gemma"``: torch
+                                                           computes x-hat and the weight product in float32 and
+                                                           rounds once; ``eps`` kept, None included)
+transformers ``LlamaRMSNorm``, ``MistralRMSNorm``,         ``gradops.nn.RMSNorm(casting_mode="llama")``, ``eps``
+``Qwen2RMSNorm``, ``Qwen3RMSNorm``, ``Phi3RMSNorm``        from ``variance_epsilon``
+transformers ``GemmaRMSNorm``, ``Gemma2RMSNorm``,          ``gradops.nn.RMSNorm(offset=1.0, casting_mode="gemma")``,
+``Gemma3RMSNorm``                                          ``eps`` from ``eps``
+transformers ``T5LayerNorm``                               :class:`T5RMSNorm`: ``casting_mode="llama"`` where that is
+                                                           T5's forward (weight of the input's dtype, or float32
+                                                           weight beside float64 input), else T5's own casts around
+                                                           gradops' normalisation
+=========================================================  ======================================================
+
+GPT-2 and BERT use ``torch.nn.LayerNorm``. HuggingFace classes are recognised by name and
+by ``type(m).__module__`` (``transformers.models.<family>.modeling_<family>``): this module
+never imports transformers. Anything else whose class name says it is a norm (``...Norm``,
+``...Norm2d``) is left as it is and listed in the report with the reason.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .errors import ACLNN_ERR_PARAM_INVALID, AclnnError
+from .nn import functional as GF
+from .nn.modules import LayerNorm as _GLayerNorm
+from .nn.modules import RMSNorm as _GRMSNorm
+
+__all__ = ["patch", "unpatch", "PatchReport", "UnpatchReport", "Replaced", "Left", "Restored", "T5RMSNorm"]
+
+# The attribute (in the replacement's __dict__, so not a registered submodule: it is in no
+# state_dict, named_modules or .to()) holding the module a replacement stands for.
+_ORIGINAL = "_gradops_original"
+_EPS_ATTR = "_gradops_eps_attr"  # the original's eps attribute name, synced back by unpatch
+
+# Every hook table of torch.nn.Module. A replacement shares the original's tables (the same
+# dict objects), so hooks registered before patching keep firing, their handles still remove
+# them, and hooks registered on the replacement are on the original after unpatch.
+_HOOK_TABLES = (
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks", "_backward_pre_hooks",
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)
+_HOOK_FLAGS = ("_is_full_backward_hook",)
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class T5RMSNorm(_GRMSNorm):
+    """transformers' ``T5LayerNorm`` on gradops (what :func:`patch` puts in its place).
+
+    T5's forward computes ``x_hat = x * rsqrt(mean(x.float()**2) + eps)`` in
+    ``promote(x.dtype, float32)``, rounds it to the **weight's** dtype when that is half,
+    and returns ``weight * x_hat``. That is ``casting_mode="llama"`` (round x-hat to the
+    *input's* dtype, multiply by the weight) exactly when the weight has the input's dtype,
+    or is float32 beside float64 input: those calls run gradops' fused RMSNorm. Other pairs
+    occur (T5 keeps its ``wo`` projections in float32 when loaded in half precision, so a
+    bf16 weight meets float32 input): they get T5's casts and weight product in PyTorch
+    around gradops' normalisation (weight-free RMSNorm, forward and backward), so the module
+    computes T5's forward for every dtype pair.
+    """
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype, casting_mode="llama")
+
+    def _fused(self, input: Tensor) -> bool:
+        w = self.weight
+        return w is None or w.dtype == input.dtype or (w.dtype == torch.float32 and input.dtype == torch.float64)
+
+    def _t5(self, input: Tensor) -> Tensor:
+        w = self.weight
+        x = input if input.dtype in (torch.float32, torch.float64) else input.float()  # exact
+        h = GF.rms_norm(x, self.normalized_shape, None, self.eps, casting_mode="llama")
+        if w.dtype in _HALF:
+            h = h.to(w.dtype)
+        return w * h
+
+    def forward(self, input: Tensor, residual: Optional[Tensor] = None):
+        if self._fused(input):
+            return super().forward(input) if residual is None else super().forward(input, residual)
+        if residual is None:
+            return self._t5(input)
+        summed = input + residual
+        return self._t5(summed), summed
+
+
+# ---------------------------------------------------------------------------------------
+# What patch knows
+
+@dataclass(frozen=True)
+class _Kind:
+    """How one class maps to gradops."""
+    family: str          # "layer_norm" or "rms_norm" (the keyword filter that governs it)
+    eps_attr: str        # the original's eps attribute
+    describe: str        # the replacement, for the report
+    build: Callable[[nn.Module, object], nn.Module]  # (original, eps) -> replacement (parameters on meta)
+
+
+def _weight_shape(m: nn.Module) -> Tuple[int, ...]:
+    return tuple(m.weight.shape)
+
+
+def _meta_kwargs(m: nn.Module) -> dict:
+    w = getattr(m, "weight", None)
+    return {"device": "meta", "dtype": w.dtype if isinstance(w, Tensor) else None}
+
+
+def _torch_layer_norm(m, eps):
+    return _GLayerNorm(m.normalized_shape, eps, m.elementwise_affine, bias=m.bias is not None, **_meta_kwargs(m))
+
+
+def _torch_rms_norm(m, eps):
+    return _GRMSNorm(m.normalized_shape, eps, m.elementwise_affine, **_meta_kwargs(m))
+
+
+def _llama_rms_norm(m, eps):
+    return _GRMSNorm(_weight_shape(m), eps, True, **_meta_kwargs(m), casting_mode="llama")
+
+
+def _gemma_rms_norm(m, eps):
+    return _GRMSNorm(_weight_shape(m), eps, True, **_meta_kwargs(m), offset=1.0, casting_mode="gemma")
+
+
+def _t5_layer_norm(m, eps):
+    return T5RMSNorm(_weight_shape(m), eps, True, **_meta_kwargs(m))
+
+
+_TORCH_KINDS = {
+    nn.LayerNorm: _Kind("layer_norm", "eps", "gradops.nn.LayerNorm", _torch_layer_norm),
+    nn.RMSNorm: _Kind("rms_norm", "eps", "gradops.nn.RMSNorm(casting_mode='gemma')", _torch_rms_norm),
+}
+
+_LLAMA = _Kind("rms_norm", "variance_epsilon", "gradops.nn.RMSNorm(casting_mode='llama')", _llama_rms_norm)
+_GEMMA = _Kind("rms_norm", "eps", "gradops.nn.RMSNorm(offset=1.0, casting_mode='gemma')", _gemma_rms_norm)
+_T5 = _Kind("rms_norm", "variance_epsilon", "gradops.patch.T5RMSNorm (casting_mode='llama' where it is T5's)",
+            _t5_layer_norm)
+
+# transformers class name -> (the models/ folder it must come from, kind). Read off each
+# class's forward in transformers 5.23.0 (docs/patch.md quotes them).
+_HF_KINDS: Dict[str, Tuple[str, _Kind]] = {
+    "LlamaRMSNorm": ("llama", _LLAMA),
+    "MistralRMSNorm": ("mistral", _LLAMA),
+    "Qwen2RMSNorm": ("qwen2", _LLAMA),
+    "Qwen3RMSNorm": ("qwen3", _LLAMA),
+    "Phi3RMSNorm": ("phi3", _LLAMA),
+    "GemmaRMSNorm": ("gemma", _GEMMA),
+    "Gemma2RMSNorm": ("gemma2", _GEMMA),
+    "Gemma3RMSNorm": ("gemma3", _GEMMA),
+    "T5LayerNorm": ("t5", _T5),
+}
+
+# Class names that say "a norm": what patch lists as left when it does not replace it.
+_NORM_NAME = re.compile(r"(Norm|Norm[123]d)$")
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _hf_kind(cls: type) -> Optional[_Kind]:
+    entry = _HF_KINDS.get(cls.__name__)
+    if entry is None:
+        return None
+    folder, kind = entry
+    return kind if cls.__module__ == f"transformers.models.{folder}.modeling_{folder}" else None
+
+
+def _kind(module: nn.Module) -> Optional[_Kind]:
+    cls = type(module)
+    return _TORCH_KINDS.get(cls) or _hf_kind(cls)
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # a torch build without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _why_not(module: nn.Module, kind: _Kind) -> Optional[str]:
+    """Why a module of a known class cannot be replaced as it is (None: it can)."""
+    cls = type(module)
+    if "forward" in module.__dict__ or hasattr(module, "_hf_hook"):
+        return ("its forward is overridden on the instance (an accelerate hook, Liger-Kernel's instance patch, "
+                "...): patch before anything rebinds forward")
+    fwd = getattr(cls.forward, "__module__", None)
+    if fwd != cls.__module__:
+        return f"its class's forward has been replaced (by {fwd}): gradops verified {cls.__name__}'s own"
+    # exactly the parameters the class registers (torch: weight and bias or None; HF: weight), as
+    # Parameters: FSDP1 (use_orig_params=False) removes them and sets plain tensors in their place
+    expected = {"weight", "bias"} if cls is nn.LayerNorm else {"weight"}
+    if set(module._parameters) != expected or module._buffers or module._modules:
+        held = sorted(set(module._parameters) | set(module._buffers) | set(module._modules))
+        return (f"it holds {held}, expected the parameters {sorted(expected)} only (wrapped or flattened, e.g. by "
+                f"FSDP?)")
+    params = [p for p in module._parameters.values() if p is not None]
+    if any(not isinstance(p, nn.Parameter) for p in params):
+        return "its weight is not an nn.Parameter"
+    if any(_is_dtensor(p) for p in params):
+        return "its parameters are DTensors (sharded by FSDP2 or tensor parallelism): patch before sharding"
+    if any(not p.is_floating_point() for p in params):
+        return f"its parameters are {params[0].dtype}, not a floating dtype"
+    if cls in _TORCH_KINDS:
+        if module.elementwise_affine and module.weight is None:
+            return "elementwise_affine is set but it has no weight"
+        return None
+    w = module._parameters["weight"]
+    if w is None or w.dim() != 1:
+        return "its weight is not a 1-D Parameter"
+    eps = getattr(module, kind.eps_attr, None)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return f"its {kind.eps_attr} is {eps!r}, expected a number"
+    return None
+
+
+def _not_served(module: nn.Module) -> Optional[str]:
+    """Why a module that looks like a norm is left (None: it does not look like one)."""
+    cls = type(module)
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        base = "torch.nn.LayerNorm" if isinstance(module, nn.LayerNorm) else "torch.nn.RMSNorm"
+        return (f"a subclass of {base}, not the class itself: only torch's own class is replaced (a subclass may "
+                f"change forward, or be checked for with isinstance)")
+    if not _NORM_NAME.search(cls.__name__):
+        return None
+    if cls.__name__ in _HF_KINDS:
+        return (f"its class is named like transformers' {cls.__name__} but is defined in {cls.__module__}, not "
+                f"transformers.models.{_HF_KINDS[cls.__name__][0]}: its semantics are unverified")
+    if cls.__module__.startswith("torch.nn."):
+        return f"gradops has no {cls.__name__} (it serves LayerNorm and RMSNorm)"
+    return ("a norm class gradops has not verified (its forward's casts, offset and weight handling are not in "
+            "patch's table, docs/patch.md): left as it is")
+
+
+# ---------------------------------------------------------------------------------------
+# Reports
+
+@dataclass(frozen=True)
+class Replaced:
+    """A module :func:`patch` replaced: qualified name, original class, replacement, other
+    names the same module object is reachable under."""
+    name: str
+    original: str
+    replacement: str
+    aliases: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Left:
+    """A norm-like module :func:`patch` left as it is, and why."""
+    name: str
+    cls: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A module :func:`unpatch` put back: qualified name, the gradops class it replaces, the
+    original class."""
+    name: str
+    replacement: str
+    original: str
+    aliases: Tuple[str, ...] = ()
+
+
+def _short(cls_name: str) -> str:
+    return cls_name.rsplit(".", 1)[-1]
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` did: ``replaced`` (:class:`Replaced`), ``left`` (:class:`Left`),
+    and ``already`` (names of modules that were gradops modules already: patched before, or
+    built as gradops.nn modules). ``print(report)`` gives a summary per class and every
+    left module with its reason; :meth:`as_dict` is JSON-ready."""
+    replaced: List[Replaced] = field(default_factory=list)
+    left: List[Left] = field(default_factory=list)
+    already: List[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.replaced)
+
+    def as_dict(self) -> dict:
+        return {"replaced": [asdict(r) for r in self.replaced], "left": [asdict(r) for r in self.left],
+                "already": list(self.already)}
+
+    def __str__(self) -> str:
+        lines = [f"gradops.patch: replaced {len(self.replaced)} module(s), left {len(self.left)}"
+                 + (f", {len(self.already)} already on gradops" if self.already else "")]
+        groups: Dict[Tuple[str, str], List[str]] = {}
+        for r in self.replaced:
+            groups.setdefault((r.original, r.replacement), []).append(r.name)
+        for (orig, repl), names in groups.items():
+            shown = ", ".join(names[:4]) + (f", ... ({len(names) - 4} more)" if len(names) > 4 else "")
+            lines.append(f"  replaced {len(names):>3} x {_short(orig)} -> {repl}: {shown}")
+        for r in self.left:
+            lines.append(f"  left     {r.name or '<the model itself>'} ({_short(r.cls)}): {r.reason}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"<PatchReport: {len(self.replaced)} replaced, {len(self.left)} left, "
+                f"{len(self.already)} already on gradops>")
+
+
+@dataclass
+class UnpatchReport:
+    """What :func:`unpatch` put back: ``restored`` (:class:`Restored`)."""
+    restored: List[Restored] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.restored)
+
+    def as_dict(self) -> dict:
+        return {"restored": [asdict(r) for r in self.restored]}
+
+    def __str__(self) -> str:
+        lines = [f"gradops.unpatch: restored {len(self.restored)} module(s)"]
+        groups: Dict[str, List[str]] = {}
+        for r in self.restored:
+            groups.setdefault(r.original, []).append(r.name)
+        for orig, names in groups.items():
+            shown = ", ".join(names[:4]) + (f", ... ({len(names) - 4} more)" if len(names) > 4 else "")
+            lines.append(f"  restored {len(names):>3} x {_short(orig)}: {shown}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<UnpatchReport: {len(self.restored)} restored>"
+
+
+# ---------------------------------------------------------------------------------------
+# The walk
+
+def _edges(root: nn.Module) -> Iterator[Tuple[nn.Module, str, nn.Module, str]]:
+    """(parent, key, child, qualified name) for every child slot, in named_modules' order,
+    every slot of a shared module included; each module's children are walked once; a
+    TorchScript module's children are not walked (they are compiled)."""
+    seen = {id(root)}
+
+    def walk(module: nn.Module, prefix: str):
+        for key, child in list(module._modules.items()):
+            if child is None:
+                continue
+            name = f"{prefix}.{key}" if prefix else key
+            yield module, key, child, name
+            if id(child) not in seen:
+                seen.add(id(child))
+                if not isinstance(child, torch.jit.ScriptModule):
+                    yield from walk(child, name)
+
+    if not isinstance(root, torch.jit.ScriptModule):
+        yield from walk(root, "")
+
+
+def _check_module(op: str, model) -> None:
+    if not isinstance(model, nn.Module):
+        raise AclnnError(ACLNN_ERR_PARAM_INVALID,
+                         f"{op}: model is a {type(model).__name__}, expected a torch.nn.Module")
+
+
+def _replace(old: nn.Module, kind: _Kind) -> nn.Module:
+    eps = getattr(old, kind.eps_attr)
+    new = kind.build(old, eps)
+    # the same Parameter objects (None included), not copies
+    for pname in list(new._parameters):
+        new._parameters[pname] = old._parameters.get(pname)
+    new.training = old.training
+    for table in _HOOK_TABLES + _HOOK_FLAGS:
+        if table in old.__dict__:
+            object.__setattr__(new, table, old.__dict__[table])
+    if "_is_hf_initialized" in old.__dict__:  # transformers' "already initialised" mark
+        object.__setattr__(new, "_is_hf_initialized", old.__dict__["_is_hf_initialized"])
+    object.__setattr__(new, _ORIGINAL, old)
+    object.__setattr__(new, _EPS_ATTR, kind.eps_attr)
+    return new
+
+
+def patch(model: nn.Module, *, layer_norm: bool = True, rms_norm: bool = True) -> PatchReport:
+    """Replace, in place, every norm module of ``model`` that gradops serves by a gradops
+    module holding the same parameters; returns a :class:`PatchReport`.
+
+    Replaced (docs/patch.md has the table and the evidence): ``torch.nn.LayerNorm`` and
+    ``torch.nn.RMSNorm`` (the classes themselves, not subclasses), and transformers'
+    Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma2, Gemma3 RMSNorms and T5LayerNorm
+    (GPT-2 and BERT use torch.nn.LayerNorm). ``layer_norm=False`` / ``rms_norm=False`` leave
+    the LayerNorms / the RMSNorms (T5LayerNorm is an RMSNorm) as they are.
+
+    The replacement keeps the original's Parameter objects (an optimizer built before keeps
+    updating them), training flag, state_dict keys and hooks (the same hook tables: forward,
+    pre-forward, backward, state_dict hooks keep firing, with the replacement as their
+    ``module`` argument, and their handles still remove them). A module shared under several
+    names is replaced by one module under all of them. Modules that are gradops modules
+    already are counted in ``report.already`` (patching twice changes nothing), and a module
+    whose class says it is a norm but that patch does not replace is listed in
+    ``report.left`` with the reason. Patch before wrapping the model (DDP, FSDP,
+    torch.compile, accelerate's device_map dispatch), as with any change of modules.
+    """
+    _check_module("patch", model)
+    for name, value in (("layer_norm", layer_norm), ("rms_norm", rms_norm)):
+        if not isinstance(value, bool):
+            raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"patch: {name} is {value!r}, expected True or False")
+    wanted = {"layer_norm": layer_norm, "rms_norm": rms_norm}
+    report = PatchReport()
+    if _kind(model) is not None or _not_served(model) is not None:
+        report.left.append(Left("", _qualname(type(model)),
+                                "the model is itself a norm: patch replaces modules inside a model (use "
+                                "gradops.nn.LayerNorm/RMSNorm directly)"))
+    seen = set()  # id(module) of every module decided on
+    replacement: Dict[int, Tuple[nn.Module, int]] = {}  # id(original) -> (replacement, index in report.replaced)
+    for parent, key, child, name in _edges(model):
+        ident = id(child)
+        if ident in replacement:  # another slot of a module already replaced
+            new, i = replacement[ident]
+            parent._modules[key] = new
+            r = report.replaced[i]
+            report.replaced[i] = Replaced(r.name, r.original, r.replacement, r.aliases + (name,))
+            continue
+        if ident in seen:
+            continue
+        seen.add(ident)
+        if isinstance(child, (_GLayerNorm, _GRMSNorm)):
+            report.already.append(name)
+            continue
+        kind = _kind(child)
+        reason = _not_served(child) if kind is None else (
+            f"{kind.family}=False" if not wanted[kind.family] else _why_not(child, kind))
+        if reason is not None:
+            report.left.append(Left(name, _qualname(type(child)), reason))
+            continue
+        if kind is None:
+            continue
+        new = _replace(child, kind)
+        parent._modules[key] = new
+        replacement[ident] = (new, len(report.replaced))
+        report.replaced.append(Replaced(name, _qualname(type(child)), kind.describe))
+    return report
+
+
+def unpatch(model: nn.Module) -> UnpatchReport:
+    """Put back every module :func:`patch` replaced in ``model``: the original objects,
+    holding the replacement's current parameters (the same Parameter objects, unless
+    something re-created them since, e.g. ``load_state_dict(assign=True)``), training flag,
+    eps and hook tables. Returns an :class:`UnpatchReport`; modules gradops did not patch
+    (gradops.nn modules built as such included) stay as they are."""
+    _check_module("unpatch", model)
+    report = UnpatchReport()
+    restored: Dict[int, Tuple[nn.Module, int]] = {}  # id(replacement) -> (original, index in the report)
+    for parent, key, child, name in _edges(model):
+        ident = id(child)
+        if ident in restored:
+            original, i = restored[ident]
+            parent._modules[key] = original
+            r = report.restored[i]
+            report.restored[i] = Restored(r.name, r.replacement, r.original, r.aliases + (name,))
+            continue
+        original = child.__dict__.get(_ORIGINAL)
+        if original is None:
+            continue
+        for pname in list(original._parameters):
+            original._parameters[pname] = child._parameters.get(pname)
+        original.training = child.training
+        eps_attr = child.__dict__.get(_EPS_ATTR)
+        if eps_attr and getattr(original, eps_attr, None) != child.eps:
+            setattr(original, eps_attr, child.eps)
+        for table in _HOOK_TABLES + _HOOK_FLAGS:
+            if table in child.__dict__:
+                object.__setattr__(original, table, child.__dict__[table])
+        parent._modules[key] = original
+        restored[ident] = (original, len(report.restored))
+        report.restored.append(Restored(name, _qualname(type(child)), _qualname(type(original))))
+    return report
+

@@ -1,0 +1,75 @@
+"""`gradops bench model`: a training step of tiny HF models, unpatched, gradops-patched and
+Liger-patched, on a CPU (Liger recorded as skipped, with the reason); the JSON it writes."""
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from gradops import cli  # noqa: E402
+from gradops.bench import model as bench_model  # noqa: E402
+from gradops.bench.harness import OURS  # noqa: E402
+
+QUICK = ["--device", "cpu", "--quick", "--reps", "1", "--warmup", "1", "--max-seconds", "0.05", "--no-plot"]
+# --interpret switches the Triton interpreter on for the process: not in a suite that runs compiled kernels
+cpu_suite_only = pytest.mark.skipif(os.environ.get("GRADOPS_TEST_DEVICE", "cpu") != "cpu",
+                                    reason="a CPU run (it would switch the Triton interpreter on)")
+
+
+def test_quick_run_writes_its_json_and_says_where(tmp_path, capsys):
+    rc = cli.main(["bench", "model"] + QUICK + ["--out", str(tmp_path), "--tag", "t"])
+    out = capsys.readouterr().out
+    path = tmp_path / "t.json"
+    assert rc == 0, out
+    assert f"wrote {path}" in out and "not GPU numbers" in out
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "model" and data["meta"]["backend_ours"] == "reference"
+    assert data["meta"]["transformers"] and data["meta"]["loss_disagreements"] == []
+    records = {(r["case"]["model"], r["impl"]): r for r in data["records"]}
+    assert set(records) == {(m, i) for m in bench_model.MODELS for i in ("unpatched", OURS) + bench_model.LIGER}
+    for m in bench_model.MODELS:
+        ours, theirs = records[(m, OURS)], records[(m, "unpatched")]
+        assert ours["times_ms"] and theirs["times_ms"] and not ours["error"] and not theirs["error"]
+        assert ours["extra"]["patched"] == 5 and ours["extra"]["left"] == []  # 2 layers x 2 norms + the final one
+        assert ours["extra"]["first_loss"] == pytest.approx(theirs["extra"]["first_loss"], rel=1e-5)
+        assert ours["case"] == theirs["case"] and ours["case"]["hidden"] == bench_model.QUICK_SIZE[0]
+        for impl in bench_model.LIGER:  # never faked: skipped, with the reason, no time
+            liger = records[(m, impl)]
+            assert not liger["times_ms"] and liger["error"].startswith("skipped: ")
+    assert "need a GPU" in records[("llama", "liger norms")]["error"]
+    assert "no patch for gpt2" in records[("gpt2", "liger norms")]["error"]
+    ratios = {(r["case"]["model"], r["impl"]): r["speedup_of_ours"] for r in data["ratios"]}
+    assert all(ratios[(m, "unpatched")] > 0 for m in bench_model.MODELS)
+
+
+def test_without_out_it_writes_nothing_and_says_so(capsys):
+    assert bench_model.main(QUICK + ["--models", "llama"]) == 0
+    assert "no files written" in capsys.readouterr().out
+
+
+@cpu_suite_only
+def test_interpret_runs_our_triton_kernels(tmp_path):
+    assert bench_model.main(QUICK + ["--models", "gpt2", "--interpret", "--out", str(tmp_path), "--tag", "t"]) == 0
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["meta"]["backend_ours"] == "triton"
+    assert next(r for r in data["records"] if r["impl"] == OURS)["times_ms"]
+
+
+def test_registered_with_the_common_flags(capsys):
+    assert "model" in cli.BENCH_FAMILIES
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "model", "--help"])
+    assert e.value.code == 0
+    usage = capsys.readouterr().out
+    for flag in ("--device", "--dtype", "--quick", "--interpret", "--reps", "--budget-seconds", "--out", "--models"):
+        assert flag in usage
+    args = bench_model.prepare(bench_model.parse_args(["--device", "cpu"]))
+    assert args.dtypes == ["fp32"] and bench_model._size(args) == bench_model.CPU_SIZE
+
+
+def test_liger_reasons(monkeypatch):
+    assert "no patch for gpt2" in bench_model.liger_unusable("gpt2", "cuda")
+    assert "need a GPU" in bench_model.liger_unusable("llama", "cpu")
+    monkeypatch.setitem(__import__("sys").modules, "liger_kernel.transformers.monkey_patch", None)
+    assert "not importable" in bench_model.liger_unusable("llama", "cuda")
