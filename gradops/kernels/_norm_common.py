@@ -42,6 +42,17 @@ def dx_target(dx_out, like: torch.Tensor):
 
 
 @triton.jit
+def load_input(X, R, x_offs, r_offs, mask, HAS_RES: tl.constexpr, ACC: tl.constexpr):
+    """What a norm normalises, in x's dtype: x, or (HAS_RES) h = x + residual rounded to x's
+    dtype as torch's add rounds it, so that the norm sees exactly the h it returns."""
+    x = tl.load(X + x_offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(R + r_offs, mask=mask, other=0.0)
+        x = (x.to(ACC) + r.to(ACC)).to(X.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def _sum_rows_kernel(P, OUT_A, OUT_B, R, N, N_A, stride_p,
                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     # One program per column block sums R partial rows in a fixed order (row blocks in

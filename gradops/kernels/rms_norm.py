@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..ops._checks import stat_dtype
 from . import norm_config
-from ._norm_common import as_rows, dx_target, row_stride, sum_partial_rows, tl_acc, vector
+from ._norm_common import as_rows, dx_target, load_input, row_stride, sum_partial_rows, tl_acc, vector
 
 
 # --------------------------------------------------------------------------- forward
@@ -34,11 +34,9 @@ def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = load_input(X, R, rows64[:, None] * stride_x + cols[None, :], rows64[:, None] * stride_r + cols[None, :],
+                   mask, HAS_RES, ACC)
     if HAS_RES:
-        # h in x's dtype, rounded as torch's add rounds it: the norm sees the h it returns
-        r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-        x = (x.to(ACC) + r.to(ACC)).to(X.dtype.element_ty)
         tl.store(H + rows64[:, None] * stride_h + cols[None, :], x, mask=mask)
     x = x.to(ACC)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
@@ -49,16 +47,6 @@ def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_
         y = y * (tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + offset)[None, :]
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     tl.store(Rstd + rows, rstd.to(Rstd.dtype.element_ty), mask=rmask)
-
-
-@triton.jit
-def _rms_load_h(X, R, row, stride_x, stride_r, cols, cmask, HAS_RES: tl.constexpr, ACC: tl.constexpr):
-    # A block of the row to normalise, x or h = x + residual (rounded to x's dtype), in ACC.
-    x = tl.load(X + row * stride_x + cols, mask=cmask, other=0.0)
-    if HAS_RES:
-        r = tl.load(R + row * stride_r + cols, mask=cmask, other=0.0)
-        x = (x.to(ACC) + r.to(ACC)).to(X.dtype.element_ty)
-    return x
 
 
 @triton.jit
@@ -74,7 +62,7 @@ def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, s
     for c0 in range(0, N, BLOCK_N):
         cols = c0 + offs
         cmask = cols < N
-        h = _rms_load_h(X, R, row, stride_x, stride_r, cols, cmask, HAS_RES, ACC)
+        h = load_input(X, R, row * stride_x + cols, row * stride_r + cols, cmask, HAS_RES, ACC)
         if HAS_RES:
             tl.store(H + row * stride_h + cols, h, mask=cmask)
         h = h.to(ACC)
@@ -84,7 +72,7 @@ def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, s
     for c0 in range(0, N, BLOCK_N):
         cols = c0 + offs
         cmask = cols < N
-        y = _rms_load_h(X, R, row, stride_x, stride_r, cols, cmask, HAS_RES, ACC).to(ACC) * rstd
+        y = load_input(X, R, row * stride_x + cols, row * stride_r + cols, cmask, HAS_RES, ACC).to(ACC) * rstd
         if ROUND_XHAT:
             y = y.to(Y.dtype.element_ty).to(ACC)
         if HAS_W:
