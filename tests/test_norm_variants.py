@@ -22,6 +22,10 @@ from helpers import assert_close, interpreted, raises_status, rand
 
 HALF = (torch.bfloat16, torch.float16)
 EPS = 1e-6
+# Rows of 130: a tail in every tile, and, on the split path, three column blocks of the
+# interpreter's 64 (so the wide kernels' loops, h stored in pass 1 and recomputed in pass 2,
+# run more than once).
+WIDTH = 130
 
 
 def hf_norm(name):
@@ -95,7 +99,7 @@ def leaves(*ts):
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 def test_rms_norm_variants_match_float64_formula(row_path, dtype, mode, offset, with_residual):
-    m, n = 5, 24
+    m, n = 5, WIDTH
     x, dy = rand((m, n), dtype, scale=2.0), rand((m, n), dtype)
     residual = rand((m, n), dtype) if with_residual else None
     dh = rand((m, n), dtype) if with_residual else None
@@ -122,7 +126,7 @@ def test_rms_norm_variants_match_float64_formula(row_path, dtype, mode, offset, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 def test_rms_norm_without_weight(row_path, dtype, with_residual):
-    m, n = 4, 24
+    m, n = 4, WIDTH
     x, dy = rand((m, n), dtype), rand((m, n), dtype)
     residual = rand((m, n), dtype) if with_residual else None
     dh = rand((m, n), dtype) if with_residual else None
@@ -141,7 +145,7 @@ def test_rms_norm_without_weight(row_path, dtype, with_residual):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "no-affine"])
 def test_fused_add_layer_norm_matches_float64_formula(row_path, dtype, affine):
-    m, n = 5, 24
+    m, n = 5, WIDTH
     x, residual, dy, dh = (rand((m, n), dtype) for _ in range(4))
     w = rand((n,), dtype, scale=0.5) + 1.0 if affine else None
     b = rand((n,), dtype) if affine else None
@@ -392,5 +396,18 @@ def test_bad_variant_arguments_raise_aclnn_errors(backend):
         GF.fused_add_rms_norm(x, r.bfloat16(), 8, w)
     with raises_status(gradops.ACLNN_ERR_PARAM_INVALID, "residual", "(2, 8)"):
         GF.fused_add_layer_norm(x, r[:2], 8, w)
-    with raises_status(gradops.ACLNN_ERR_PARAM_INVALID, "residual", "float64"):
+    with raises_status(gradops.ACLNN_ERR_PARAM_INVALID, "fused_add_layer_norm", "residual", "float64"):
         GF.fused_add_layer_norm(x, r.double(), 8, w)
+    # wrong Python types get AclnnError naming the parameter, not the dispatcher's RuntimeError
+    with raises_status(gradops.ACLNN_ERR_PARAM_INVALID, "fused_add_rms_norm", "residual", "float"):
+        GF.fused_add_rms_norm(x, 3.0, 8, w)
+    with raises_status(gradops.ACLNN_ERR_PARAM_INVALID, "fused_add_layer_norm", "residual", "float"):
+        GF.fused_add_layer_norm(x, 3.0, 8)
+    with raises_status(gradops.ACLNN_ERR_PARAM_INVALID, "residual"):
+        gnn.RMSNorm(8)(x, 2.0)
+    with raises_status(gradops.ACLNN_ERR_PARAM_INVALID, "casting_mode", "None"):
+        GF.rms_norm(x, 8, w, casting_mode=None)
+    with raises_status(gradops.ACLNN_ERR_PARAM_INVALID, "weight", "list"):
+        GF.rms_norm(x, 8, [1.0] * 8)
+    with raises_status(gradops.ACLNN_ERR_PARAM_INVALID, "offset", "elementwise_affine=False"):
+        gnn.RMSNorm(8, elementwise_affine=False, offset=1.0)

@@ -146,6 +146,14 @@ def _add_rms_formula(x, r, w):
     return w * xhat, h
 
 
+def _add_rms_backward_formula(dy, h, rstd, w, dh):
+    # the unfused backward with Llama's rounding: the norm's dx plus h's own gradient, and
+    # dgamma against the x-hat rounded to h's dtype
+    dx, _ = _rms_backward_formula(dy, h, rstd, w)
+    xhat = (h.float() * rstd.float().unsqueeze(1)).to(h.dtype).float()
+    return dx + dh, (dy.float() * xhat).sum(dim=0)
+
+
 def _add_rms_implementations(op: str, x, dy, w, backend: str, peers, liger) -> Dict[str, Callable]:
     from ..ops.rms_norm import prepare_rms_norm, prepare_rms_norm_grad
 
@@ -175,10 +183,10 @@ def _add_rms_implementations(op: str, x, dy, w, backend: str, peers, liger) -> D
     if "autograd" in peers:
         impls["torch autograd"] = autograd_of(_add_rms_formula)
     if "compile" in peers:
-        fn = _compiled(lambda a, c, g, d: (lambda dx, dw: (dx + d, dw))(*_rms_backward_formula(a, c, g, w)))
+        fn = _compiled(_add_rms_backward_formula)
         if fn:
             rstd_rows = rstd.reshape(-1)
-            impls["torch.compile"] = lambda: fn(dy, h, rstd_rows, dh)
+            impls["torch.compile"] = lambda: fn(dy, h, rstd_rows, w, dh)
     if liger:
         impls["liger"] = autograd_of(lambda a, c, g: liger[2](a, c, g, EPS_RMS, casting_mode="llama",
                                                                 in_place=False))

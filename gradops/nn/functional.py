@@ -38,7 +38,7 @@ from ..ops import floyd_attention as _floyd_ops
 from ..ops import layer_norm as _ln_ops
 from ..ops import nsa_compress as _nsa_ops
 from ..ops import rms_norm as _rms_ops
-from ..ops._checks import check_float_attr, stat_dtype
+from ..ops._checks import check_companion, check_float_attr, require_tensor, stat_dtype
 from ..ops._shapes import as_int_tuple
 
 __all__ = ["layer_norm", "rms_norm", "fused_add_layer_norm", "fused_add_rms_norm", "nsa_compress",
@@ -195,6 +195,14 @@ def _normalized_shape(op: str, normalized_shape) -> List[int]:
     return list(as_int_tuple(op, "normalized_shape", normalized_shape))
 
 
+def _check_residual(op: str, input, residual, shape_status: int) -> None:
+    """The fused adds' operands, checked here under the functional's name and torch's
+    parameter names (the dispatcher would refuse a non-tensor with its own RuntimeError)."""
+    require_tensor(op, "input", input)
+    if residual is not None:
+        check_companion(op, "residual", residual, "input", input, status=shape_status)
+
+
 def layer_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
                weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5, *,
                backend: Optional[str] = None) -> Tensor:
@@ -216,7 +224,9 @@ def fused_add_layer_norm(input: Tensor, residual: Tensor, normalized_shape: Unio
     ``(layer_norm(h, ...), h)`` with ``h = input + residual`` (in input's dtype, as torch
     adds), computed in one pass over memory, forward and backward. ``residual`` has input's
     shape and dtype."""
-    shape = _normalized_shape("fused_add_layer_norm", normalized_shape)
+    op = "fused_add_layer_norm"
+    shape = _normalized_shape(op, normalized_shape)
+    _check_residual(op, input, residual, ACLNN_ERR_PARAM_INVALID)
     y, _, _, h = torch.ops.gradops.layer_norm(input, residual, shape, weight, bias, float(eps),
                                               requested(backend))
     return y, h
@@ -294,8 +304,10 @@ def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, c
     """rms_norm and fused_add_rms_norm: (y, h), h empty without a residual."""
     shape = tuple(_normalized_shape(op, normalized_shape))
     offset = check_float_attr(op, "offset", offset)
-    if not isinstance(input, Tensor):
-        raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: input is a {type(input).__name__}, expected a torch.Tensor")
+    _rms_ops.check_casting_mode(op, casting_mode)
+    _check_residual(op, input, residual, ACLNN_ERR_INNER_TILING_ERROR)  # RMSNorm's shapes are tiling rules
+    if weight is not None:
+        require_tensor(op, "weight", weight)
     if eps is None:
         # torch takes the machine eps of the dtype it computes in, float32 for half inputs
         # (not bf16's 2**-7, which would visibly shift small-magnitude rows)

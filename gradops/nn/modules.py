@@ -56,6 +56,9 @@ class RMSNorm(nn.RMSNorm):
                  device=None, dtype=None, *, offset: float = 0.0, casting_mode: str = "gemma"):
         super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
         self.offset = check_float_attr("RMSNorm", "offset", offset)
+        if self.offset and self.weight is None:
+            raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"RMSNorm: offset is {offset!r} with elementwise_affine=False, "
+                                                      f"expected a weight for the offset to shift")
         check_casting_mode("RMSNorm", casting_mode)
         self.casting_mode = casting_mode
         if self.offset:
