@@ -112,7 +112,7 @@ def prepare_rms_norm_grad(dy, x, rstd, gamma, *, in_place=False, offset=0.0, cas
     _check_gamma_shape(op, x, gamma)
     check_shape(op, "dy", dy, x.shape, "x.shape", status=TILING)
     if dresidual is not None:
-        check_companion(op, "dresidual", dresidual, "x", x, status=TILING)
+        check_shape(op, "dresidual", dresidual, x.shape, "x.shape", status=TILING)
     n = gamma.dim()
     check_stat(op, "rstd", rstd, x, n, status=TILING)
     if not isinstance(in_place, bool):
