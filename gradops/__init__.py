@@ -21,6 +21,7 @@ from .errors import (
     ACLNN_ERR_RUNTIME_ERROR,
     ACLNN_SUCCESS,
     AclnnError,
+    AclnnTypeError,
 )
 
 from . import aclnn, ascendc, nn, torch_npu  # noqa: E402  (after the API: they build on it)
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AclnnError",
+    "AclnnTypeError",
     "ACLNN_SUCCESS",
     "ACLNN_ERR_PARAM_NULLPTR",
     "ACLNN_ERR_PARAM_INVALID",

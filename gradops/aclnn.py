@@ -160,7 +160,7 @@ def renamed_errors(names: Dict[str, str]):
         message = _STATUS_SUFFIX.sub("", str(e))
         for py_name, cann_name in names.items():
             message = re.sub(rf"(?<![\w.]){re.escape(py_name)}(?!\w)", cann_name, message)
-        raise AclnnError(e.status, message) from None
+        raise type(e)(e.status, message) from None  # an AclnnTypeError stays one
 
 
 def _placeholder(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

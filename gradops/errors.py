@@ -29,3 +29,9 @@ class AclnnError(ValueError):
         self.status = int(status)
         self.status_name = STATUS_NAMES.get(self.status, "ACLNN_ERR_UNKNOWN")
         super().__init__(f"{message} [{self.status_name} {self.status}]")
+
+
+class AclnnTypeError(AclnnError, TypeError):
+    """An argument of the wrong Python type (a list where a tensor goes, a string for eps):
+    an :class:`AclnnError` with status 161002 that is also a ``TypeError``, which is what
+    PyTorch raises for the same mistake, so ``except TypeError`` written for torch still works."""

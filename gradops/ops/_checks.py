@@ -15,6 +15,7 @@ from ..errors import (
     ACLNN_ERR_PARAM_INVALID,
     ACLNN_ERR_PARAM_NULLPTR,
     AclnnError,
+    AclnnTypeError,
 )
 
 TILING = ACLNN_ERR_INNER_TILING_ERROR  # shape rules CANN checks at tiling (OPERATORS.md)
@@ -50,6 +51,12 @@ def invalid(op: str, message: str, status: int = ACLNN_ERR_PARAM_INVALID):
     fail(op, status, message)
 
 
+def wrong_type(op: str, message: str):
+    """An argument of the wrong Python type: 161002, raised as :class:`AclnnTypeError` (also a
+    TypeError, as torch raises for the same mistake)."""
+    raise AclnnTypeError(ACLNN_ERR_PARAM_INVALID, f"{op}: {message}")
+
+
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of statistics and float accumulators for inputs of ``dtype``."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -62,7 +69,9 @@ def require_tensor(op: str, name: str, t, *, optional: bool = False) -> Optional
             return None
         fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected a tensor")
     if not isinstance(t, torch.Tensor):
-        invalid(op, f"{name} is a {type(t).__name__}, expected a torch.Tensor")
+        wrong_type(op, f"{name} is a {type(t).__name__}, expected a torch.Tensor")
+    if t.layout != torch.strided:
+        invalid(op, f"{name} has layout {str(t.layout).replace('torch.', '')}, expected a strided (dense) tensor")
     return t
 
 
@@ -105,26 +114,108 @@ def check_same_device(op: str, named: Sequence[tuple]):
             invalid(op, f"{name} is on {t.device}, expected the device of {first[0]} ({first[1].device})")
 
 
+INT64_MAX = 2**63 - 1
+
+
+def _is_host_integer_scalar(value) -> bool:
+    """A one-element integer tensor whose value can be read (not bool, not on the meta device)."""
+    return (isinstance(value, torch.Tensor) and value.numel() == 1 and value.layout == torch.strided
+            and value.device.type != "meta" and not value.is_floating_point() and not value.is_complex()
+            and value.dtype != torch.bool)
+
+
 def check_int_attr(op: str, name: str, value, minimum: int) -> int:
+    """An int attribute (an int, or a one-element integer tensor) in ``minimum..INT64_MAX``."""
     if value is None:
         fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected an int >= {minimum}")
     if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
-            value = int(value.item())
-        else:
-            invalid(op, f"{name} is {value!r}, expected an int >= {minimum}")
-    if value < minimum:
-        invalid(op, f"{name} is {value}, expected an int >= {minimum}")
+        if not _is_host_integer_scalar(value):
+            wrong_type(op, f"{name} is {value!r}, expected an int >= {minimum}")
+        value = int(value.item())
+    if not minimum <= value <= INT64_MAX:
+        invalid(op, f"{name} is {value}, expected an int in {minimum}..{INT64_MAX} (int64)")
     return int(value)
 
 
 def check_float_attr(op: str, name: str, value) -> float:
+    """A float attribute: a Python int or float (not bool, not a string) that fits a double."""
     if value is None:
         fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected a float")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        invalid(op, f"{name} is {value!r}, expected a float")
-    return float(value)
+        wrong_type(op, f"{name} is {value!r}, expected a float")
+    try:
+        return float(value)
+    except OverflowError:
+        invalid(op, f"{name} is {value}, expected a float within float64's range")
 
+
+def element_offsets(t: torch.Tensor) -> torch.Tensor:
+    """The storage offset of each element of ``t``, in elements, from its sizes and strides
+    alone (no data is read): an int64 CPU tensor of t's shape."""
+    offsets = torch.tensor(t.storage_offset(), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return offsets
+
+
+def _has_internal_overlap(t: torch.Tensor) -> bool:
+    status = torch._debug_has_internal_overlap(t)  # 0: no, 1: yes, 2: too hard to tell cheaply
+    if status != 2:
+        return status == 1
+    offsets = element_offsets(t).reshape(-1)
+    return offsets.unique().numel() != offsets.numel()
+
+
+def check_writable(op: str, name: str, t: torch.Tensor, *, requires_grad_ok: bool = False):
+    """A tensor the call will write into (an output, or an input overwritten in place): every
+    element its own memory (no stride-0 or other self-overlapping view), strided, writable
+    here (not an inference tensor outside inference mode), and, unless ``requires_grad_ok``,
+    not requiring grad (torch's rule for ``out=`` tensors). Checked before anything is written,
+    so a call never fails half-way through its writes."""
+    if t.layout != torch.strided:
+        invalid(op, f"{name} has layout {str(t.layout).replace('torch.', '')}, expected a strided (dense) tensor")
+    if t.device.type == "meta":
+        invalid(op, f"{name} is a meta tensor (no memory), expected a tensor that can be written")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        invalid(op, f"{name} is an inference tensor, expected a tensor that can be written outside "
+                    f"torch.inference_mode()")
+    if t.requires_grad and not requires_grad_ok:
+        invalid(op, f"{name} requires grad, expected an output tensor that does not (as torch's out= "
+                    f"arguments)")
+    if t.numel() > 1 and _has_internal_overlap(t):
+        invalid(op, f"{name} has elements that share memory (shape {tuple(t.shape)}, strides {t.stride()}), "
+                    f"expected a tensor whose every element can be written (not an expanded or stride-0 view)")
+
+
+def _byte_span(t: torch.Tensor):
+    start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return start, start + (extent + 1) * t.element_size()
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether writing ``a`` can change ``b``: some byte of an element of one is in an element
+    of the other (exact for views of one dtype, conservative across dtypes)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if a.element_size() != b.element_size() or (a0 - b0) % a.element_size():
+        return True
+    return bool(torch.isin(element_offsets(a), element_offsets(b)).any())
+
+
+def check_no_shared_outputs(op: str, named: Sequence[tuple]):
+    """Output tensors (``(name, tensor-or-None)``) that do not share memory with each other:
+    written one after the other, two outputs in one memory would leave one result wrong."""
+    given = [(name, t) for name, t in named if t is not None]
+    for i, (name_a, a) in enumerate(given):
+        for name_b, b in given[i + 1:]:
+            if shares_memory(a, b):
+                invalid(op, f"{name_a} and {name_b} share memory, expected separate output tensors")
 
 
 def check_companion(op: str, name: str, t, ref_name: str, ref: torch.Tensor,
