@@ -72,10 +72,13 @@ if [ "$step" != tests ]; then
     echo "== gradops bench all ${budget[*]} ${BENCH_ARGS:-}"
     # shellcheck disable=SC2086
     $PY -m gradops bench all "${budget[@]}" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1 || status=1
-    folder=$(ls -td benchmarks/results/*/ 2>/dev/null | head -n 1)
+    # the folder it printed ("wrote FOLDER/ (summary.json, ..."), else the newest under benchmarks/results/
+    folder=$(sed -n 's|^wrote \(.*\)/ (summary.json.*|\1|p' "$OUT/bench.log" | tail -n 1)
+    [ -n "$folder" ] || folder=$(ls -td benchmarks/results/*/ 2>/dev/null | head -n 1)
+    folder=${folder%/}
     if [ -n "$folder" ] && [ -f "$folder/summary.txt" ]; then
         cp "$folder/summary.txt" "$OUT/summary.txt"
-        tar -czf "$OUT/results.tar.gz" -C benchmarks/results "$(basename "$folder")"
+        tar -czf "$OUT/results.tar.gz" -C "$(dirname "$folder")" "$(basename "$folder")"
         cat "$OUT/summary.txt"
     else
         tail -n 40 "$OUT/bench.log"

@@ -5,6 +5,10 @@
     gradops info            versions, devices, backends
     gradops bench FAMILY    benchmarks (norm, nsa, floyd, model): see ``gradops bench FAMILY --help``
     gradops bench all       every family at its GPU shapes, one folder of results and a summary
+
+Every ``gradops bench`` command takes the same options (gradops.bench.harness.add_common_args),
+and ``--dtype`` takes one set of names everywhere, ``gradops selftest`` included: torch's
+(float32, float16, bfloat16, float64), or their aliases fp32, fp16, bf16, fp64.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import importlib
 import os
 import sys
 import time
+
+from .bench.harness import dtype_choices, dtype_name
 
 
 def _default_device() -> str:
@@ -86,6 +92,19 @@ def cmd_info(args) -> int:
 
 
 BENCH_FAMILIES = ("norm", "nsa", "floyd", "model", "all")
+SELFTEST_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def bench_help() -> str:
+    """`gradops bench --help`: the families and the options every one of them takes."""
+    from .bench import harness
+
+    p = argparse.ArgumentParser(prog="gradops bench {" + ",".join(BENCH_FAMILIES) + "}", add_help=False,
+                                description="Benchmarks against peers, side by side (docs/benchmarks.md). "
+                                            "Every family takes the options below; see "
+                                            "`gradops bench FAMILY --help` for its own.")
+    harness.add_common_args(p, family=False)
+    return p.format_help()
 
 
 def cmd_bench(args, rest) -> int:
@@ -106,14 +125,17 @@ def main(argv=None) -> int:
     st.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
     st.add_argument("--backend", action="append", choices=["reference", "triton"],
                     help="only these backends (repeatable; default: every available one)")
-    st.add_argument("--dtype", action="append", choices=["float64", "float32", "float16", "bfloat16"],
-                    help="only these dtypes (repeatable)")
+    st.add_argument("--dtype", nargs="+", action="extend", type=dtype_name, choices=SELFTEST_DTYPES,
+                    metavar="DTYPE", help="only these dtypes (repeatable): " + dtype_choices(SELFTEST_DTYPES))
     st.add_argument("-v", "--verbose", action="store_true")
     sub.add_parser("info", help="versions, devices and backends")
     bench = sub.add_parser("bench", help="benchmarks against peers", add_help=False)
     bench.add_argument("family", choices=BENCH_FAMILIES)
     if not argv:
         argv = ["selftest"]
+    if argv[0] == "bench" and (len(argv) == 1 or argv[1] in ("-h", "--help")):
+        print(bench_help())
+        return 0 if len(argv) > 1 else 2
     if argv[0] == "bench":
         args, rest = parser.parse_known_args(argv)
         return cmd_bench(args, rest)

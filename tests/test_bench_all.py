@@ -79,19 +79,24 @@ def test_families_share_the_flags(module, tmp_path):
     args = module.parse_args(["--quick", "--dtype", "float32", "--out", str(tmp_path), "--tag", "t", "--no-plot",
                               "--interpret", "--budget-seconds", "5", "--max-seconds", "0.1"])
     args = module.prepare(args)
-    assert args.dtypes == ["fp32"] and args.out == str(tmp_path) and args.deadline is not None
+    assert args.dtypes == ["float32"] and args.out == str(tmp_path) and args.deadline is not None
     assert harness.output_dir(args) == (str(tmp_path), "")
     args.out = None
     folder, why = harness.output_dir(args)
-    assert folder is None and "no files written" in why
+    assert folder == harness.scratch_dir() and "not a result to commit" in why
 
 
 @cpu_suite_only
-def test_quick_without_out_says_it_writes_nothing(capsys):
+def test_quick_without_out_writes_to_the_scratch_folder(capsys, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     rc = norm.main(["--quick", "--device", "cpu", "--ops", "rms_bwd", "--dtype", "fp32", "--widths", "64",
-                    "--numel", "256", "--peers", "autograd", "--reps", "1"])
+                    "--numel", "256", "--peers", "autograd", "--reps", "1", "--tag", "t", "--no-plot"])
     out = capsys.readouterr().out
-    assert rc == 0 and "no files written" in out and "not GPU numbers" in out
+    path = tmp_path / "gradops-bench" / "t.json"
+    assert rc == 0 and f"wrote {path}" in out and "not GPU numbers" in out
+    assert json.loads(path.read_text())["meta"]["options"]["dtypes"] == ["float32"]
 
 
 def _run(device_name, records):

@@ -41,9 +41,13 @@ def test_quick_run_writes_its_json_and_says_where(tmp_path, capsys):
     assert all(ratios[(m, "unpatched")] > 0 for m in bench_model.MODELS)
 
 
-def test_without_out_it_writes_nothing_and_says_so(capsys):
-    assert bench_model.main(QUICK + ["--models", "llama"]) == 0
-    assert "no files written" in capsys.readouterr().out
+def test_without_out_it_writes_to_the_scratch_folder_and_says_so(capsys, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert bench_model.main(QUICK + ["--models", "llama", "--tag", "t"]) == 0
+    path = tmp_path / "gradops-bench" / "t.json"
+    assert f"wrote {path}" in capsys.readouterr().out and path.exists()
 
 
 @cpu_suite_only
@@ -63,7 +67,7 @@ def test_registered_with_the_common_flags(capsys):
     for flag in ("--device", "--dtype", "--quick", "--interpret", "--reps", "--budget-seconds", "--out", "--models"):
         assert flag in usage
     args = bench_model.prepare(bench_model.parse_args(["--device", "cpu"]))
-    assert args.dtypes == ["fp32"] and bench_model._size(args) == bench_model.CPU_SIZE
+    assert args.dtypes == ["float32"] and bench_model._size(args) == bench_model.CPU_SIZE
 
 
 def test_liger_reasons(monkeypatch):

@@ -1,10 +1,10 @@
 """``gradops bench all``: validate a GPU machine in one command.
 
-Runs the norm, NSA and Floyd benchmarks in turn at their GPU shapes (bf16, and fp32 where a
-goal or a second code path asks for it), against every peer that imports here, within one
+Runs the norm, NSA and Floyd benchmarks in turn at their GPU shapes (bfloat16, and float32 where
+a goal or a second code path asks for it), against every peer that imports here, within one
 time budget, and writes one folder: each part's JSON and PNG, and ``summary.json`` /
 ``summary.txt`` (per family, the worst and median ratio of each peer's time to ours, and
-each PERFORMANCE.md goal: met, missed, not measured or not evaluated). Exits 1 when one of
+each goal of docs/benchmarks.md: met, missed, not measured or not evaluated). Exits 1 when one of
 our measurements failed, a part crashed, or the budget left cases unmeasured.
 
 The plan is data (``GPU_PLAN`` and the two quick plans below): each part is a family's own
@@ -50,33 +50,33 @@ def _shapes(*shapes: str) -> Tuple[str, ...]:
 GPU_BUDGET = 400.0
 GPU_MAX_SECONDS = 1.0  # per measurement: warm-up and timed repetitions are each bounded by it
 GPU_PLAN = (
-    Part("norm", "norm", ("--ops", *NORM_OPS, "--dtype", "bf16", "fp32", "--widths", "1024", "4096", "16384",
+    Part("norm", "norm", ("--ops", *NORM_OPS, "--dtype", "bfloat16", "float32", "--widths", "1024", "4096", "16384",
                           "65536", "262144", "--peers", "autograd", "aten", "liger", "--check"), 105,
-         "width sweep at M = min(32768, 128M/N), bf16 and fp32, outputs checked against the reference"),
-    Part("norm-small", "norm", ("--ops", *NORM_OPS, "--dtype", "bf16", "--widths", "1024", "4096",
+         "width sweep at M = min(32768, 128M/N), bfloat16 and float32, outputs checked against the reference"),
+    Part("norm-small", "norm", ("--ops", *NORM_OPS, "--dtype", "bfloat16", "--widths", "1024", "4096",
                                 "--numel", str(2**20), "--peers", "autograd", "aten", "liger"), 15,
          "launch-bound shapes, M*N = 1M"),
-    Part("norm-add", "norm", ("--ops", "add_rms_bwd", "add_rms_fwd", "--dtype", "bf16", "--widths", "4096",
+    Part("norm-add", "norm", ("--ops", "add_rms_bwd", "add_rms_fwd", "--dtype", "bfloat16", "--widths", "4096",
                               "16384", "--peers", "autograd", "liger", "--check"), 15,
          "the residual add fused into RMSNorm (Llama's casting) against a separate add and norm, and Liger's"),
-    Part("norm-compile", "norm", ("--ops", "rms_bwd", "ln_bwd", "--dtype", "bf16", "--widths", "4096",
+    Part("norm-compile", "norm", ("--ops", "rms_bwd", "ln_bwd", "--dtype", "bfloat16", "--widths", "4096",
                                   "--peers", "compile"), 40,
          "torch.compile at 32K x 4096 (one compilation per case)"),
     Part("nsa", "nsa", ("--tokens", "65536", "--heads", "4", "16", "64", "--dims", "128", "--blocks", "32x16",
-                        "64x32", "--dtype", "bf16", "--peers", "reference", "naive"), 50,
-         "T = 64K packed, bf16"),
+                        "64x32", "--dtype", "bfloat16", "--peers", "reference", "naive"), 50,
+         "T = 64K packed, bfloat16"),
     Part("nsa-fp32", "nsa", ("--tokens", "65536", "--heads", "16", "--dims", "128", "192", "--blocks", "32x16",
-                             "--dtype", "fp32", "--peers", "reference", "naive"), 20, "fp32, D = 128 and 192"),
+                             "--dtype", "float32", "--peers", "reference", "naive"), 20, "float32, D = 128 and 192"),
     Part("nsa-compile", "nsa", ("--tokens", "65536", "--heads", "16", "--dims", "128", "--blocks", "32x16",
-                                "--dtype", "bf16", "--peers", "compile"), 35,
+                                "--dtype", "bfloat16", "--peers", "compile"), 35,
          "torch.compile of the reference (one compilation per case)"),
     Part("floyd", "floyd", (*_shapes("1,8,512,512,512,32", "1,8,512,512,512,64", "1,8,512,512,512,128"),
-                            "--dtype", "bf16", "--impl", "gradops", "reference", "einsum", "floydnet"), 55,
-         "N = M = K = 512, D = 32/64/128, bf16"),
-    Part("floyd-large", "floyd", (*_shapes("1,4,1024,1024,1024,128"), "--dtype", "bf16",
+                            "--dtype", "bfloat16", "--impl", "gradops", "reference", "einsum", "floydnet"), 55,
+         "N = M = K = 512, D = 32/64/128, bfloat16"),
+    Part("floyd-large", "floyd", (*_shapes("1,4,1024,1024,1024,128"), "--dtype", "bfloat16",
                                   "--impl", "gradops", "einsum", "floydnet"), 25,
          "N = M = K = 1024, D = 128 (the einsum peers may run out of memory: a result)"),
-    Part("floyd-compile", "floyd", (*_shapes("1,8,512,512,512,128"), "--dtype", "bf16",
+    Part("floyd-compile", "floyd", (*_shapes("1,8,512,512,512,128"), "--dtype", "bfloat16",
                                     "--impl", "gradops", "compiled"), 40,
          "torch.compile of the einsum formulation"),
 )
@@ -84,22 +84,22 @@ GPU_PLAN = (
 # A smoke run on a GPU: a minute or two.
 GPU_QUICK_BUDGET = 120.0
 GPU_QUICK_PLAN = (
-    Part("norm", "norm", ("--quick", "--dtype", "bf16", "fp32", "--widths", "1024", "8192", "--numel", str(2**22),
-                          "--check"), 40, "two widths"),
-    Part("nsa", "nsa", ("--quick", "--dtype", "bf16", "fp32"), 30, "T = 4096"),
-    Part("floyd", "floyd", (*_shapes("1,2,128,128,128,64"), "--quick", "--dtype", "bf16",
+    Part("norm", "norm", ("--quick", "--dtype", "bfloat16", "float32", "--widths", "1024", "8192",
+                          "--numel", str(2**22), "--check"), 40, "two widths"),
+    Part("nsa", "nsa", ("--quick", "--dtype", "bfloat16", "float32"), 30, "T = 4096"),
+    Part("floyd", "floyd", (*_shapes("1,2,128,128,128,64"), "--quick", "--dtype", "bfloat16",
                             "--impl", "gradops", "reference", "einsum", "floydnet"), 50, "N = M = K = 128"),
 )
 
-# On a CPU: tiny shapes, our kernels through the Triton interpreter (fp32 only for Floyd:
-# the interpreter's bf16 tl.dot is wrong, triton issue 11584). Checks the wiring, not speed.
+# On a CPU: tiny shapes, our kernels through the Triton interpreter (float32 only for Floyd:
+# the interpreter's bfloat16 tl.dot is wrong, triton issue 11584). Checks the wiring, not speed.
 CPU_QUICK_BUDGET = 150.0
 CPU_QUICK_PLAN = (
-    Part("norm", "norm", ("--quick", "--interpret", "--dtype", "fp32", "bf16", "--widths", "256", "1024",
+    Part("norm", "norm", ("--quick", "--interpret", "--dtype", "float32", "bfloat16", "--widths", "256", "1024",
                           "--numel", "8192", "--peers", "autograd", "aten", "--check"), 60, "tiny norms"),
-    Part("nsa", "nsa", ("--quick", "--interpret", "--dtype", "fp32", "bf16"), 40, "T = 192"),
+    Part("nsa", "nsa", ("--quick", "--interpret", "--dtype", "float32", "bfloat16"), 40, "T = 192"),
     Part("floyd", "floyd", (*_shapes("1,2,16,16,16,16", "1,1,32,32,32,32"), "--quick", "--interpret",
-                            "--dtype", "fp32"), 50, "two tiny shapes"),
+                            "--dtype", "float32"), 50, "two tiny shapes"),
 )
 
 
@@ -109,12 +109,43 @@ def plan_for(device: str, quick: bool) -> Tuple[Tuple[Part, ...], float]:
     return (GPU_QUICK_PLAN, GPU_QUICK_BUDGET) if quick else (GPU_PLAN, GPU_BUDGET)
 
 
+def part_dtypes(part: Part) -> Tuple[str, ...]:
+    """The dtypes a part's command line names (canonical names)."""
+    argv, found = list(part.argv), []
+    if "--dtype" in argv:
+        for a in argv[argv.index("--dtype") + 1:]:
+            if a.startswith("--"):
+                break
+            found.append(harness.dtype_name(a))
+    return tuple(found)
+
+
+def restrict_dtypes(part: Part, dtypes: Optional[Sequence[str]]) -> Optional[Part]:
+    """``part`` with its dtypes cut down to ``dtypes`` (bench all's --dtype: only these), or
+    None when it keeps none. A part that names no dtype takes ``dtypes`` as its own."""
+    if not dtypes:
+        return part
+    own = part_dtypes(part)
+    keep = [d for d in own if d in dtypes] if own else list(dtypes)
+    if not keep:
+        return None
+    argv = list(part.argv)
+    if own:
+        i = argv.index("--dtype")
+        argv[i + 1:i + 1 + len(own)] = keep
+    else:
+        argv += ["--dtype", *keep]
+    return Part(part.name, part.family, tuple(argv), part.share, part.what)
+
+
 def part_args(part: Part, args, folder: Optional[str]):
     """The part's own parsed and resolved arguments, with bench all's overrides."""
     module = importlib.import_module(f"gradops.bench.{part.family}")
     argv = list(part.argv) + ["--device", args.device, "--tag", part.name]
     if folder:
         argv += ["--out", folder]
+    if args.no_plot:
+        argv += ["--no-plot"]
     for flag, value in (("--reps", args.reps), ("--warmup", args.warmup), ("--max-seconds", args.max_seconds)):
         if value is not None:
             argv += [flag, str(value)]
@@ -172,7 +203,7 @@ def summary_text(summary: dict) -> str:
         for peer, p in fam["peers"].items():
             lines.append(f"{family:<7} {peer:<26} {p['cases']:>5} {_fmt(p['worst']):>8} {_fmt(p['median']):>8} "
                          f"{p['errors']:>12}")
-    lines += ["", "goals (PERFORMANCE.md)"]
+    lines += ["", "goals (docs/benchmarks.md)"]
     for family, fam in summary["families"].items():
         for g in fam["goals"]:
             worst = "" if g["worst"] is None else f" (worst {g['worst']:.3g} over {g['cases']} cases)"
@@ -198,27 +229,22 @@ def summary_text(summary: dict) -> str:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="gradops bench all", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
-    p.add_argument("--quick", action="store_true",
-                   help="small shapes: a smoke run (on a CPU, always: tiny shapes through the Triton interpreter)")
-    p.add_argument("--out", default=None,
-                   help="results folder (default on a GPU: benchmarks/results/<device>-<date>/; "
-                        "none on a CPU or with --quick)")
-    p.add_argument("--budget-seconds", type=float, default=None,
-                   help=f"whole run's time budget (default {GPU_BUDGET:.0f} on a GPU, {GPU_QUICK_BUDGET:.0f} "
-                        f"with --quick, {CPU_QUICK_BUDGET:.0f} on a CPU)")
-    p.add_argument("--reps", type=int, default=None, help="override every part's repetitions")
-    p.add_argument("--warmup", type=int, default=None, help="override every part's warm-up calls")
-    p.add_argument("--max-seconds", type=float, default=None,
-                   help=f"override the time bound of one measurement (default {GPU_MAX_SECONDS} on a GPU)")
+    harness.add_common_args(
+        p, family=False, dtype_help="only the parts' cases in these dtypes (a part left with none is left out)",
+        quick_help="small shapes: a smoke run (on a CPU, always: tiny shapes through the Triton interpreter)",
+        out_help=(f"results folder (default: {harness.RESULTS_DIR}/<device>-<date>/ for a full run on a GPU, "
+                  f"else {harness.scratch_dir()}/<device>-<date>/). The folder written is printed"),
+        budget_help=(f"whole run's time budget (default {GPU_BUDGET:.0f} on a GPU, {GPU_QUICK_BUDGET:.0f} "
+                     f"with --quick, {CPU_QUICK_BUDGET:.0f} on a CPU)"))
     p.add_argument("--only", nargs="+", default=None, metavar="PART", help="only these parts (by name)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its budget; run nothing")
     return p.parse_args(argv)
 
 
-def _default_folder(meta: dict) -> str:
+def _default_folder(meta: dict, committed: bool = True) -> str:
+    """<device>-<date>/ under benchmarks/results/ (a full GPU run) or the scratch folder."""
     stem = f"{harness.device_slug(meta)}-{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d}"
-    folder = os.path.join(harness.RESULTS_DIR, stem)
+    folder = os.path.join(harness.RESULTS_DIR if committed else harness.scratch_dir(), stem)
     if os.path.exists(folder):
         folder += f"-{_dt.datetime.now(_dt.timezone.utc):%H%M%S}"
     return folder
@@ -257,6 +283,14 @@ def main(argv=None) -> int:
             raise SystemExit(f"gradops bench all: no part named {', '.join(sorted(unknown))} "
                              f"(parts: {', '.join(p.name for p in parts)})")
         parts = tuple(p for p in parts if p.name in args.only)
+    if args.dtypes:
+        kept = [restrict_dtypes(p, args.dtypes) for p in parts]
+        left = [p.name for p, k in zip(parts, kept) if k is None]
+        parts = tuple(k for k in kept if k is not None)
+        if not parts:
+            raise SystemExit(f"gradops bench all: no part of the plan runs in {' '.join(args.dtypes)}")
+        if left:
+            print(f"gradops bench all: --dtype {' '.join(args.dtypes)} leaves out {', '.join(left)}", flush=True)
     budget = args.budget_seconds if args.budget_seconds is not None else budget
     if args.dry_run:
         print_plan(parts, budget, args)
@@ -268,9 +302,10 @@ def main(argv=None) -> int:
         kernels_skipped = harness.cpu_kernels_skipped()
         ours = ("our Triton kernels through the Triton interpreter" if kernels_skipped is None else
                 f"ours is the reference backend (our Triton kernels are skipped: {kernels_skipped})")
-        print(f"gradops bench all on a CPU: tiny shapes, {ours}. {harness.CPU_NOTE}.", flush=True)
+        print(f"gradops bench all on a CPU: tiny shapes, {ours}.", flush=True)
+        print(f"note: {harness.CPU_NOTE}", flush=True)
     meta = harness.device_info(args.device)
-    folder = args.out or (None if args.device != "cuda" or args.quick else _default_folder(meta))
+    folder = args.out or _default_folder(meta, committed=args.device == "cuda" and not args.quick)
     start = time.monotonic()
     scale = budget / sum(p.share for p in parts)
     spent_share = 0.0
@@ -318,15 +353,14 @@ def main(argv=None) -> int:
     }
     text = summary_text(summary)
     print("\n" + text)
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1, default=str)
-        with open(os.path.join(folder, "summary.txt"), "w") as f:
-            f.write(text + "\n")
-        print(f"wrote {folder}/ (summary.json, summary.txt and {len(files)} files)")
-    else:
-        print("no files written (--out DIR writes them)")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    with open(os.path.join(folder, "summary.txt"), "w") as f:
+        f.write(text + "\n")
+    print(f"wrote {folder}/ (summary.json, summary.txt and {len(files)} files)"
+          + ("" if args.out or (args.device == "cuda" and not args.quick) else
+             " (a CPU or --quick run: not results to commit; --out DIR writes elsewhere)"))
     return 0 if summary["ok"] else 1
 
 

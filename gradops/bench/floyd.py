@@ -12,7 +12,7 @@ Implementations measured side by side, same process, same inputs:
   it imports: the same formulation, from its authors;
 - ``compiled``: ``torch.compile`` of the einsum formulation (CUDA only).
 
-Forward FLOP 8*B*H*N*M*K*D, backward 20*B*H*N*M*K*D (PERFORMANCE.md). The backward of
+Forward FLOP 8*B*H*N*M*K*D, backward 20*B*H*N*M*K*D (docs/benchmarks.md). The backward of
 ``gradops``/``reference`` is the standalone grad operator fed with its forward's outputs;
 the backward of ``einsum``/``compiled`` is ``autograd.grad`` on a retained graph.
 Defaults: on CUDA bf16 and the shapes of issue 6 (N = M = K in 128..1024, D in 32, 64,
@@ -35,15 +35,15 @@ FAMILY = "floyd"
 IMPLS = (OURS, "reference", "einsum", "floydnet", "compiled")
 Shape = Tuple[int, int, int, int, int, int]  # B, H, N, M, K, D
 PLOT = dict(x_key="N", metric="tflops", group_keys=("op", "D", "dtype"))
-# PERFORMANCE.md's goals for Floyd attention (H100). The memory goal, O(inputs), is measured
+# The goals for Floyd attention (docs/benchmarks.md; H100). The memory goal, O(inputs), is measured
 # by tests/test_floyd_memory.py; the JSON holds each implementation's peak memory.
 GOALS = (
     Goal("Floyd bwd >= 300 TFLOP/s bf16 at D = 128", ("floyd_bwd",), "tflops", 300.0,
-         lambda c: c["dtype"] == "bf16" and c["D"] == 128),
+         lambda c: c["dtype"] == "bfloat16" and c["D"] == 128),
     Goal("Floyd fwd >= 450 TFLOP/s bf16 at D = 128", ("floyd_fwd",), "tflops", 450.0,
-         lambda c: c["dtype"] == "bf16" and c["D"] == 128),
+         lambda c: c["dtype"] == "bfloat16" and c["D"] == 128),
     Goal("Floyd bwd >= 150 TFLOP/s bf16 at D = 32/64", ("floyd_bwd",), "tflops", 150.0,
-         lambda c: c["dtype"] == "bf16" and c["D"] in (32, 64)),
+         lambda c: c["dtype"] == "bfloat16" and c["D"] in (32, 64)),
 )
 
 
@@ -185,8 +185,7 @@ def default_impls(device: str, interpret: bool) -> List[str]:
 
 def cases(args) -> List[tuple]:
     """(shape, dtype) for every case this run measures."""
-    dtypes = args.dtypes or (["bf16"] if args.device == "cuda" else ["fp32"])
-    return [(shape, dt) for dt in dtypes for shape in (args.shape or default_shapes(args.quick, args.device))]
+    return [(shape, dt) for dt in args.dtypes for shape in (args.shape or default_shapes(args.quick, args.device))]
 
 
 def _unusable(args) -> Dict[str, str]:
@@ -332,7 +331,7 @@ def _free(device: str):
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="gradops bench floyd", description=__doc__.split("\n\n")[0])
-    harness.add_common_args(parser, dtype_help="default: bf16 on CUDA, fp32 on CPU")
+    harness.add_common_args(parser, dtype_help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--shape", action="append", type=parse_shape, metavar="B,H,N,M,K,D",
                         help="a case (repeatable; default: the issue's grid on CUDA, tiny ones on CPU)")
     parser.add_argument("--impl", nargs="+", action="extend", choices=IMPLS,
@@ -342,7 +341,7 @@ def parse_args(argv):
     parser.add_argument("--scale", type=float, help="default: D**-0.5")
     parser.add_argument("--compile-check", action="store_true",
                         help="compile the kernels for an H100 (sm_90) without a GPU and report shared memory, "
-                             "registers and spills (for each --dtype, default bf16/fp32, and D in 16..256)")
+                             "registers and spills (for each --dtype, default bfloat16 float32, and D in 16..256)")
     return parser.parse_args(argv)
 
 
@@ -377,6 +376,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.compile_check:  # needs the interpreter off: no device rule applied
         return _compile_check(args)
     args = prepare(args)
+    harness.announce(args, FAMILY)
     bench = run(args)
     harness.finish(bench, args, FAMILY, PLOT)
     return bench.exit_status()

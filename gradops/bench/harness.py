@@ -9,7 +9,7 @@ collects records, computes the ratio of every peer to ours, and writes a table, 
 
 It also decides, once for every benchmark: the flags they share (:func:`add_common_args`,
 :func:`prepare`), where results go (:func:`output_dir`), the time budget (``Run.deadline``)
-and how a performance goal of PERFORMANCE.md is read off the records (:class:`Goal`).
+and how a performance goal of docs/benchmarks.md is read off the records (:class:`Goal`).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -33,18 +34,30 @@ RESULTS_DIR = os.path.join("benchmarks", "results")  # committed GPU results (be
 CPU_NOTE = ("CPU timings (the Triton interpreter's included) are not GPU numbers: they say nothing "
             "about the kernels' speed on a GPU")
 
-# Nominal HBM bandwidth of the GPUs PERFORMANCE.md sets goals on, GB/s (not a copy's).
+# Nominal HBM bandwidth of the GPUs the goals are set on (docs/benchmarks.md), GB/s (not a copy's).
 HBM_PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0}
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
-_LONG_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
-                     "float64": "fp64", "double": "fp64"}
+# The one set of dtype names every `gradops bench` command (and `gradops selftest`) takes:
+# torch's names are canonical (they are what the JSON records hold); the short names are
+# aliases, accepted everywhere and turned into the torch names as they are parsed.
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64}
+DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}
 
 
 def dtype_name(name: str) -> str:
-    """The short name (bf16, fp16, fp32, fp64) of a dtype given short or long (argparse type)."""
-    name = str(name).replace("torch.", "")
-    return _LONG_DTYPE_NAMES.get(name, name)
+    """The canonical (torch) name of a dtype given by its torch name, ``torch.<name>`` or its
+    short alias (fp32, fp16, bf16, fp64); anything else is returned as given, for argparse's
+    ``choices`` to reject."""
+    name = str(name).strip().lower()
+    name = name[len("torch."):] if name.startswith("torch.") else name
+    return DTYPE_ALIASES.get(name, name)
+
+
+def dtype_choices(names: Sequence[str]) -> str:
+    """'float32 (fp32), bfloat16 (bf16)': the names a --dtype takes, for help texts."""
+    short = {v: k for k, v in DTYPE_ALIASES.items()}
+    return ", ".join(f"{n} ({short[n]})" if n in short else n for n in names)
 
 
 def hbm_peak_gbps(device_name: str) -> Optional[float]:
@@ -57,28 +70,57 @@ def hbm_peak_gbps(device_name: str) -> Optional[float]:
 # ---------------------------------------------------------------------------------------
 # The flags every `gradops bench FAMILY` takes, and what they resolve to
 
-def add_common_args(p: argparse.ArgumentParser, dtypes: Sequence[str] = tuple(DTYPES), dtype_help: str = ""):
+def add_common_args(p: argparse.ArgumentParser, dtypes: Sequence[str] = tuple(DTYPES), dtype_help: str = "", *,
+                    family: bool = True, quick_help: str = "", out_help: str = "", budget_help: str = ""):
+    """The options of every `gradops bench` command, in one place: --device, --dtype, --quick,
+    --out, --no-plot, --reps, --warmup, --max-seconds, --budget-seconds; and, for a single
+    family (``family=True``; not `bench all`, which sets them per part), --interpret and
+    --tag. ``dtypes``: the canonical names this command accepts (each also by its alias)."""
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
-    p.add_argument("--dtype", "--dtypes", dest="dtypes", nargs="+", type=dtype_name, choices=tuple(dtypes), metavar="DTYPE",
-                   default=None, help="one or more of " + " ".join(dtypes) + " (long names such as bfloat16 "
-                   "work too)" + (f"; {dtype_help}" if dtype_help else ""))
+    p.add_argument("--dtype", "--dtypes", dest="dtypes", nargs="+", action="extend", type=dtype_name,
+                   choices=tuple(dtypes), metavar="DTYPE", default=None,
+                   help="one or more of " + dtype_choices(dtypes) + " (repeatable; the short names are aliases)"
+                   + (f"; {dtype_help}" if dtype_help else ""))
     p.add_argument("--quick", action="store_true",
-                   help="tiny shapes and few repetitions: a smoke run (a minute or less on a CPU); writes no "
-                        "files unless --out is given")
-    p.add_argument("--interpret", action="store_true",
-                   help="on a CPU, run our Triton kernels through the Triton interpreter (correctness only: "
-                        "interpreter timings mean nothing)")
+                   help=quick_help or "tiny shapes and few repetitions: a smoke run (a minute or less on a CPU)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help=out_help or (f"folder for the JSON (and PNG); default: {RESULTS_DIR}/ for a full run on a "
+                                     f"GPU, else {scratch_dir()}/. The path written is printed"))
+    p.add_argument("--no-plot", action="store_true", help="no PNG")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls before them")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="time bound of one measurement's warm-up and of its timed repetitions (each)")
     p.add_argument("--budget-seconds", type=float, default=None,
-                   help="stop starting measurements after this long; the rest are recorded as skipped")
-    p.add_argument("--out", default=None,
-                   help=f"folder for the JSON and PNG (default: {RESULTS_DIR}/ for a full run on a GPU; "
-                        "none on a CPU or with --quick)")
-    p.add_argument("--tag", default=None, help="file name stem (default: FAMILY-<device>-<UTC time>)")
-    p.add_argument("--no-plot", action="store_true", help="no PNG")
+                   help=budget_help or "stop starting measurements after this long; the rest are recorded as skipped")
+    if family:
+        p.add_argument("--interpret", action="store_true",
+                       help="on a CPU, run our Triton kernels through the Triton interpreter (correctness only: "
+                            "interpreter timings mean nothing)")
+        p.add_argument("--tag", default=None, help="file name stem (default: FAMILY-<device>-<UTC time>)")
+
+
+def scratch_dir() -> str:
+    """Where the results of a CPU run or of a --quick smoke run go without --out: not results
+    to commit (benchmarks/results/ holds GPU results only), but written all the same."""
+    return os.path.join(tempfile.gettempdir(), "gradops-bench")
+
+
+def cpu_caveat(args) -> Optional[str]:
+    """The line every benchmark prints when it times on a CPU (None on a GPU)."""
+    if args.device == "cuda":
+        return None
+    how = ", our Triton kernels through the Triton interpreter" if getattr(args, "interpret", False) else ""
+    return f"note: timed on a CPU{how}. {CPU_NOTE}"
+
+
+def announce(args, family: str) -> None:
+    """The first line of a benchmark: what runs where, with the CPU caveat on a CPU."""
+    dtypes = " ".join(args.dtypes) if getattr(args, "dtypes", None) else "its default dtypes"
+    print(f"gradops bench {family} on {args.device}{' --quick' if args.quick else ''}: {dtypes}", flush=True)
+    caveat = cpu_caveat(args)
+    if caveat:
+        print(caveat, flush=True)
 
 
 def default_device() -> str:
@@ -86,8 +128,10 @@ def default_device() -> str:
 
 
 def prepare(args, *, reps: int, warmup: int, max_seconds: float, quick_reps: int = 3, quick_warmup: int = 1,
-            quick_max_seconds: float = 0.5, need_device: bool = True):
-    """Resolve the shared flags in place: the device, the repetition defaults and the deadline.
+            quick_max_seconds: float = 0.5, need_device: bool = True, gpu_dtypes: Sequence[str] = ("bfloat16",),
+            cpu_dtypes: Sequence[str] = ("float32",)):
+    """Resolve the shared flags in place: the device, the dtypes (``gpu_dtypes`` or
+    ``cpu_dtypes`` unless --dtype names them), the repetition defaults and the deadline.
     With --interpret on a CPU, the Triton interpreter rule of gradops.selftest is applied here,
     before anything imports triton (only then: a process that also runs CUDA kernels, such as
     the test suite on a GPU, must not have it switched on behind its back). ``need_device``:
@@ -101,6 +145,8 @@ def prepare(args, *, reps: int, warmup: int, max_seconds: float, quick_reps: int
             raise SystemExit("gradops bench: --device cuda, but no CUDA device is visible")
         if args.interpret:
             use_interpreter_on_cpu(args.device)
+    if not args.dtypes:
+        args.dtypes = list(gpu_dtypes if args.device == "cuda" else cpu_dtypes)
     if args.reps is None:
         args.reps = quick_reps if args.quick else reps
     if args.warmup is None:
@@ -135,15 +181,16 @@ def ours_backend(args) -> str:
     return "triton"
 
 
-def output_dir(args) -> Tuple[Optional[str], str]:
-    """The one rule of where results go: (folder or None, why). --out wins; a full run on a
-    GPU goes to benchmarks/results/; a CPU run or a --quick smoke run writes nothing."""
+def output_dir(args) -> Tuple[str, str]:
+    """The one rule of where results go: (folder, why there). --out wins; a full run on a GPU
+    goes to benchmarks/results/; a CPU run or a --quick smoke run goes to :func:`scratch_dir`
+    (written all the same, and the path printed, but not a result to commit)."""
     if args.out:
         return args.out, ""
     if args.device == "cuda" and not args.quick:
         return RESULTS_DIR, ""
-    why = CPU_NOTE if args.device != "cuda" else "a --quick smoke run is not a result to commit"
-    return None, f"no files written: {why} (--out DIR writes them)"
+    what = "a CPU run" if args.device != "cuda" else "a --quick smoke run"
+    return scratch_dir(), f"{what}: not a result to commit; --out DIR writes elsewhere"
 
 
 def device_slug(meta: dict) -> str:
@@ -255,7 +302,7 @@ class Record:
     case: dict
     impl: str
     times_ms: List[float]
-    bytes: Optional[float] = None  # bytes moved (PERFORMANCE.md conventions)
+    bytes: Optional[float] = None  # bytes moved (docs/benchmarks.md conventions)
     flops: Optional[float] = None
     peak_bytes: Optional[int] = None
     error: Optional[str] = None  # why this implementation could not run this case
@@ -446,18 +493,18 @@ class Run:
 
 
 def finish(run: Run, args, family: str, plot: dict) -> List[str]:
-    """Print the table, write the JSON and PNG where :func:`output_dir` says (saying so either
-    way), and return the paths written."""
+    """Print the table, write the JSON (always) and the PNG where :func:`output_dir` says,
+    print each path written and, on a CPU, the caveat; return the paths written."""
     print(run.table())
-    if not run.device.startswith("cuda"):
-        print(f"note: {CPU_NOTE}")
+    caveat = cpu_caveat(args)
+    if caveat:
+        print(caveat)
     out, why = output_dir(args)
-    if out is None:
-        print(why)
-        return []
+    run.meta["options"] = {k: getattr(args, k, None) for k in ("device", "dtypes", "quick", "interpret", "reps",
+                                                                "warmup", "max_seconds", "budget_seconds")}
     stem = args.tag or run.result_stem(family)
     written = [run.write_json(os.path.join(out, stem + ".json"))]
-    print(f"wrote {written[0]}")
+    print(f"wrote {written[0]}" + (f" ({why})" if why else ""))
     if not args.no_plot:
         png = run.plot(os.path.join(out, stem + ".png"), **plot)
         print(f"wrote {png}" if png else "no plot (matplotlib is not installed, or nothing to plot)")
@@ -467,11 +514,11 @@ def finish(run: Run, args, family: str, plot: dict) -> List[str]:
 
 
 # ---------------------------------------------------------------------------------------
-# Goals: PERFORMANCE.md's bar, read off a run's records
+# Goals: the bar of docs/benchmarks.md, read off a run's records
 
 @dataclass(frozen=True)
 class Goal:
-    """One goal of PERFORMANCE.md, checked on our records of ``ops`` whose case ``applies``.
+    """One goal of docs/benchmarks.md, checked on our records of ``ops`` whose case ``applies``.
 
     ``metric``: "gbps", "tflops", "hbm_fraction" (GB/s over the GPU's nominal HBM peak),
     "speedup:<peer>" (the peer's median time over ours) or "speedup:fastest" (the fastest

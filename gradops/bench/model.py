@@ -243,7 +243,8 @@ def check_losses(result: Run) -> List[str]:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="gradops bench model", description=__doc__.split("\n\n")[0])
-    harness.add_common_args(p, dtypes=("bf16", "fp16", "fp32"), dtype_help="default: bf16 on a GPU, fp32 on a CPU")
+    harness.add_common_args(p, dtypes=("bfloat16", "float16", "float32"),
+                            dtype_help="default: bfloat16 on a GPU, float32 on a CPU")
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--hidden", type=int, default=None,
                    help=f"hidden size (default {GPU_SIZE[0]} on a GPU, {CPU_SIZE[0]} on a CPU, {QUICK_SIZE[0]} with --quick)")
@@ -257,15 +258,14 @@ def parse_args(argv):
 
 
 def prepare(args, need_device: bool = True):
-    args = harness.prepare(args, reps=20, warmup=3, max_seconds=10.0, quick_reps=3, quick_warmup=1,
-                           quick_max_seconds=2.0, need_device=need_device)
-    if args.dtypes is None:
-        args.dtypes = ["bf16"] if args.device == "cuda" else ["fp32"]
-    return args
+    return harness.prepare(args, reps=20, warmup=3, max_seconds=10.0, quick_reps=3, quick_warmup=1,
+                           quick_max_seconds=2.0, need_device=need_device, gpu_dtypes=("bfloat16",),
+                           cpu_dtypes=("float32",))
 
 
 def main(argv=None) -> int:
     args = prepare(parse_args(sys.argv[1:] if argv is None else list(argv)))
+    harness.announce(args, FAMILY)
     result = run(args)
     problems = check_losses(result)
     result.meta["loss_disagreements"] = problems

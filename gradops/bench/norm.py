@@ -18,7 +18,7 @@ casting): ours through the ops layer (``residual`` / ``dresidual``), against tor
 separate add and norm (eager, autograd, compiled) and Liger's ``liger_fused_add_rms_norm``.
 
 On a CPU ours is the reference backend (our CPU path), or with ``--interpret`` the Triton
-kernels through the interpreter. Bytes follow PERFORMANCE.md: backward
+kernels through the interpreter. Bytes follow docs/benchmarks.md: backward
 ``3*M*N*e + 2*N*w_e``, forward ``2*M*N*e``; with the residual add, backward
 ``4*M*N*e + 2*N*w_e`` (dy, h and h's gradient in, dx out), forward ``4*M*N*e`` (x and the
 residual in, h and y out). Writes a table (stdout), a JSON file and a PNG
@@ -48,16 +48,16 @@ EPS_LN, EPS_RMS = 1e-5, 1e-6
 PLOT = dict(x_key="N", metric="gbps", group_keys=("op", "dtype"), panels=True)
 
 _MN = lambda c: c["M"] * c["N"]  # noqa: E731
-# PERFORMANCE.md's goals for the norms (H100 unless gpu=None: relative goals hold anywhere).
+# The goals for the norms (docs/benchmarks.md; H100 unless gpu=None: relative goals hold anywhere).
 GOALS = (
     Goal("RMSNorm bwd >= 2.9 TB/s bf16 at M*N >= 32M, N in 1K..64K", ("rms_bwd",), "gbps", 2900.0,
-         lambda c: c["dtype"] == "bf16" and _MN(c) >= 32 * 2**20 and 1024 <= c["N"] <= 65536),
+         lambda c: c["dtype"] == "bfloat16" and _MN(c) >= 32 * 2**20 and 1024 <= c["N"] <= 65536),
     Goal("RMSNorm bwd >= 2 TB/s bf16 for N in 64K..256K", ("rms_bwd",), "gbps", 2000.0,
-         lambda c: c["dtype"] == "bf16" and 65536 < c["N"] <= 262144),
+         lambda c: c["dtype"] == "bfloat16" and 65536 < c["N"] <= 262144),
     Goal("RMSNorm bwd >= 2x torch.compile at 32K x 4096", ("rms_bwd",), "speedup:torch.compile", 2.0,
          lambda c: c["M"] == 32768 and c["N"] == 4096, gpu=None),
     Goal("LayerNorm bwd >= 2.8 TB/s bf16 and fp32 at M*N >= 16M, N in 1K..64K", ("ln_bwd",), "gbps", 2800.0,
-         lambda c: c["dtype"] in ("bf16", "fp32") and _MN(c) >= 16 * 2**20 and 1024 <= c["N"] <= 65536),
+         lambda c: c["dtype"] in ("bfloat16", "float32") and _MN(c) >= 16 * 2**20 and 1024 <= c["N"] <= 65536),
     Goal("LayerNorm bwd >= 2x ATen at M*N >= 16M, N in 1K..64K", ("ln_bwd",), "speedup:aten bwd", 2.0,
          lambda c: _MN(c) >= 16 * 2**20 and 1024 <= c["N"] <= 65536, gpu=None),
     Goal("norm forwards >= 3.0 TB/s at M*N >= 16M", ("rms_fwd", "ln_fwd"), "gbps", 3000.0,
@@ -294,10 +294,9 @@ def cases(args) -> List[tuple]:
     widths = args.widths or (QUICK_WIDTHS if args.quick else (GPU_WIDTHS if gpu else QUICK_WIDTHS))
     max_numel = args.numel or (QUICK_NUMEL if (args.quick or not gpu) else GPU_MAX_NUMEL)
     rows_cap = args.rows or (GPU_ROWS if gpu else 2**20)
-    dtypes = args.dtypes or (["bf16", "fp32"] if gpu else ["fp32", "bf16"])
     cases = []
     for op in args.ops:
-        for dt in dtypes:
+        for dt in args.dtypes:
             for n in widths:
                 m = max(1, min(rows_cap, max_numel // n))
                 cases.append((op, dt, m, n))
@@ -358,7 +357,7 @@ def run(args) -> Run:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="gradops bench norm", description=__doc__.split("\n\n")[0])
-    harness.add_common_args(p, dtype_help="default: bf16 fp32 on a GPU, fp32 bf16 on a CPU")
+    harness.add_common_args(p, dtype_help="default: bfloat16 float32 on a GPU, float32 bfloat16 on a CPU")
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     p.add_argument("--widths", nargs="+", type=int, default=None,
                    help=f"row widths N (default on a GPU: {' '.join(map(str, GPU_WIDTHS))})")
@@ -379,13 +378,15 @@ def parse_args(argv):
 
 
 def prepare(args, need_device: bool = True):
-    return harness.prepare(args, reps=30, warmup=5, max_seconds=5.0, quick_reps=5, need_device=need_device)
+    return harness.prepare(args, reps=30, warmup=5, max_seconds=5.0, quick_reps=5, need_device=need_device,
+                           gpu_dtypes=("bfloat16", "float32"), cpu_dtypes=("float32", "bfloat16"))
 
 
 def main(argv=None) -> int:
     args = prepare(parse_args(sys.argv[1:] if argv is None else list(argv)))
     if args.threads:
         torch.set_num_threads(args.threads)
+    harness.announce(args, FAMILY)
     result = run(args)
     harness.finish(result, args, FAMILY, PLOT)
     return result.exit_status()

@@ -2,7 +2,7 @@
 Triton kernels through the public API) against the reference path, ``torch.compile`` of the
 reference, and a naive ``unfold`` implementation with autograd, at NSA's training shapes.
 
-Bandwidth is reported against the traffic floor of PERFORMANCE.md: the backward reads x
+Bandwidth is reported against the traffic floor of docs/benchmarks.md: the backward reads x
 and dOut once and writes dx once, ``(2*T + C)*N*D*e`` bytes (+ the weight and dweight);
 the forward reads x once and writes out, ``(T + C)*N*D*e``.
 
@@ -27,7 +27,7 @@ DEFAULT_BLOCKS = ("32x16", "64x32")  # block_size x stride
 OPS = ("nsa_compress_grad", "nsa_compress")
 PEERS = ("reference", "compile", "naive")
 PLOT = dict(x_key="T", metric="gbps", group_keys=("op", "N", "D", "dtype"))
-# PERFORMANCE.md: relative to the device's HBM peak, so evaluated on any GPU in the peak table
+# docs/benchmarks.md: relative to the device's HBM peak, so evaluated on any GPU in the peak table
 GOALS = (Goal("NSA compress bwd >= 80 % of peak HBM bandwidth", ("nsa_compress_grad",), "hbm_fraction", 0.8,
               gpu=None),)
 
@@ -134,7 +134,7 @@ def optional_peers(device: str) -> Dict[str, Optional[str]]:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="gradops bench nsa", description=__doc__.split("\n\n")[0])
-    harness.add_common_args(p, dtypes=("bf16", "fp16", "fp32"), dtype_help="default: bf16")
+    harness.add_common_args(p, dtypes=("bfloat16", "float16", "float32"), dtype_help="default: bfloat16")
     p.add_argument("--tokens", type=int, nargs="+", help=f"T values (default {DEFAULT_TOKENS})")
     p.add_argument("--heads", type=int, nargs="+", help=f"N values (default {DEFAULT_HEADS})")
     p.add_argument("--dims", type=int, nargs="+", help=f"D values (default {DEFAULT_DIMS})")
@@ -154,7 +154,7 @@ def prepare(args, need_device: bool = True):
     if args.quick and args.device == "cpu":
         args.interpret = True  # --quick on a CPU runs our kernels, through the interpreter
     return harness.prepare(args, reps=30, warmup=3, max_seconds=10.0, quick_reps=3, quick_max_seconds=3.0,
-                           need_device=need_device)
+                           need_device=need_device, gpu_dtypes=("bfloat16",), cpu_dtypes=("bfloat16",))
 
 
 def cases(args) -> List[tuple]:
@@ -171,7 +171,7 @@ def cases(args) -> List[tuple]:
         dims = args.dims or list(DEFAULT_DIMS)
         blocks = args.blocks or list(DEFAULT_BLOCKS)
     pairs = [tuple(int(v) for v in spec.lower().split("x")) for spec in blocks]
-    return [(t, n, d, l, s, dt, op) for dt in (args.dtypes or ["bf16"]) for t in tokens for n in heads
+    return [(t, n, d, l, s, dt, op) for dt in args.dtypes for t in tokens for n in heads
             for d in dims for (l, s) in pairs for op in args.ops]
 
 
@@ -226,6 +226,7 @@ def run(args) -> Run:
 
 def main(argv=None) -> int:
     args = prepare(parse_args(sys.argv[1:] if argv is None else list(argv)))
+    harness.announce(args, FAMILY)
     bench = run(args)
     harness.finish(bench, args, FAMILY, PLOT)
     return bench.exit_status()
