@@ -32,14 +32,16 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from .._backend import requested
+from .._backend import _check_name, requested
+from ..aclnn import renamed_errors
 from ..errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, AclnnError
 from ..ops import floyd_attention as _floyd_ops
 from ..ops import layer_norm as _ln_ops
 from ..ops import nsa_compress as _nsa_ops
 from ..ops import rms_norm as _rms_ops
-from ..ops._checks import check_companion, check_float_attr, require_tensor, stat_dtype
-from ..ops._shapes import as_int_tuple
+from ..ops._checks import (check_companion, check_float_attr, check_int_attr, require_tensor, stat_dtype,
+                           wrong_type)
+from ..ops._shapes import as_int_tuple, check_trailing
 
 __all__ = ["layer_norm", "rms_norm", "fused_add_layer_norm", "fused_add_rms_norm", "nsa_compress",
            "floyd_attention"]
@@ -109,6 +111,59 @@ def _register_autocast(op_name: str, cast_to_autocast_dtype: bool):
 
 
 # --------------------------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------------------------
+# Each functional checks its arguments before the dispatcher sees them (which would refuse a
+# wrong Python type with its own RuntimeError), under the functional's parameter names:
+# torch's for the norms (input, normalized_shape, weight, bias, eps, residual), their own for
+# nsa_compress and floyd_attention. None where a tensor is required is AclnnError 161001; a
+# wrong Python type is AclnnTypeError (161002, also the TypeError torch raises); a broken
+# rule has the status the Python API gives it. These checks read Python values and tensor
+# metadata only, so torch.compile traces them without a graph break. The dtype and shape
+# rules of the operators themselves are decided by the ops layer's prepare_*, which the
+# custom ops run (real and fake implementations alike) with their errors renamed to the
+# functional's parameter names and naming the functional.
+
+# ops-layer parameter name -> the norm functionals' (torch's)
+_NORM_NAMES = {"x": "input", "gamma": "weight"}
+
+
+def _backend_arg(op: str, backend) -> str:
+    """The backend the call asks for (its own argument, else the default), checked."""
+    return _check_name(op, requested(backend))
+
+
+def _check_casting_mode(op: str, casting_mode) -> bool:
+    """RMSNorm's ``casting_mode``: the ops layer's rule, after the type the op's schema needs
+    (a str: anything else is an AclnnTypeError, never a comparison that fails on its own)."""
+    if not isinstance(casting_mode, str):
+        wrong_type(op, f"casting_mode is a {type(casting_mode).__name__}, expected a str "
+                       f"({', '.join(map(repr, _rms_ops.CASTING_MODES))})")
+    return _rms_ops.check_casting_mode(op, casting_mode)
+
+
+def _norm_op(family: str, residual) -> str:
+    """The functional a norm op call serves, which its errors name."""
+    return family if residual is None else f"fused_add_{family}"
+
+
+def _check_norm(op: str, input, residual, normalized_shape, weight, bias, eps, backend, *, fused: bool,
+                shape_status: int, eps_optional: bool = False):
+    """The norm functionals' arguments: returns (normalized_shape as a list, eps, backend).
+    ``fused``: the residual is required; ``eps_optional``: None stays None (torch's default)."""
+    require_tensor(op, "input", input)
+    if fused:
+        check_companion(op, "residual", residual, "input", input, status=shape_status)
+    shape = _normalized_shape(op, normalized_shape)
+    check_trailing(op, "normalized_shape", input, "input", tuple(shape), status=shape_status)
+    require_tensor(op, "weight", weight, optional=True)
+    require_tensor(op, "bias", bias, optional=True)
+    if eps is not None or not eps_optional:
+        eps = check_float_attr(op, "eps", eps)
+    return shape, eps, _backend_arg(op, backend)
+
+
+# --------------------------------------------------------------------------------------------
 # LayerNorm
 # --------------------------------------------------------------------------------------------
 # One op serves each norm with and without the fused residual add: ``residual`` is None or
@@ -121,19 +176,25 @@ def _with_h(outputs: tuple, n: int, like: Tensor) -> tuple:
     return tuple(outputs[:n]) + (h,)
 
 
+def _prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend):
+    with renamed_errors(_NORM_NAMES):
+        return _ln_ops.prepare_layer_norm(x, normalized_shape, weight, bias, eps, residual=residual,
+                                          backend=backend, op=_norm_op("layer_norm", residual))
+
+
 @torch.library.custom_op("gradops::layer_norm", mutates_args=())
 def _layer_norm_op(x: Tensor, residual: Optional[Tensor], normalized_shape: List[int],
                    weight: Optional[Tensor], bias: Optional[Tensor], eps: float, backend: Optional[str]
                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    p = _prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
     with _no_autocast(x.device.type):
-        out = _ln_ops.prepare_layer_norm(x, normalized_shape, weight, bias, eps, residual=residual,
-                                         backend=backend).run()
+        out = p.run()
     return _with_h(tuple(_fresh(t) for t in out), 3, x)
 
 
 @_layer_norm_op.register_fake
 def _(x, residual, normalized_shape, weight, bias, eps, backend):
-    p = _ln_ops.prepare_layer_norm(x, normalized_shape, weight, bias, eps, residual=residual, backend=backend)
+    p = _prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
     return _with_h(tuple(_empty_like_spec(s, x) for s in p.outputs), 3, x)
 
 
@@ -195,14 +256,6 @@ def _normalized_shape(op: str, normalized_shape) -> List[int]:
     return list(as_int_tuple(op, "normalized_shape", normalized_shape))
 
 
-def _check_residual(op: str, input, residual, shape_status: int) -> None:
-    """The fused adds' operands, checked here under the functional's name and torch's
-    parameter names (the dispatcher would refuse a non-tensor with its own RuntimeError)."""
-    require_tensor(op, "input", input)
-    if residual is not None:
-        check_companion(op, "residual", residual, "input", input, status=shape_status)
-
-
 def layer_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
                weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5, *,
                backend: Optional[str] = None) -> Tensor:
@@ -213,8 +266,9 @@ def layer_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.
     A float32 weight/bias beside bf16/fp16 input is accepted (master weights); their
     gradients come back in their own dtype.
     """
-    shape = _normalized_shape("layer_norm", normalized_shape)
-    return torch.ops.gradops.layer_norm(input, None, shape, weight, bias, float(eps), requested(backend))[0]
+    shape, eps, backend = _check_norm("layer_norm", input, None, normalized_shape, weight, bias, eps, backend,
+                                      fused=False, shape_status=ACLNN_ERR_PARAM_INVALID)
+    return torch.ops.gradops.layer_norm(input, None, shape, weight, bias, eps, backend)[0]
 
 
 def fused_add_layer_norm(input: Tensor, residual: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
@@ -224,11 +278,9 @@ def fused_add_layer_norm(input: Tensor, residual: Tensor, normalized_shape: Unio
     ``(layer_norm(h, ...), h)`` with ``h = input + residual`` (in input's dtype, as torch
     adds), computed in one pass over memory, forward and backward. ``residual`` has input's
     shape and dtype."""
-    op = "fused_add_layer_norm"
-    shape = _normalized_shape(op, normalized_shape)
-    _check_residual(op, input, residual, ACLNN_ERR_PARAM_INVALID)
-    y, _, _, h = torch.ops.gradops.layer_norm(input, residual, shape, weight, bias, float(eps),
-                                              requested(backend))
+    shape, eps, backend = _check_norm("fused_add_layer_norm", input, residual, normalized_shape, weight, bias,
+                                      eps, backend, fused=True, shape_status=ACLNN_ERR_PARAM_INVALID)
+    y, _, _, h = torch.ops.gradops.layer_norm(input, residual, shape, weight, bias, eps, backend)
     return y, h
 
 
@@ -236,19 +288,24 @@ def fused_add_layer_norm(input: Tensor, residual: Tensor, normalized_shape: Unio
 # RMSNorm
 # --------------------------------------------------------------------------------------------
 
+def _prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend):
+    with renamed_errors(_NORM_NAMES):
+        return _rms_ops.prepare_rms_norm(x, gamma, eps, offset=offset, casting_mode=casting_mode,
+                                         residual=residual, backend=backend, op=_norm_op("rms_norm", residual))
+
+
 @torch.library.custom_op("gradops::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, residual: Optional[Tensor], gamma: Tensor, eps: float, offset: float,
                  casting_mode: str, backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
+    p = _prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)
     with _no_autocast(x.device.type):
-        out = _rms_ops.prepare_rms_norm(x, gamma, eps, offset=offset, casting_mode=casting_mode,
-                                        residual=residual, backend=backend).run()
+        out = p.run()
     return _with_h(tuple(_fresh(t) for t in out), 2, x)
 
 
 @_rms_norm_op.register_fake
 def _(x, residual, gamma, eps, offset, casting_mode, backend):
-    p = _rms_ops.prepare_rms_norm(x, gamma, eps, offset=offset, casting_mode=casting_mode, residual=residual,
-                                  backend=backend)
+    p = _prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)
     return _with_h(tuple(_empty_like_spec(s, x) for s in p.outputs), 2, x)
 
 
@@ -302,12 +359,13 @@ torch.library.register_autograd("gradops::rms_norm_backward",
 
 def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, casting_mode, backend):
     """rms_norm and fused_add_rms_norm: (y, h), h empty without a residual."""
-    shape = tuple(_normalized_shape(op, normalized_shape))
+    # RMSNorm's shape rules are tiling rules (561002)
+    shape, eps, backend = _check_norm(op, input, residual, normalized_shape, weight, None, eps, backend,
+                                      fused=op != "rms_norm", shape_status=ACLNN_ERR_INNER_TILING_ERROR,
+                                      eps_optional=True)
+    shape = tuple(shape)
     offset = check_float_attr(op, "offset", offset)
-    _rms_ops.check_casting_mode(op, casting_mode)
-    _check_residual(op, input, residual, ACLNN_ERR_INNER_TILING_ERROR)  # RMSNorm's shapes are tiling rules
-    if weight is not None:
-        require_tensor(op, "weight", weight)
+    _check_casting_mode(op, casting_mode)
     if eps is None:
         # torch takes the machine eps of the dtype it computes in, float32 for half inputs
         # (not bf16's 2**-7, which would visibly shift small-magnitude rows)
@@ -339,8 +397,7 @@ def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, c
             # the other half type (fp16 beside bf16): "gemma" computes in float32 anyway, so
             # the exactly widened weight gives the same result in CANN's dtype table
             weight = weight.float()
-    y, _, h = torch.ops.gradops.rms_norm(input, residual, weight, float(eps), float(offset), casting_mode,
-                                         requested(backend))
+    y, _, h = torch.ops.gradops.rms_norm(input, residual, weight, float(eps), offset, casting_mode, backend)
     return y, h
 
 
@@ -514,13 +571,19 @@ def nsa_compress(x: Tensor, weight: Tensor, block_size: int, stride: int,
     in the forward; the backward reuses the values.
     """
     op = "nsa_compress"
+    require_tensor(op, "x", x)
+    require_tensor(op, "weight", weight)
+    block_size = check_int_attr(op, "block_size", block_size, 1)
+    stride = check_int_attr(op, "stride", stride, 1)
     code = _nsa_ops.seq_lens_type_code(op, seq_lens_type)
     type_name = "lengths" if code == 1 else "cumsum"
+    backend = _backend_arg(op, backend)
     if isinstance(seq_lens, Tensor) and torch.compiler.is_compiling():
+        require_tensor(op, "seq_lens", seq_lens)
         return torch.ops.gradops.nsa_compress_seqlens_tensor(x, weight, block_size, stride, seq_lens,
-                                                             type_name, requested(backend))
+                                                             type_name, backend)
     seq_lens = _nsa_ops.seq_lens_to_list(op, seq_lens)
-    return torch.ops.gradops.nsa_compress(x, weight, block_size, stride, seq_lens, type_name, requested(backend))
+    return torch.ops.gradops.nsa_compress(x, weight, block_size, stride, seq_lens, type_name, backend)
 
 
 # --------------------------------------------------------------------------------------------
@@ -596,7 +659,12 @@ def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, m
     For FloydNet's argument order, default scale and general masks use
     :func:`gradops.pivotal_attention`.
     """
-    out, _, _ = torch.ops.gradops.floyd_attention(q, k1, v1, k2, v2, mask, float(scale), requested(backend))
+    op = "floyd_attention"
+    for name, t in (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2)):
+        require_tensor(op, name, t)
+    require_tensor(op, "mask", mask, optional=True)
+    scale = check_float_attr(op, "scale", scale)
+    out, _, _ = torch.ops.gradops.floyd_attention(q, k1, v1, k2, v2, mask, scale, _backend_arg(op, backend))
     return out
 
 

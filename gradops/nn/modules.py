@@ -15,8 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
-from ..ops._checks import check_float_attr
-from ..ops.rms_norm import check_casting_mode
+from ..ops._checks import check_float_attr, check_int_attr, dtype_name, invalid, require_tensor
 from . import functional as F
 from .pivotal import pivotal_attention
 
@@ -59,7 +58,7 @@ class RMSNorm(nn.RMSNorm):
         if self.offset and self.weight is None:
             raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"RMSNorm: offset is {offset!r} with elementwise_affine=False, "
                                                       f"expected a weight for the offset to shift")
-        check_casting_mode("RMSNorm", casting_mode)
+        F._check_casting_mode("RMSNorm", casting_mode)
         self.casting_mode = casting_mode
         if self.offset:
             self.reset_parameters()
@@ -96,12 +95,11 @@ class NsaCompress(nn.Module):
 
     def __init__(self, block_size: int, stride: int, num_heads: int, device=None, dtype=None):
         super().__init__()
-        for name, value in (("block_size", block_size), ("stride", stride), ("num_heads", num_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"NsaCompress: {name} is {value!r}, expected an int >= 1")
-        self.block_size = block_size
-        self.stride = stride
-        self.num_heads = num_heads
+        op = "NsaCompress"
+        self.block_size = check_int_attr(op, "block_size", block_size, 1)
+        self.stride = check_int_attr(op, "stride", stride, 1)
+        self.num_heads = check_int_attr(op, "num_heads", num_heads, 1)
+        block_size, num_heads = self.block_size, self.num_heads
         self.weight = nn.Parameter(torch.empty(block_size, num_heads, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -135,25 +133,47 @@ class FloydAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, bias: bool = False, dropout: float = 0.0,
                  scale: Optional[float] = None, device=None, dtype=None):
         super().__init__()
+        op = "FloydAttention"
+        embed_dim = check_int_attr(op, "embed_dim", embed_dim, 1)
+        num_heads = check_int_attr(op, "num_heads", num_heads, 1)
         if embed_dim % num_heads != 0:
-            raise AclnnError(ACLNN_ERR_PARAM_INVALID,
-                             f"FloydAttention: embed_dim is {embed_dim}, expected a multiple of num_heads "
-                             f"({num_heads})")
+            invalid(op, f"embed_dim is {embed_dim}, expected a multiple of num_heads ({num_heads})")
+        dropout = check_float_attr(op, "dropout", dropout)
+        if not 0.0 <= dropout <= 1.0:
+            invalid(op, f"dropout is {dropout!r}, expected a float in [0, 1]")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
-        self.dropout = float(dropout)
-        self.scale = scale
+        self.dropout = dropout
+        self.scale = None if scale is None else check_float_attr(op, "scale", scale)
         factory = {"device": device, "dtype": dtype}
         self.c_qkv = nn.Linear(embed_dim, 5 * embed_dim, bias=bias, **factory)
         self.c_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.dropout_fn = nn.Dropout(self.dropout)
 
+    def _check_input(self, x) -> None:
+        op = "FloydAttention"
+        require_tensor(op, "x", x)
+        if x.dim() != 4:
+            invalid(op, f"x has {x.dim()} dims (shape {tuple(x.shape)}), expected 4 dims (B, N, N, embed_dim)")
+        if x.shape[1] != x.shape[2]:
+            invalid(op, f"x has shape {tuple(x.shape)}, expected x.shape[1] == x.shape[2] (the N x N pair grid "
+                        f"of (B, N, N, embed_dim)), got {x.shape[1]} != {x.shape[2]}")
+        if x.shape[3] != self.embed_dim:
+            invalid(op, f"x has shape {tuple(x.shape)}, expected x.shape[3] == embed_dim == {self.embed_dim}, "
+                        f"got {x.shape[3]}")
+        # what c_qkv (an nn.Linear) needs, said before it raises its own RuntimeError
+        weight = self.c_qkv.weight
+        if not x.is_floating_point():
+            invalid(op, f"x has dtype {dtype_name(x.dtype)}, expected a floating dtype")
+        if x.device != weight.device:
+            invalid(op, f"x is on {x.device}, expected the device of the parameters ({weight.device})")
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            invalid(op, f"x has dtype {dtype_name(x.dtype)}, expected the dtype of the parameters "
+                        f"({dtype_name(weight.dtype)}) outside autocast")
+
     def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None) -> Tensor:
-        if x.dim() != 4 or x.shape[1] != x.shape[2] or x.shape[3] != self.embed_dim:
-            raise AclnnError(ACLNN_ERR_PARAM_INVALID,
-                             f"FloydAttention: x has shape {tuple(x.shape)}, expected (B, N, N, embed_dim) with "
-                             f"embed_dim == {self.embed_dim}")
+        self._check_input(x)
         b, n, _, c = x.shape
         # [B, N, N, 5C] -> five [B, H, N, N, D] views (permuted, not copied)
         q_ik, k_ij, k_jk, v_ij, v_jk = (

@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as torch_F
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, AclnnError
+from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
+from ..ops._checks import check_float_attr, dtype_name, require_tensor
 from .functional import autocast_eligible, floyd_attention
 
 __all__ = ["pivotal_attention", "TILE_ELEMENTS", "FUSED_MIN_INF"]
@@ -63,17 +64,15 @@ def _fail(message: str, status: int = ACLNN_ERR_PARAM_INVALID):
 
 def _check_inputs(q_ik, k_ij, k_jk, v_ij, v_jk):
     named = (("q_ik", q_ik), ("k_ij", k_ij), ("k_jk", k_jk), ("v_ij", v_ij), ("v_jk", v_jk))
+    for name, t in named:  # None -> 161001, a non-tensor -> AclnnTypeError, before any other rule
+        require_tensor(_OP, name, t)
     for name, t in named:
-        if t is None:
-            _fail(f"{name} is None, expected a 5-D tensor", ACLNN_ERR_PARAM_NULLPTR)
-        if not isinstance(t, torch.Tensor):
-            _fail(f"{name} is a {type(t).__name__}, expected a torch.Tensor")
         if t.dim() != 5:
             _fail(f"{name} has {t.dim()} dims (shape {tuple(t.shape)}), expected 5 dims (B, H, ., ., D)")
         if not t.is_floating_point():
-            _fail(f"{name} has dtype {t.dtype}, expected a floating dtype")
+            _fail(f"{name} has dtype {dtype_name(t.dtype)}, expected a floating dtype")
         if t.dtype != q_ik.dtype:
-            _fail(f"{name} has dtype {t.dtype}, expected the dtype of q_ik ({q_ik.dtype})")
+            _fail(f"{name} has dtype {dtype_name(t.dtype)}, expected the dtype of q_ik ({dtype_name(q_ik.dtype)})")
         if t.device != q_ik.device:
             _fail(f"{name} is on {t.device}, expected the device of q_ik ({q_ik.device})")
     b, h, li, lk, d = q_ik.shape
@@ -90,8 +89,10 @@ def _check_inputs(q_ik, k_ij, k_jk, v_ij, v_jk):
 
 def _mask_5d(attn_mask, full_shape, device):
     """The mask with leading singleton dims added, checked to broadcast to ``full_shape``."""
-    if not isinstance(attn_mask, torch.Tensor):
-        _fail(f"attn_mask is a {type(attn_mask).__name__}, expected a torch.Tensor or None")
+    require_tensor(_OP, "attn_mask", attn_mask)  # not None here: a non-tensor is an AclnnTypeError
+    if attn_mask.is_complex():
+        _fail(f"attn_mask has dtype {dtype_name(attn_mask.dtype)}, expected bool (True removes the pivot) or a "
+              f"real dtype (an additive mask)")
     if attn_mask.device != device:
         _fail(f"attn_mask is on {attn_mask.device}, expected the device of q_ik ({device})")
     if attn_mask.dim() > 5:
@@ -118,7 +119,9 @@ def _tile(q, k1, v1, k2, v2, mask, scale: float, softmax_cap: float, inf: float,
     if softmax_cap > 0:
         s = softmax_cap * torch.tanh(s / softmax_cap)
     if mask is not None:
-        s = s.masked_fill(mask, -inf) if mask.dtype == torch.bool else s + mask
+        # an additive mask is added in the compute dtype (a float64 mask beside float32 scores
+        # would otherwise promote the scores to float64 and fail against the float32 values)
+        s = s.masked_fill(mask, -inf) if mask.dtype == torch.bool else s + mask.to(compute)
     p = torch.softmax(s, dim=-1)
     if dropout > 0.0:
         p = torch_F.dropout(p, p=dropout)  # training=True, as FloydNet: the caller decides
@@ -183,10 +186,12 @@ def pivotal_attention(
     module docstring.
     """
     b, h, li, lk, lj, d = _check_inputs(q_ik, k_ij, k_jk, v_ij, v_jk)
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout <= 1.0:
+    dropout = check_float_attr(_OP, "dropout", dropout)
+    if not 0.0 <= dropout <= 1.0:
         _fail(f"dropout is {dropout!r}, expected a float in [0, 1]")
-    if scale is None:
-        scale = 1.0 / math.sqrt(2.0 * d)
+    scale = 1.0 / math.sqrt(2.0 * d) if scale is None else check_float_attr(_OP, "scale", scale)
+    inf = check_float_attr(_OP, "inf", inf)
+    softmax_cap = check_float_attr(_OP, "softmax_cap", softmax_cap)
     full_shape = (b, h, li, lk, lj)
     mask = None if attn_mask is None else _mask_5d(attn_mask, full_shape, q_ik.device)
 
