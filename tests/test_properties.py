@@ -325,7 +325,7 @@ def _fingerprint(value):
 
 def _unchanged(before, value) -> bool:
     if isinstance(before, torch.Tensor):
-        a, b = before.reshape(-1), value.detach().reshape(-1)
+        a, b = before.reshape(-1).contiguous(), value.detach().reshape(-1).contiguous()
         return torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b)
     if isinstance(before, list):
         return all(_unchanged(b, v) for b, v in zip(before, value))
@@ -514,5 +514,121 @@ def test_in_place_into_unwritable_tensor_is_refused(backend_name):
         assert info.value.status == ACLNN_ERR_PARAM_INVALID and name in str(info.value), str(info.value)
         for k, v in kwargs.items():
             assert _unchanged(before[k], v), f"{which}: {k} was written"
+
+    check()
+
+
+# ----------------------------------------------------------------------------------------
+# The CANN layer: outputs that cannot be written, or that share memory, are refused by
+# phase one with 161002 naming them, and no output is touched
+# ----------------------------------------------------------------------------------------
+
+def _aclnn_call(draw, op):
+    """A valid phase-one call of aclnn operator ``op``: (function, inputs, {output name: tensor})."""
+    from gradops import aclnn
+
+    dtype = draw(st.sampled_from((torch.float16, torch.bfloat16)))
+    f32 = dict(dtype=torch.float32, device=TEST_DEVICE)
+
+    def out(shape, out_dtype=dtype):
+        return torch.empty(shape, dtype=out_dtype, device=TEST_DEVICE)
+
+    if op.startswith("aclnnFusedFloyd"):  # CANN's smallest shapes: N 16, M and K 128, D 32
+        q = _values(draw, (1, 1, 16, 128, 32), dtype)
+        k1, v1 = _values(draw, (1, 1, 16, 128, 32), dtype), _values(draw, (1, 1, 16, 128, 32), dtype)
+        k2, v2 = _values(draw, (1, 1, 128, 128, 32), dtype), _values(draw, (1, 1, 128, 128, 32), dtype)
+        if op == "aclnnFusedFloydAttention":
+            return (aclnn.aclnnFusedFloydAttentionGetWorkspaceSize, (q, k1, v1, k2, v2, None, 0.5),
+                    {"softmaxMaxOut": out((1, 1, 16, 128, 8), torch.float32),
+                     "softmaxSumOut": out((1, 1, 16, 128, 8), torch.float32), "attentionOutOut": out(q.shape)})
+        stats = torch.zeros(1, 1, 16, 128, 8, **f32), torch.ones(1, 1, 16, 128, 8, **f32)
+        return (aclnn.aclnnFusedFloydAttentionGradGetWorkspaceSize,
+                (q, k1, v1, k2, v2, q.clone(), None, stats[0], stats[1], q.clone(), 0.5),
+                {"dqOut": out(q.shape), "dk1Out": out(k1.shape), "dv1Out": out(v1.shape), "dk2Out": out(k2.shape),
+                 "dv2Out": out(v2.shape)})
+    if op.startswith("aclnnNsa"):  # CANN's alignment: D, block and stride multiples of 16
+        t, heads, d, block, stride = 32, 2, 16, 32, 16
+        x, w = _values(draw, (t, heads, d), dtype), _values(draw, (block, heads), dtype)
+        if op == "aclnnNsaCompress":
+            return (aclnn.aclnnNsaCompressGetWorkspaceSize, (x, w, [t], "TND", block, stride, 0),
+                    {"output": out((1, heads, d))})
+        return (aclnn.aclnnNsaCompressGradGetWorkspaceSize,
+                (_values(draw, (1, heads, d), dtype), x, w, [t], block, stride, 0, "TND"),
+                {"inputGradOut": out((t, heads, d)), "weightGradOut": out((block, heads))})
+    rows, cols = draw(st.integers(1, 4)), draw(st.integers(2, 9))
+    x, dy = _values(draw, (rows, cols), dtype), _values(draw, (rows, cols), dtype)
+    w, b = _values(draw, (cols,), dtype), _values(draw, (cols,), dtype)
+    stats = torch.zeros(rows, 1, **f32), torch.ones(rows, 1, **f32)
+    if op == "aclnnLayerNorm":
+        return (aclnn.aclnnLayerNormGetWorkspaceSize, (x, [cols], w, b, 1e-5),
+                {"out": out((rows, cols)), "meanOutOptional": out((rows, 1), torch.float32),
+                 "rstdOutOptional": out((rows, 1), torch.float32)})
+    if op == "aclnnLayerNormBackward":
+        return (aclnn.aclnnLayerNormBackwardGetWorkspaceSize,
+                (dy, x, [cols], stats[0], stats[1], w, b, [True, True, True]),
+                {"gradInputOut": out((rows, cols)), "gradWeightOut": out((cols,)), "gradBiasOut": out((cols,))})
+    if op == "aclnnRmsNorm":
+        return (aclnn.aclnnRmsNormGetWorkspaceSize, (x, w, 1e-6),
+                {"yOut": out((rows, cols)), "rstdOut": out((rows, 1), torch.float32)})
+    assert op == "aclnnRmsNormGrad", op
+    return (aclnn.aclnnRmsNormGradGetWorkspaceSize, (dy, x, stats[1], w),
+            {"dxOut": out((rows, cols)), "dgammaOut": out((cols,), torch.float32)})
+
+
+_ACLNN_OUTPUTS = {
+    "aclnnLayerNorm": ("out", "meanOutOptional", "rstdOutOptional"),
+    "aclnnLayerNormBackward": ("gradInputOut", "gradWeightOut", "gradBiasOut"),
+    "aclnnRmsNorm": ("yOut", "rstdOut"),
+    "aclnnRmsNormGrad": ("dxOut", "dgammaOut"),
+    "aclnnNsaCompress": ("output",),
+    "aclnnNsaCompressGrad": ("inputGradOut", "weightGradOut"),
+    "aclnnFusedFloydAttention": ("softmaxMaxOut", "softmaxSumOut", "attentionOutOut"),
+    "aclnnFusedFloydAttentionGrad": ("dqOut", "dk1Out", "dv1Out", "dk2Out", "dv2Out"),
+}
+
+
+def _unwritable(draw, t: torch.Tensor, others):
+    """``t`` made unwritable in one way (same shape and dtype), or sharing memory with one of
+    ``others`` (same shape and dtype)."""
+    ways = ["requires_grad", "inference", "meta", "sparse"]
+    if any(s > 1 for s in t.shape):
+        ways.append("expanded")
+    twins = [o for o in others if o.shape == t.shape and o.dtype == t.dtype]
+    if twins:
+        ways += ["same_tensor", "view"]
+    way = draw(st.sampled_from(ways))
+    if way == "requires_grad":
+        return torch.zeros_like(t).requires_grad_(t.is_floating_point())
+    if way == "inference":
+        with torch.inference_mode():
+            return torch.zeros_like(t)
+    if way == "meta":
+        return torch.empty_like(t, device="meta")
+    if way == "sparse":
+        return torch.zeros_like(t).to_sparse()
+    if way == "expanded":
+        d = next(i for i, s in enumerate(t.shape) if s > 1)
+        return t.narrow(d, 0, 1).expand(t.shape)
+    twin = draw(st.sampled_from(twins))
+    return twin if way == "same_tensor" else twin.view(twin.shape)
+
+
+@pytest.mark.parametrize("op,name", [(op, name) for op, names in _ACLNN_OUTPUTS.items() for name in names])
+def test_aclnn_refuses_unwritable_or_shared_outputs(backend_name, op, name):
+    @_examples(backend_name, 12, 6)
+    @given(data=st.data())
+    def check(data):
+        fn, inputs, outs = _aclnn_call(data.draw, op)
+        for t in outs.values():
+            t.fill_(7)
+        others = [t for n, t in outs.items() if n != name]
+        outs[name] = _unwritable(data.draw, outs[name], others)
+        before = {n: _fingerprint(t) for n, t in outs.items()}
+        with gradops.use_backend(backend_name), pytest.raises(gradops.AclnnError) as info:
+            fn(*inputs, *outs.values())
+        assert info.value.status == ACLNN_ERR_PARAM_INVALID, str(info.value)
+        assert re.search(rf"(?<![\w.]){name}(?!\w)", str(info.value)), str(info.value)
+        for n, t in outs.items():
+            assert _unchanged(before[n], t), f"{op}: {n} was written by a refused call"
 
     check()
