@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .errors import ACLNN_ERR_PARAM_INVALID, AclnnError
+from .errors import ACLNN_ERR_PARAM_INVALID, AclnnError, AclnnTypeError
 
 BACKENDS = ("auto", "reference", "triton")
 FAMILIES = ("layer_norm", "rms_norm", "nsa_compress", "floyd_attention")
@@ -27,6 +27,9 @@ _default_backend = "auto"
 
 
 def _check_name(op: str, backend) -> str:
+    if not isinstance(backend, str):
+        raise AclnnTypeError(ACLNN_ERR_PARAM_INVALID,
+                             f"{op}: backend is a {type(backend).__name__}, expected one of {BACKENDS} or None")
     if backend not in BACKENDS:
         raise AclnnError(ACLNN_ERR_PARAM_INVALID,
                          f"{op}: backend is {backend!r}, expected one of {BACKENDS} or None")

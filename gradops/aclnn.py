@@ -39,7 +39,16 @@ from .errors import (
     ACLNN_SUCCESS,
     AclnnError,
 )
-from .ops._checks import dtype_name, dtype_names
+from .ops._checks import (
+    INT64_MAX,
+    check_no_shared_outputs,
+    check_writable,
+    dtype_name,
+    dtype_names,
+    require_tensor,
+    shares_memory,
+    wrong_type,
+)
 from .ops._shapes import as_bool_triple, check_trailing
 from .ops.floyd_attention import prepare_floyd_attention, prepare_floyd_attention_grad
 from .ops.layer_norm import prepare_layer_norm, prepare_layer_norm_backward
@@ -94,9 +103,10 @@ def _present(op: str, named: Sequence[Tuple[str, object]]) -> None:
 
 
 def _tensors(op: str, named: Sequence[Tuple[str, object]]) -> None:
+    """Each given tensor argument a strided torch.Tensor: another type -> 161002 as an
+    AclnnTypeError (also a TypeError), a sparse or other non-strided layout -> 161002."""
     for name, t in named:
-        if t is not None and not isinstance(t, torch.Tensor):
-            _fail(op, INVALID, f"{name} is a {type(t).__name__}, expected a torch.Tensor")
+        require_tensor(op, name, t, optional=True)
 
 
 def _dtype(op: str, name: str, t: Optional[torch.Tensor], allowed: Sequence[torch.dtype]) -> None:
@@ -128,7 +138,9 @@ def _int_attr(op: str, name: str, value) -> int:
     if value is None:
         _fail(op, NULLPTR, f"{name} is None, expected an int")
     if isinstance(value, bool) or not isinstance(value, int):
-        _fail(op, INVALID, f"{name} is {value!r}, expected an int")
+        wrong_type(op, f"{name} is {value!r}, expected an int")
+    _limit(op, -INT64_MAX - 1 <= value <= INT64_MAX, INVALID,
+           f"{name} is {value}, expected an int in {-INT64_MAX - 1}..{INT64_MAX} (int64)")
     return int(value)
 
 
@@ -145,6 +157,23 @@ def _out(op: str, name: str, t: Optional[torch.Tensor], shapes: Sequence[Tuple[i
         _fail(op, shape_status, f"{name} has shape {tuple(t.shape)}, expected {rule}")
     if t.device != device:
         _fail(op, INVALID, f"{name} is on {t.device}, expected the operator's device {device}")
+
+
+def check_written(op: str, named: Sequence[Tuple[str, Optional[torch.Tensor]]], *,
+                  in_place: Sequence[str] = ()) -> None:
+    """The tensors a call writes (``(name, tensor-or-None)``: its outputs, and the inputs named
+    in ``in_place``, which it overwrites and which may require grad) -> 161002 naming the
+    tensor unless each can be written (``check_writable``) and no two share memory (written one
+    after the other, one result would be lost). Checked before anything runs or is written."""
+    given = [(name, t) for name, t in named if t is not None]
+    for name, t in given:
+        check_writable(op, name, t, requires_grad_ok=name in in_place)
+    check_no_shared_outputs(op, given)
+
+
+def _signature(t: torch.Tensor):
+    """What phase two re-checks of an output phase one accepted (cheap: no data read)."""
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.untyped_storage().data_ptr())
 
 
 _STATUS_SUFFIX = re.compile(r" \[[A-Z_]+ \d+\]$")
@@ -191,13 +220,21 @@ class AclOpExecutor:
 
     def __init__(self, op: str, device: torch.device, stages: List[_Stage],
                  compute: Callable[[List[torch.Tensor]], Sequence[Optional[torch.Tensor]]],
-                 writes: List[Tuple[torch.Tensor, Callable]]):
+                 writes: List[Tuple[torch.Tensor, Callable]],
+                 outputs: Sequence[Tuple[str, Optional[torch.Tensor]]] = (),
+                 inputs: Sequence[Tuple[str, object]] = ()):
         self.op = op
         self.device = device
         self._stages = stages
         self.workspace_size = sum(s.nbytes for s in stages)
         self._compute = compute
         self._writes = writes  # (output tensor, results -> tensor to copy into it)
+        # Phase one's checks of the outputs (check_written, called by every ...GetWorkspaceSize
+        # before it builds the executor) hold while their geometry is the one checked: phase
+        # two re-checks that, and requires_grad, before it writes anything.
+        self._outputs = [(name, t, _signature(t)) for name, t in outputs if t is not None]
+        # the tensors the workspace must not share memory with (staging writes it first)
+        self._tensors = [(name, t) for name, t in list(outputs) + list(inputs) if isinstance(t, torch.Tensor)]
         self.repeatable = False
         self.runs = 0
         self.destroyed = False
@@ -216,8 +253,29 @@ class AclOpExecutor:
             staged.append(region.view(stage.shape).copy_(stage.source()))
         # every result is computed before any output is written, so outputs may alias inputs
         results = self._compute(staged)
-        for out, pick in self._writes:
-            out.copy_(pick(results))
+        values = [pick(results) for _, pick in self._writes]
+        outs = [out for out, _ in self._writes]
+        for i, value in enumerate(values):  # a result in an output's memory would change as it is written
+            if any(j != i and shares_memory(value, out) for j, out in enumerate(outs)):
+                values[i] = value.clone()
+        for out, value in zip(outs, values):
+            out.copy_(value)
+
+    def _check_outputs(self, op: str) -> None:
+        for name, t, planned in self._outputs:
+            if _signature(t) != planned:
+                _fail(op, INVALID, f"{name} changed since phase one (now shape {tuple(t.shape)}, strides "
+                                   f"{t.stride()}, dtype {dtype_name(t.dtype)}, on {t.device}), expected the "
+                                   f"output tensor phase one checked")
+            if t.requires_grad:
+                check_writable(op, name, t)  # requires grad now: its message
+
+    def _check_workspace_apart(self, op: str, workspace: torch.Tensor) -> None:
+        used = workspace.reshape(-1)[:self.workspace_size]
+        for name, t in self._tensors:
+            if shares_memory(used, t):
+                _fail(op, INVALID, f"workspace shares memory with {name}, expected its own memory (phase two "
+                                   f"writes the workspace first)")
 
 
 aclOpExecutor = AclOpExecutor  # CANN's spelling of the type
@@ -227,7 +285,7 @@ def _executor_arg(op: str, executor) -> AclOpExecutor:
     if executor is None:
         _fail(op, NULLPTR, "executor is None, expected the executor of phase one")
     if not isinstance(executor, AclOpExecutor):
-        _fail(op, INVALID, f"executor is a {type(executor).__name__}, expected an AclOpExecutor")
+        wrong_type(op, f"executor is a {type(executor).__name__}, expected an AclOpExecutor")
     if executor.destroyed:
         _fail(op, INVALID, f"executor of {executor.op} was destroyed (aclDestroyAclOpExecutor)")
     return executor
@@ -248,6 +306,7 @@ def aclDestroyAclOpExecutor(executor) -> int:
     ex = _executor_arg("aclDestroyAclOpExecutor", executor)
     ex.destroyed = True
     ex._compute, ex._writes, ex._stages = None, [], []  # drop the references to the tensors
+    ex._outputs, ex._tensors = [], []
     return ACLNN_SUCCESS
 
 
@@ -263,8 +322,11 @@ def _stream_context(op: str, stream, device: torch.device):
     if device.type == "cpu" and ((cpu_stream is not None and isinstance(stream, cpu_stream)) or
                                  (generic is not None and isinstance(stream, generic) and stream.device.type == "cpu")):
         return contextlib.nullcontext()  # the CPU has one stream: the call runs in order, synchronously
-    _fail(op, INVALID, f"stream is {stream!r}, expected None (the current stream) or a torch.cuda.Stream "
-                       f"of {device}")
+    rule = f"expected None (the current stream) or a torch.cuda.Stream of {device}"
+    stream_types = tuple(t for t in (torch.cuda.Stream, cpu_stream, generic) if isinstance(t, type))
+    if not isinstance(stream, stream_types):
+        wrong_type(op, f"stream is {stream!r}, {rule}")
+    _fail(op, INVALID, f"stream is {stream!r}, {rule}")
 
 
 def _run_phase_two(op: str, workspace, workspace_size, executor, stream) -> int:
@@ -276,7 +338,9 @@ def _run_phase_two(op: str, workspace, workspace_size, executor, stream) -> int:
                            "aclSetAclOpExecutorRepeatable before its first run")
     if workspace_size is None:
         _fail(op, NULLPTR, "workspaceSize is None, expected the size phase one returned")
-    if isinstance(workspace_size, bool) or not isinstance(workspace_size, int) or workspace_size < 0:
+    if isinstance(workspace_size, bool) or not isinstance(workspace_size, int):
+        wrong_type(op, f"workspaceSize is {workspace_size!r}, expected an int >= 0")
+    if workspace_size < 0:
         _fail(op, INVALID, f"workspaceSize is {workspace_size!r}, expected an int >= 0")
     if workspace_size < ex.workspace_size:
         _fail(op, INVALID, f"workspaceSize is {workspace_size}, expected >= {ex.workspace_size} "
@@ -286,7 +350,8 @@ def _run_phase_two(op: str, workspace, workspace_size, executor, stream) -> int:
             _fail(op, NULLPTR, f"workspace is None, expected a uint8 tensor of >= {ex.workspace_size} bytes")
     else:
         if not isinstance(workspace, torch.Tensor):
-            _fail(op, INVALID, f"workspace is a {type(workspace).__name__}, expected a uint8 tensor")
+            wrong_type(op, f"workspace is a {type(workspace).__name__}, expected a uint8 tensor")
+        require_tensor(op, "workspace", workspace)  # a sparse one -> 161002
         if workspace.dtype != torch.uint8:
             _fail(op, INVALID, f"workspace has dtype {dtype_name(workspace.dtype)}, expected dtype uint8")
         if workspace.device != ex.device:
@@ -299,6 +364,10 @@ def _run_phase_two(op: str, workspace, workspace_size, executor, stream) -> int:
         if ex.workspace_size and workspace.storage_offset() % _F32_BYTES:
             _fail(op, INVALID, "workspace starts at a byte offset that is not a multiple of 4, "
                                "expected float32 alignment")
+        if ex.workspace_size:  # phase two writes it: writable, apart from every tensor of the call
+            check_written(op, [("workspace", workspace)])
+            ex._check_workspace_apart(op, workspace)
+    ex._check_outputs(op)
     context = _stream_context(op, stream, ex.device)
     ex.runs += 1
     try:
@@ -321,11 +390,11 @@ _LN_NAMES = {"x": "input", "normalized_shape": "normalizedShape", "weight": "wei
 
 def _normalized_shape(op: str, normalizedShape) -> Tuple[int, ...]:
     if isinstance(normalizedShape, torch.Tensor) or not isinstance(normalizedShape, (list, tuple, torch.Size)):
-        _fail(op, INVALID, f"normalizedShape is {normalizedShape!r}, expected a list of ints (aclIntArray)")
+        wrong_type(op, f"normalizedShape is {normalizedShape!r}, expected a list of ints (aclIntArray)")
     shape = tuple(normalizedShape)
     for v in shape:
         if isinstance(v, bool) or not isinstance(v, int):
-            _fail(op, INVALID, f"normalizedShape is {normalizedShape!r}, expected a list of ints")
+            wrong_type(op, f"normalizedShape is {normalizedShape!r}, expected a list of ints")
     _limit(op, 1 <= len(shape) <= MAX_DIMS, INVALID,
            f"normalizedShape has length {len(shape)}, expected 1..{MAX_DIMS}")
     return shape
@@ -359,12 +428,14 @@ def aclnnLayerNormGetWorkspaceSize(input, normalizedShape, weightOptional, biasO
     _out(op, "out", out, [input.shape], CANN_FLOATS, device, INVALID)
     for name, t in (("meanOutOptional", meanOutOptional), ("rstdOutOptional", rstdOutOptional)):
         _out(op, name, t, _stat_out_shapes(input, n), CANN_FLOATS, device, INVALID)
+    outs = [("out", out), ("meanOutOptional", meanOutOptional), ("rstdOutOptional", rstdOutOptional)]
+    check_written(op, outs)
     writes = [(out, lambda r: r[0])]
     if meanOutOptional is not None:
         writes.append((meanOutOptional, lambda r: r[1].reshape(meanOutOptional.shape)))
     if rstdOutOptional is not None:
         writes.append((rstdOutOptional, lambda r: r[2].reshape(rstdOutOptional.shape)))
-    ex = AclOpExecutor(op, device, [], lambda staged: prepared.run(), writes)
+    ex = AclOpExecutor(op, device, [], lambda staged: prepared.run(), writes, outs)
     return ex.workspace_size, ex
 
 
@@ -414,6 +485,8 @@ def aclnnLayerNormBackwardGetWorkspaceSize(gradOut, input, normalizedShape, mean
     _out(op, "gradInputOut", gradInputOut if mask[0] else None, [input.shape], CANN_FLOATS, device, INVALID)
     _out(op, "gradWeightOut", gradWeightOut if mask[1] else None, [shape], CANN_FLOATS, device, INVALID)
     _out(op, "gradBiasOut", gradBiasOut if mask[2] else None, [shape], CANN_FLOATS, device, INVALID)
+    written = [(name, t) for (name, t), wanted in zip(outs, mask) if wanted]
+    check_written(op, written)
 
     stages = []
     if stage_stats:
@@ -433,7 +506,9 @@ def aclnnLayerNormBackwardGetWorkspaceSize(gradOut, input, normalizedShape, mean
                                            mask, op=op).run()
 
     writes = [(t, (lambda i: lambda r: r[i])(i)) for i, ((_, t), wanted) in enumerate(zip(outs, mask)) if wanted]
-    ex = AclOpExecutor(op, device, stages, compute, writes)
+    inputs = [("gradOut", gradOut), ("input", input), ("mean", mean), ("rstd", rstd),
+              ("weightOptional", weightOptional), ("biasOptional", biasOptional)]
+    ex = AclOpExecutor(op, device, stages, compute, writes, written, inputs)
     return ex.workspace_size, ex
 
 
@@ -469,8 +544,10 @@ def aclnnRmsNormGetWorkspaceSize(x, gamma, epsilon, yOut, rstdOut):
     device = prepared.device
     _out(op, "yOut", yOut, [x.shape], (x.dtype,), device, TILING)
     _out(op, "rstdOut", rstdOut, _stat_out_shapes(x, gamma.dim()), (F32,), device, TILING)
+    outs = [("yOut", yOut), ("rstdOut", rstdOut)]
+    check_written(op, outs)
     writes = [(yOut, lambda r: r[0]), (rstdOut, lambda r: r[1].reshape(rstdOut.shape))]
-    ex = AclOpExecutor(op, device, [], lambda staged: prepared.run(), writes)
+    ex = AclOpExecutor(op, device, [], lambda staged: prepared.run(), writes, outs)
     return ex.workspace_size, ex
 
 
@@ -497,8 +574,10 @@ def aclnnRmsNormGradGetWorkspaceSize(dy, x, rstd, gamma, dxOut, dgammaOut):
     device = prepared.device
     _out(op, "dxOut", dxOut, [dy.shape], (dy.dtype,), device, TILING)
     _out(op, "dgammaOut", dgammaOut, [gamma.shape], (F32,), device, TILING)
+    outs = [("dxOut", dxOut), ("dgammaOut", dgammaOut)]
+    check_written(op, outs)
     writes = [(dxOut, lambda r: r[0]), (dgammaOut, lambda r: r[1])]
-    ex = AclOpExecutor(op, device, [], lambda staged: prepared.run(), writes)
+    ex = AclOpExecutor(op, device, [], lambda staged: prepared.run(), writes, outs)
     return ex.workspace_size, ex
 
 
@@ -570,7 +649,9 @@ def aclnnNsaCompressGetWorkspaceSize(input, weight, actSeqLenOptional, layoutOpt
     out_shape, _ = prepared.outputs[0]
     _nsa_limits(op, input, block, stride, False, out_shape[0])
     _out(op, "output", output, [out_shape], (input.dtype,), prepared.device, INVALID)
-    ex = AclOpExecutor(op, prepared.device, [], lambda staged: (prepared.run(),), [(output, lambda r: r[0])])
+    check_written(op, [("output", output)])
+    ex = AclOpExecutor(op, prepared.device, [], lambda staged: (prepared.run(),), [(output, lambda r: r[0])],
+                       [("output", output)])
     return ex.workspace_size, ex
 
 
@@ -597,8 +678,10 @@ def aclnnNsaCompressGradGetWorkspaceSize(outputGrad, input, weight, actSeqLenOpt
     _nsa_limits(op, input, block, stride, True, outputGrad.shape[0])
     _out(op, "inputGradOut", inputGradOut, [input.shape], (input.dtype,), prepared.device, INVALID)
     _out(op, "weightGradOut", weightGradOut, [weight.shape], (input.dtype,), prepared.device, INVALID)
+    outs = [("inputGradOut", inputGradOut), ("weightGradOut", weightGradOut)]
+    check_written(op, outs)
     writes = [(inputGradOut, lambda r: r[0]), (weightGradOut, lambda r: r[1])]
-    ex = AclOpExecutor(op, prepared.device, [], lambda staged: prepared.run(), writes)
+    ex = AclOpExecutor(op, prepared.device, [], lambda staged: prepared.run(), writes, outs)
     return ex.workspace_size, ex
 
 
@@ -652,10 +735,11 @@ def aclnnFusedFloydAttentionGetWorkspaceSize(query, key1, value1, key2, value2, 
     _out(op, "softmaxMaxOut", softmaxMaxOut, [stat_shape], (F32,), device, TILING)
     _out(op, "softmaxSumOut", softmaxSumOut, [stat_shape], (F32,), device, TILING)
     _out(op, "attentionOutOut", attentionOutOut, [query.shape], (query.dtype,), device, TILING)
+    check_written(op, outs)
     writes = [(softmaxMaxOut, lambda r: r[1].unsqueeze(-1).expand(stat_shape)),
               (softmaxSumOut, lambda r: r[2].unsqueeze(-1).expand(stat_shape)),
               (attentionOutOut, lambda r: r[0])]
-    ex = AclOpExecutor(op, device, [], lambda staged: prepared.run(), writes)
+    ex = AclOpExecutor(op, device, [], lambda staged: prepared.run(), writes, outs)
     return ex.workspace_size, ex
 
 
@@ -690,6 +774,7 @@ def aclnnFusedFloydAttentionGradGetWorkspaceSize(query, key1, value1, key2, valu
     device = prepared.device
     for (name, t), src in zip(outs, (query, key1, value1, key2, value2)):
         _out(op, name, t, [src.shape], (query.dtype,), device, TILING)
+    check_written(op, outs)
 
     # the replicated statistics are compacted into the workspace: contiguous [B,H,N,M] float32
     compact = (b, h, n, m)
@@ -702,7 +787,8 @@ def aclnnFusedFloydAttentionGradGetWorkspaceSize(query, key1, value1, key2, valu
                                             attenMaskOptional, scaleValue, op=op).run()
 
     writes = [(t, (lambda i: lambda r: r[i])(i)) for i, (_, t) in enumerate(outs)]
-    ex = AclOpExecutor(op, device, stages, compute, writes)
+    ex = AclOpExecutor(op, device, stages, compute, writes, outs,
+                       inputs + [("attenMaskOptional", attenMaskOptional)] + stats)
     return ex.workspace_size, ex
 
 

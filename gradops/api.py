@@ -29,9 +29,12 @@ def layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None, bias=N
     """Gradients of LayerNorm: ``(dx, dweight, dbias)``, as aclnnLayerNormBackward and
     ``torch.ops.aten.native_layer_norm_backward``.
 
-    mean/rstd keepdim or not. A False ``output_mask`` entry returns None. dweight/dbias have
-    the weight's dtype (float32, or float64 for float64 input, when weight is None).
-    ``in_place=True`` writes dx into dy's memory and returns dy.
+    mean/rstd keepdim or not, float32 or x's dtype (whatever ``torch.native_layer_norm``
+    returned: half statistics on CPU for half input), computed with in float32 (float64 for
+    float64 input). A False ``output_mask`` entry returns None. dweight/dbias have the
+    weight's dtype (float32, or float64 for float64 input, when weight is None).
+    ``in_place=True`` writes dx into dy's memory and returns dy (dy must be writable, not an
+    expanded view, and share no memory with the other inputs).
     """
     return prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight, bias, output_mask,
                                        in_place=in_place, backend=backend).run()
@@ -41,7 +44,8 @@ def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source=False, *, ba
     """AscendC LayerNormGrad: ``(pd_x, res_for_gamma)`` from the **variance** (not rstd).
 
     ``res_for_gamma`` is x-hat. ``reuse_source`` (float only) lets the call overwrite dy with
-    dy*gamma and x with x-mean, as CANN's isReuseSource does.
+    dy*gamma and x with x-mean, as CANN's isReuseSource does (both must then be writable and
+    share no memory with the other inputs).
     """
     return prepare_layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source, backend=backend).run()
 

@@ -25,6 +25,7 @@ half -> 161002. Host-side asserts of CANN's tiling functions: a bad typeSize or 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import struct
@@ -34,13 +35,24 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from ._backend import implementation
+from .aclnn import check_written
 from .errors import (
     ACLNN_ERR_INNER_TILING_ERROR,
     ACLNN_ERR_PARAM_INVALID,
     ACLNN_ERR_PARAM_NULLPTR,
+    ACLNN_ERR_RUNTIME_ERROR,
     AclnnError,
+    AclnnTypeError,
 )
-from .ops._checks import dtype_name
+from .ops._checks import (
+    check_bool_attr,
+    check_float_attr,
+    dtype_name,
+    invalid,
+    require_tensor,
+    shares_memory,
+    wrong_type,
+)
 
 __all__ = [
     "LayerNormGradTiling",
@@ -123,8 +135,15 @@ class LayerNormGradBetaTiling:
 # Host functions
 # ----------------------------------------------------------------------------------------
 
-def _host_error(api: str, func: str, message: str, status: int = ACLNN_ERR_PARAM_INVALID):
-    raise AclnnError(status, f"{api}: {func}: {message}")
+def _host_error(api: str, func: str, message: str, status: int = ACLNN_ERR_PARAM_INVALID,
+                type_error: bool = False):
+    raise (AclnnTypeError if type_error else AclnnError)(status, f"{api}: {func}: {message}")
+
+
+def _flag(api: str, name: str, value) -> bool:
+    """A bool argument (isReuseSource): True or False; None -> 161001, anything else -> 161002
+    (an AclnnTypeError), as every bool flag of the library."""
+    return check_bool_attr(api, name, value)
 
 
 def _is_int(v) -> bool:
@@ -139,17 +158,21 @@ def _check_host_args(api: str, func: str, srcShape, typeSize) -> Tuple[int, int,
     if typeSize is None:
         _host_error(api, func, "typeSize is None, expected 2 (half) or 4 (float)", ACLNN_ERR_PARAM_NULLPTR)
     if not _is_int(typeSize) or typeSize not in (2, 4):
-        _host_error(api, func, f"typeSize is {typeSize!r}, expected 2 (half) or 4 (float)")
+        _host_error(api, func, f"typeSize is {typeSize!r}, expected 2 (half) or 4 (float)",
+                    type_error=not _is_int(typeSize))
     try:
         dims = [operator.index(d) for d in srcShape]
     except TypeError:
         dims = None
     if dims is None or isinstance(srcShape, (str, bytes)):
-        _host_error(api, func, f"srcShape is {srcShape!r}, expected a sequence of 4 ints [B, S, storageH, originH]")
+        _host_error(api, func, f"srcShape is {srcShape!r}, expected a sequence of 4 ints [B, S, storageH, originH]",
+                    type_error=True)
     if len(dims) != 4:
         _host_error(api, func, f"srcShape has {len(dims)} dims ({dims}), expected 4 dims [B, S, storageH, originH]")
     if any(d <= 0 for d in dims):
         _host_error(api, func, f"srcShape is {dims}, expected every dim > 0")
+    if any(d > _UINT32_MAX for d in dims):  # the tilings keep each dim in a uint32 field
+        _host_error(api, func, f"srcShape is {dims}, expected every dim <= 2^32-1 (a uint32 tiling field)")
     return dims[0], dims[1], dims[2], dims[3]
 
 
@@ -157,7 +180,8 @@ def _check_stack_buffer(api: str, func: str, stackBufferSize) -> int:
     if stackBufferSize is None:
         _host_error(api, func, "stackBufferSize is None, expected a size in bytes", ACLNN_ERR_PARAM_NULLPTR)
     if not _is_int(stackBufferSize) or stackBufferSize < 0 or stackBufferSize > _UINT32_MAX:
-        _host_error(api, func, f"stackBufferSize is {stackBufferSize!r}, expected an int in 0..2^32-1 (bytes)")
+        _host_error(api, func, f"stackBufferSize is {stackBufferSize!r}, expected an int in 0..2^32-1 (bytes)",
+                    type_error=not _is_int(stackBufferSize))
     return int(stackBufferSize)
 
 
@@ -184,7 +208,7 @@ def GetLayerNormGradMaxMinTmpSize(srcShape: Sequence[int], typeSize: int,
     """(maxValue, minValue) in bytes of the sharedTmpBuffer LayerNormGrad needs."""
     func = "GetLayerNormGradMaxMinTmpSize"
     b, s, h, _ = _check_host_args("LayerNormGrad", func, srcShape, typeSize)
-    n = _layer_norm_grad_buffers(typeSize, bool(isReuseSource))
+    n = _layer_norm_grad_buffers(typeSize, _flag(f"LayerNormGrad: {func}", "isReuseSource", isReuseSource))
     bsh, hh = b * s * h, h * h
     max_value, min_value = n * max(bsh, hh) * typeSize, n * min(bsh, hh) * typeSize
     return max_value, min_value
@@ -195,7 +219,7 @@ def GetLayerNormGradNDTilingInfo(srcShape: Sequence[int], stackBufferSize: int, 
     func = "GetLayerNormGradNDTilingInfo"
     b, s, h, origin_h = _check_host_args("LayerNormGrad", func, srcShape, typeSize)
     stack = _check_stack_buffer("LayerNormGrad", func, stackBufferSize)
-    reuse = bool(isReuseSource)
+    reuse = _flag(f"LayerNormGrad: {func}", "isReuseSource", isReuseSource)
     bsh = b * s * h
 
     need = _layer_norm_grad_buffers(typeSize, reuse)
@@ -241,6 +265,7 @@ def GetLayerNormGradBetaMaxMinTmpSize(srcShape: Sequence[int], typeSize: int,
     """(maxValue, minValue) in bytes; isReuseSource is ignored, as in CANN."""
     func = "GetLayerNormGradBetaMaxMinTmpSize"
     b, s, h, _ = _check_host_args("LayerNormGradBeta", func, srcShape, typeSize)
+    _flag(f"LayerNormGradBeta: {func}", "isReuseSource", isReuseSource)  # checked, then ignored
     # float32 buffers: half keeps pdGamma/pdBeta accumulators plus dy and resForGamma converted
     # to float (4); float keeps two.
     k = 4 if typeSize == 2 else 2
@@ -253,6 +278,7 @@ def GetLayerNormGradBetaNDTilingInfo(srcShape: Sequence[int], stackBufferSize: i
     func = "GetLayerNormGradBetaNDTilingInfo"
     b, s, h, origin_h = _check_host_args("LayerNormGradBeta", func, srcShape, typeSize)
     stack = _check_stack_buffer("LayerNormGradBeta", func, stackBufferSize)
+    _flag(f"LayerNormGradBeta: {func}", "isReuseSource", isReuseSource)
     bsh = b * s * h
 
     elements = stack // _FLOAT_BYTES
@@ -297,20 +323,24 @@ def _fail(op: str, status: int, message: str):
 
 
 def _check_present(op: str, named, tiling, tiling_cls) -> None:
-    """None -> 161001, a non-tensor or a tiling of another type -> 161002."""
+    """None -> 161001; a non-tensor or a tiling of another type -> 161002 (an AclnnTypeError,
+    also a TypeError); a sparse or other non-strided tensor -> 161002."""
     for name, t in named:
         if t is None:
             _fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected a tensor")
     if tiling is None:
         _fail(op, ACLNN_ERR_PARAM_NULLPTR, f"tiling is None, expected a {tiling_cls.__name__}")
     for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            _fail(op, ACLNN_ERR_PARAM_INVALID, f"{name} is a {type(t).__name__}, expected a torch.Tensor")
+        require_tensor(op, name, t)
     if not isinstance(tiling, tiling_cls):
-        _fail(op, ACLNN_ERR_PARAM_INVALID, f"tiling is a {type(tiling).__name__}, expected a {tiling_cls.__name__}")
+        wrong_type(op, f"tiling is a {type(tiling).__name__}, expected a {tiling_cls.__name__}")
     for f in dataclasses.fields(tiling_cls):
         v = getattr(tiling, f.name)
-        if not _is_int(v) or v < 0:
+        if v is None:
+            _fail(op, ACLNN_ERR_PARAM_NULLPTR, f"tiling.{f.name} is None, expected an int >= 0")
+        if not _is_int(v):
+            wrong_type(op, f"tiling.{f.name} is {v!r}, expected an int >= 0")
+        if v < 0:
             _fail(op, ACLNN_ERR_PARAM_INVALID, f"tiling.{f.name} is {v!r}, expected an int >= 0")
 
 
@@ -322,13 +352,16 @@ def _check_kernel_tensors(op: str, named, shapes, is_reuse: bool) -> torch.dtype
     if dtype not in _KERNEL_DTYPES.values():
         _fail(op, ACLNN_ERR_PARAM_INVALID,
               f"{first_name} has dtype {dtype_name(dtype)}, expected dtype in float16/float32 (AscendC T: half/float)")
+    # the device: the first tensor's, unless that one alone is a meta tensor (no memory): name the odd one out
+    ref_name, ref = next(((n, t) for n, t in named if t.device.type != "meta"), (first_name, first))
     for name, t in named[1:]:
         if t.dtype != dtype:
             _fail(op, ACLNN_ERR_PARAM_INVALID,
                   f"{name} has dtype {dtype_name(t.dtype)}, expected the dtype of {first_name} ({dtype_name(dtype)})")
-        if t.device != first.device:
+    for name, t in named:
+        if t.device != ref.device:
             _fail(op, ACLNN_ERR_PARAM_INVALID,
-                  f"{name} is on {t.device}, expected the device of {first_name} ({first.device})")
+                  f"{name} is on {t.device}, expected the device of {ref_name} ({ref.device})")
     for (name, t), (shape, rule) in zip(named, shapes):
         if tuple(t.shape) != tuple(shape):
             _fail(op, ACLNN_ERR_PARAM_INVALID,
@@ -366,7 +399,8 @@ def _check_tmp_buffer(op: str, buf, min_bytes: int, device: torch.device) -> Non
     if buf is None:
         return
     if not isinstance(buf, torch.Tensor):
-        _fail(op, ACLNN_ERR_PARAM_INVALID, f"sharedTmpBuffer is a {type(buf).__name__}, expected a uint8 tensor")
+        wrong_type(op, f"sharedTmpBuffer is a {type(buf).__name__}, expected a uint8 tensor")
+    require_tensor(op, "sharedTmpBuffer", buf)  # a sparse one -> 161002
     if buf.dtype != torch.uint8:
         _fail(op, ACLNN_ERR_PARAM_INVALID, f"sharedTmpBuffer has dtype {dtype_name(buf.dtype)}, expected dtype uint8")
     if buf.device != device:
@@ -376,15 +410,61 @@ def _check_tmp_buffer(op: str, buf, min_bytes: int, device: torch.device) -> Non
     if buf.numel() < min_bytes:
         _fail(op, ACLNN_ERR_PARAM_INVALID,
               f"sharedTmpBuffer has {buf.numel()} bytes, expected at least the minimum tmp size ({min_bytes} bytes)")
+    check_written(op, [("sharedTmpBuffer", buf)])  # the kernel's scratch: written
 
 
-def _scratch(buf: Optional[torch.Tensor], need_floats: int, device: torch.device) -> torch.Tensor:
-    """float32 scratch of ``need_floats`` elements: the caller's sharedTmpBuffer, or our own
-    when it is None or the tiling's positions (which round rows up) reach past it."""
-    need_bytes = need_floats * _FLOAT_BYTES
-    if buf is not None and buf.numel() >= need_bytes and buf.storage_offset() % _FLOAT_BYTES == 0:
-        return buf.reshape(-1)[:need_bytes].view(torch.float32)
-    return torch.empty(need_floats, dtype=torch.float32, device=device)
+def _check_writes(op: str, written, read, buf, in_place=()) -> None:
+    """What a kernel writes, against what it reads, all before anything runs -> 161002 naming
+    the tensors: ``written`` (its outputs, and with isReuseSource the inputs it overwrites in
+    place, which may require grad) each writable and no two sharing memory; none of them
+    sharing memory with a tensor it only reads (``read``), except as the very same view of an
+    input of its shape (elementwise in place: each step reads its rows before writing them);
+    sharedTmpBuffer, written as scratch throughout, sharing memory with no tensor argument."""
+    check_written(op, written, in_place=in_place)
+    for w_name, w in written:
+        for r_name, r in read:
+            same_view = (w.shape == r.shape and w.stride() == r.stride() and w.dtype == r.dtype
+                         and w.data_ptr() == r.data_ptr())
+            if not same_view and shares_memory(w, r):
+                invalid(op, f"{w_name} shares memory with {r_name}, expected separate memory (or the very same "
+                            f"view, written in place): the kernel writes {w_name} step by step while it reads "
+                            f"{r_name}")
+    if buf is not None:
+        for name, t in list(written) + list(read):
+            if shares_memory(buf, t):
+                invalid(op, f"sharedTmpBuffer shares memory with {name}, expected scratch memory of its own")
+
+
+def _check_apart(op: str, regions) -> None:
+    """Scratch regions ``(tiling field, position, size)`` in float32 elements that a step holds
+    at the same time: pairwise disjoint, else one would overwrite the other (161002)."""
+    for i, (name_a, a, size_a) in enumerate(regions):
+        for name_b, b, size_b in regions[i + 1:]:
+            if a < b + size_b and b < a + size_a:
+                _fail(op, ACLNN_ERR_PARAM_INVALID,
+                      f"tiling.{name_a} ({a}, {size_a} elements) overlaps tiling.{name_b} ({b}, {size_b} "
+                      f"elements), expected separate scratch regions")
+
+
+class _Scratch:
+    """float32 scratch at the tiling's positions: the caller's sharedTmpBuffer when it holds
+    ``need_floats`` elements, else our own, one piece of ``piece_floats`` (what a step uses)
+    per position, so that a tiling's positions (which round rows up, or come from the
+    caller) never size an allocation."""
+
+    def __init__(self, buf: Optional[torch.Tensor], need_floats: int, piece_floats: int, device: torch.device):
+        need_bytes = need_floats * _FLOAT_BYTES
+        self.buf = None
+        if buf is not None and buf.numel() >= need_bytes and buf.storage_offset() % _FLOAT_BYTES == 0:
+            self.buf = buf.reshape(-1)[:need_bytes].view(torch.float32)
+        self.piece, self.device, self.own = piece_floats, device, {}
+
+    def region(self, pos: int, n: int) -> torch.Tensor:
+        if self.buf is not None:
+            return self.buf[pos:pos + n]
+        if pos not in self.own:
+            self.own[pos] = torch.empty(self.piece, dtype=torch.float32, device=self.device)
+        return self.own[pos][:n]
 
 
 class _Rows:
@@ -436,15 +516,12 @@ def LayerNormGrad(outputPdX, resForGamma, inputDy, inputX, inputVariance, inputM
     inputDy is left holding dy*gamma and inputX holding x-mean, as CANN's kernel leaves them.
     """
     op = "LayerNormGrad"
-    reuse = bool(isReuseSource)
     named = [("inputX", inputX), ("inputDy", inputDy), ("inputVariance", inputVariance),
              ("inputMean", inputMean), ("inputGamma", inputGamma), ("outputPdX", outputPdX),
              ("resForGamma", resForGamma)]
     _check_present(op, named, tiling, LayerNormGradTiling)
-    if epsilon is None:
-        _fail(op, ACLNN_ERR_PARAM_NULLPTR, "epsilon is None, expected a float")
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
-        _fail(op, ACLNN_ERR_PARAM_INVALID, f"epsilon is {epsilon!r}, expected a float")
+    check_float_attr(op, "epsilon", epsilon)  # None -> 161001, not a number -> 161002, past float64 -> 161002
+    reuse = _flag(op, "isReuseSource", isReuseSource)
     b, s, h = tiling.bLength, tiling.sLength, tiling.hLength
     bsh_rule, bs_rule = "[B, S, H] of the tiling", "[B, S] of the tiling"
     dtype = _check_kernel_tensors(op, named, [
@@ -456,6 +533,12 @@ def LayerNormGrad(outputPdX, resForGamma, inputDy, inputX, inputVariance, inputM
     device = inputX.device
     min_bytes = GetLayerNormGradMaxMinTmpSize([b, s, h, h], _type_size(dtype), reuse)[1]
     _check_tmp_buffer(op, sharedTmpBuffer, min_bytes, device)
+    written = [("outputPdX", outputPdX), ("resForGamma", resForGamma)]
+    read = [("inputDy", inputDy), ("inputX", inputX)]
+    if reuse:  # inputDy and inputX are overwritten (dy*gamma, x-mean)
+        written, read = written + read, []
+    read += [("inputVariance", inputVariance), ("inputMean", inputMean), ("inputGamma", inputGamma)]
+    _check_writes(op, written, read, sharedTmpBuffer, in_place=("inputDy", "inputX"))
     # Padded rows (originH < storageH): sums over the stored width, factors from originH. Only
     # the reference engine takes origin_h; the kernels leave such calls to it.
     origin_h = tiling.originalHLength
@@ -471,11 +554,46 @@ def LayerNormGrad(outputPdX, resForGamma, inputDy, inputX, inputVariance, inputM
     used = [tiling.x3TensorPos, tiling.tmpTensorBSHPos]
     if half:
         used += [tiling.tmpTensorPos, tiling.tmpTensor1Pos]
-    scratch = _scratch(sharedTmpBuffer, max(used) + one, device)
+        # dy and x are converted into two regions that hold a step at once (pd_x and x-hat go
+        # into theirs one after the other, after the step's math)
+        step = min(one, b * s * h)  # what a step uses of each (oneCalSize may round past B*S*H)
+        _check_apart(op, [("tmpTensorPos", tiling.tmpTensorPos, step), ("tmpTensor1Pos", tiling.tmpTensor1Pos, step)])
+    scratch = _Scratch(sharedTmpBuffer, max(used) + one, min(one, b * s * h), device)
 
     def region(pos: int, rows: int) -> torch.Tensor:
-        return scratch[pos:pos + rows * h].view(rows, h)
+        return scratch.region(pos, rows * h).view(rows, h)
 
+    with _kernel_launch(op):
+        _layer_norm_grad_steps(engine, tiling, region, half, reuse, padding, eps, outputPdX, resForGamma, inputDy,
+                               inputX, inputVariance, inputMean, inputGamma)
+        if reuse:
+            _written_in_place(inputDy, inputX)
+
+
+@contextlib.contextmanager
+def _kernel_launch(op: str):
+    """A kernel's steps, checked in full beforehand: outside autograd (the kernel-level API is
+    not differentiable; an overwritten input that requires grad has its version bumped), and a
+    failure of the device underneath (out of memory, a launch) -> 361001, as aclnn's phase two."""
+    try:
+        with torch.no_grad():
+            yield
+    except AclnnError:
+        raise
+    except RuntimeError as e:
+        raise AclnnError(ACLNN_ERR_RUNTIME_ERROR, f"{op}: the kernel failed: {e}") from e
+
+
+def _written_in_place(*tensors: torch.Tensor) -> None:
+    """Inputs an engine overwrote (a Triton kernel writes through a pointer, unseen by
+    autograd): move their version counters, so a graph that saved one notices."""
+    for t in tensors:
+        torch.autograd.graph.increment_version(t)
+
+
+def _layer_norm_grad_steps(engine, tiling, region, half, reuse, padding, eps, outputPdX, resForGamma, inputDy,
+                           inputX, inputVariance, inputMean, inputGamma) -> None:
+    h, one, loops, tail = tiling.hLength, tiling.oneCalSize, tiling.loopNum, tiling.tailSize
     dy_rows, x_rows = _Rows(inputDy), _Rows(inputX)
     pdx_rows, res_rows = _Rows(outputPdX), _Rows(resForGamma)
     var_flat, mean_flat = inputVariance.reshape(-1), inputMean.reshape(-1)
@@ -504,10 +622,10 @@ def LayerNormGradBeta(outputPdGamma, outputPdBeta, resForGamma, inputDy, sharedT
     accumulated in float32 over the tiling's steps, written in T. With isReuseSource (float
     only) resForGamma is left holding dy*resForGamma, as CANN's kernel leaves it."""
     op = "LayerNormGradBeta"
-    reuse = bool(isReuseSource)
     named = [("resForGamma", resForGamma), ("inputDy", inputDy), ("outputPdGamma", outputPdGamma),
              ("outputPdBeta", outputPdBeta)]
     _check_present(op, named, tiling, LayerNormGradBetaTiling)
+    reuse = _flag(op, "isReuseSource", isReuseSource)
     b, s, h = tiling.bLength, tiling.sLength, tiling.hLength
     bsh_rule, h_rule = "[B, S, H] of the tiling", "[H] of the tiling"
     dtype = _check_kernel_tensors(op, named, [((b, s, h), bsh_rule), ((b, s, h), bsh_rule),
@@ -524,6 +642,13 @@ def LayerNormGradBeta(outputPdGamma, outputPdBeta, resForGamma, inputDy, sharedT
     device = inputDy.device
     min_bytes = GetLayerNormGradBetaMaxMinTmpSize([b, s, h, h], _type_size(dtype), reuse)[1]
     _check_tmp_buffer(op, sharedTmpBuffer, min_bytes, device)
+    written = [("outputPdGamma", outputPdGamma), ("outputPdBeta", outputPdBeta)]
+    read = [("inputDy", inputDy)]
+    if reuse:  # resForGamma is overwritten (dy*resForGamma)
+        written.append(("resForGamma", resForGamma))
+    else:
+        read.append(("resForGamma", resForGamma))
+    _check_writes(op, written, read, sharedTmpBuffer, in_place=("resForGamma",))
     engine = implementation(op, "layer_norm", None, device)
 
     # float32 accumulators for pdGamma and pdBeta; half also converts each step's dy and
@@ -534,11 +659,24 @@ def LayerNormGradBeta(outputPdGamma, outputPdBeta, resForGamma, inputDy, sharedT
         gamma_pos, beta_pos = tiling.gammaTempTensorPos, tiling.betaTempTensorPos
         dy_pos, res_pos = tiling.inputDyTmpTensorPos, tiling.resForGammaTmpTensorPos
         need = max(gamma_pos + h, beta_pos + h, dy_pos + one, res_pos + one)
+        _check_apart(op, [("gammaTempTensorPos", gamma_pos, h), ("betaTempTensorPos", beta_pos, h),
+                          ("inputDyTmpTensorPos", dy_pos, min(one, bsh)),
+                          ("resForGammaTmpTensorPos", res_pos, min(one, bsh))])
     else:
-        gamma_pos, beta_pos = 0, h
+        gamma_pos, beta_pos, dy_pos, res_pos = 0, h, None, None
         need = 2 * h
-    scratch = _scratch(sharedTmpBuffer, need, device)
-    acc_gamma, acc_beta = scratch[gamma_pos:gamma_pos + h], scratch[beta_pos:beta_pos + h]
+    scratch = _Scratch(sharedTmpBuffer, need, max(h, min(one, bsh)), device)
+    with _kernel_launch(op):
+        _layer_norm_grad_beta_steps(engine, scratch, half, reuse, h, one, loops, tail, (gamma_pos, beta_pos, dy_pos,
+                                    res_pos), outputPdGamma, outputPdBeta, resForGamma, inputDy)
+        if reuse:
+            _written_in_place(resForGamma)
+
+
+def _layer_norm_grad_beta_steps(engine, scratch, half, reuse, h, one, loops, tail, positions, outputPdGamma,
+                                outputPdBeta, resForGamma, inputDy) -> None:
+    gamma_pos, beta_pos, dy_pos, res_pos = positions
+    acc_gamma, acc_beta = scratch.region(gamma_pos, h), scratch.region(beta_pos, h)
     acc_gamma.zero_()
     acc_beta.zero_()
 
@@ -547,8 +685,8 @@ def LayerNormGradBeta(outputPdGamma, outputPdBeta, resForGamma, inputDy, sharedT
         r1 = r0 + rows
         res_c, dy_c = res_rows.read(r0, r1), dy_rows.read(r0, r1)
         if half:
-            dy_c = scratch[dy_pos:dy_pos + rows * h].view(rows, h).copy_(dy_c)
-            res_c = scratch[res_pos:res_pos + rows * h].view(rows, h).copy_(res_c)
+            dy_c = scratch.region(dy_pos, rows * h).view(rows, h).copy_(dy_c)
+            res_c = scratch.region(res_pos, rows * h).view(rows, h).copy_(res_c)
         pd_gamma, pd_beta = engine.layer_norm_grad_beta(res_c, dy_c, reuse)
         acc_gamma += pd_gamma
         acc_beta += pd_beta

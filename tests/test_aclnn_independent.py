@@ -797,15 +797,16 @@ def test_cpu_operators_take_a_cpu_torch_stream(backend):
 
 
 # ---------------------------------------------------------------------------------------
-# Floyd limits at their edges (phase one only: data-less expanded tensors)
+# Floyd limits at their edges (phase one only: data-less meta tensors)
 # ---------------------------------------------------------------------------------------
 
 def _lazy(dtype, *shape):
-    return torch.zeros((), dtype=dtype).expand(*shape)
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def fa_lazy(**dims):
-    """A forward call of data-less expanded tensors, outputs included (phase one only)."""
+    """A forward call of data-less meta tensors, outputs included (phase one only: outputs
+    must be writable, so not the stride-0 views that would otherwise stand in for them)."""
     s = dict(b=FB, h=FH, n=FN, m=FM, k=FK, d=FD)
     s.update(dims)
     b, h, n, m, k, d = (s[c] for c in "bhnmkd")

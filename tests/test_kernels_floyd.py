@@ -354,10 +354,11 @@ def test_bfloat16_cuda(device):
         assert_close(g, g_ref, TOL[torch.bfloat16], name)
 
 
-def test_bench_quick_runs(capsys):
+def test_bench_quick_runs(capsys, tmp_path):
     from gradops.bench import floyd as bench
 
-    assert bench.main(["--device", "cpu", "--quick", "--shape", "1,1,4,5,6,8", "--reps", "1"]) == 0
+    assert bench.main(["--device", "cpu", "--quick", "--shape", "1,1,4,5,6,8", "--reps", "1",
+                       "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "floyd_fwd" in text and "floyd_bwd" in text and "einsum" in text and "reference" in text
     assert bench.fwd_flops((1, 2, 3, 4, 5, 6)) == 8 * 720 and bench.bwd_flops((1, 2, 3, 4, 5, 6)) == 20 * 720

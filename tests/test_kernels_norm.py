@@ -577,7 +577,7 @@ def test_bench_norm_runs_and_writes_json(tmp_path):
     assert {("rms_bwd", "gradops"), ("rms_bwd", "torch autograd"), ("ln_bwd", "gradops"),
             ("ln_bwd", "aten bwd")} <= impls
     ours = next(r for r in data["records"] if r["op"] == "ln_bwd" and r["impl"] == "gradops")
-    assert ours["bytes"] == 3 * 64 * 64 * 4 + 2 * 64 * 4  # PERFORMANCE.md: 3*M*N*e + 2*N*w_e
+    assert ours["bytes"] == 3 * 64 * 64 * 4 + 2 * 64 * 4  # docs/benchmarks.md: 3*M*N*e + 2*N*w_e
 
 
 def test_bench_norm_times_the_fused_residual_add(tmp_path):

@@ -45,6 +45,10 @@ def _ln_fwd_fused_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r,
     x = x.to(ACC)
     mean = tl.sum(x, axis=1) / N
     xc = tl.where(mask, x - mean[:, None], 0.0)
+    # corrected two-pass: adding the mean deviation removes the first sum's rounding, so a
+    # constant row gets its value back exactly and centres to exact zeros (variance 0)
+    mean = mean + tl.sum(xc, axis=1) / N
+    xc = tl.where(mask, x - mean[:, None], 0.0)
     var = tl.sum(xc * xc, axis=1) / N  # two-pass (in registers): no cancellation
     rstd = 1.0 / tl.sqrt(var + eps)
     y = xc * rstd[:, None]
@@ -62,7 +66,8 @@ def _ln_fwd_wide_kernel(X, R, H, Y, W, B, Mean, Rstd, N, stride_x, stride_r, str
                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, ACC: tl.constexpr,
                         BLOCK_N: tl.constexpr):
     # One row per program, too wide for registers. Pass 1 merges exact per-block mean and
-    # sum of squared deviations (Chan et al.'s pairwise update, as accurate as two-pass) and
+    # sum of squared deviations (Chan et al.'s pairwise update, as accurate as two-pass; a
+    # constant row merges blocks of one exact mean and zero deviations: variance 0) and
     # writes h; pass 2 re-reads the row, which the program has just touched (L2), and writes
     # y (h is recomputed from x and the residual: reading it back would need a barrier).
     row = tl.program_id(0).to(tl.int64)
@@ -79,6 +84,8 @@ def _ln_fwd_wide_kernel(X, R, H, Y, W, B, Mean, Rstd, N, stride_x, stride_r, str
         x = x.to(ACC)
         n_b = tl.minimum(N - c0, BLOCK_N).to(ACC)
         mean_b = tl.sum(x, axis=0) / n_b
+        d = tl.where(cmask, x - mean_b, 0.0)
+        mean_b = mean_b + tl.sum(d, axis=0) / n_b  # corrected, as the fused kernel's mean
         d = tl.where(cmask, x - mean_b, 0.0)
         m2_b = tl.sum(d * d, axis=0)
         total = count + n_b
@@ -112,9 +119,10 @@ def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
     mean = torch.empty(m, dtype=acc, device=x.device)
     rstd = torch.empty(m, dtype=acc, device=x.device)
     if m == 0 or n == 0:
-        # Statistics of an empty row follow the reference: mean nan, variance nan.
+        # Statistics of an empty row follow torch.native_layer_norm (and the reference): mean 0,
+        # variance 0/0, so rstd nan.
         if m and not n:
-            mean.fill_(float("nan"))
+            mean.zero_()
             rstd.fill_(float("nan"))
         return y, mean, rstd
     w = vector(weight) if weight is not None else x

@@ -39,8 +39,7 @@ from ..ops import floyd_attention as _floyd_ops
 from ..ops import layer_norm as _ln_ops
 from ..ops import nsa_compress as _nsa_ops
 from ..ops import rms_norm as _rms_ops
-from ..ops._checks import (check_companion, check_float_attr, check_int_attr, require_tensor, stat_dtype,
-                           wrong_type)
+from ..ops._checks import check_companion, check_float_attr, check_int_attr, require_tensor, stat_dtype
 from ..ops._shapes import as_int_tuple, check_trailing
 
 __all__ = ["layer_norm", "rms_norm", "fused_add_layer_norm", "fused_add_rms_norm", "nsa_compress",
@@ -131,15 +130,6 @@ _NORM_NAMES = {"x": "input", "gamma": "weight"}
 def _backend_arg(op: str, backend) -> str:
     """The backend the call asks for (its own argument, else the default), checked."""
     return _check_name(op, requested(backend))
-
-
-def _check_casting_mode(op: str, casting_mode) -> bool:
-    """RMSNorm's ``casting_mode``: the ops layer's rule, after the type the op's schema needs
-    (a str: anything else is an AclnnTypeError, never a comparison that fails on its own)."""
-    if not isinstance(casting_mode, str):
-        wrong_type(op, f"casting_mode is a {type(casting_mode).__name__}, expected a str "
-                       f"({', '.join(map(repr, _rms_ops.CASTING_MODES))})")
-    return _rms_ops.check_casting_mode(op, casting_mode)
 
 
 def _norm_op(family: str, residual) -> str:
@@ -365,7 +355,7 @@ def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, c
                                       eps_optional=True)
     shape = tuple(shape)
     offset = check_float_attr(op, "offset", offset)
-    _check_casting_mode(op, casting_mode)
+    _rms_ops.check_casting_mode(op, casting_mode)
     if eps is None:
         # torch takes the machine eps of the dtype it computes in, float32 for half inputs
         # (not bf16's 2**-7, which would visibly shift small-magnitude rows)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
 from ..ops._checks import check_float_attr, check_int_attr, dtype_name, invalid, require_tensor
+from ..ops.rms_norm import check_casting_mode
 from . import functional as F
 from .pivotal import pivotal_attention
 
@@ -58,7 +59,7 @@ class RMSNorm(nn.RMSNorm):
         if self.offset and self.weight is None:
             raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"RMSNorm: offset is {offset!r} with elementwise_affine=False, "
                                                       f"expected a weight for the offset to shift")
-        F._check_casting_mode("RMSNorm", casting_mode)
+        check_casting_mode("RMSNorm", casting_mode)
         self.casting_mode = casting_mode
         if self.offset:
             self.reset_parameters()

@@ -189,7 +189,10 @@ def pivotal_attention(
     dropout = check_float_attr(_OP, "dropout", dropout)
     if not 0.0 <= dropout <= 1.0:
         _fail(f"dropout is {dropout!r}, expected a float in [0, 1]")
-    scale = 1.0 / math.sqrt(2.0 * d) if scale is None else check_float_attr(_OP, "scale", scale)
+    if scale is None:  # with D = 0 every score is 0 whatever the scale: any finite one will do
+        scale = 1.0 / math.sqrt(2.0 * d) if d else 1.0
+    else:
+        scale = check_float_attr(_OP, "scale", scale)
     inf = check_float_attr(_OP, "inf", inf)
     softmax_cap = check_float_attr(_OP, "softmax_cap", softmax_cap)
     full_shape = (b, h, li, lk, lj)

@@ -6,6 +6,7 @@ and the rule are always named.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -125,16 +126,24 @@ def _is_host_integer_scalar(value) -> bool:
 
 
 def check_int_attr(op: str, name: str, value, minimum: int) -> int:
-    """An int attribute (an int, or a one-element integer tensor) in ``minimum..INT64_MAX``."""
+    """An int attribute (an int, a numpy integer, or a one-element integer tensor) in
+    ``minimum..INT64_MAX``."""
     if value is None:
         fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected an int >= {minimum}")
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy ints are Integral
         if not _is_host_integer_scalar(value):
-            wrong_type(op, f"{name} is {value!r}, expected an int >= {minimum}")
+            wrong_type(op, f"{name} is {short_repr(value)}, expected an int >= {minimum}")
         value = int(value.item())
     if not minimum <= value <= INT64_MAX:
-        invalid(op, f"{name} is {value}, expected an int in {minimum}..{INT64_MAX} (int64)")
+        invalid(op, f"{name} is {short_repr(value)}, expected an int in {minimum}..{INT64_MAX} (int64)")
     return int(value)
+
+
+def short_repr(value, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters for a message (an int of 400 digits, a
+    long list)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_float_attr(op: str, name: str, value) -> float:
@@ -142,11 +151,21 @@ def check_float_attr(op: str, name: str, value) -> float:
     if value is None:
         fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected a float")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        wrong_type(op, f"{name} is {value!r}, expected a float")
+        wrong_type(op, f"{name} is {short_repr(value)}, expected a float")
     try:
         return float(value)
     except OverflowError:
-        invalid(op, f"{name} is {value}, expected a float within float64's range")
+        invalid(op, f"{name} is {short_repr(value)}, expected a float within float64's range")
+
+
+def check_bool_attr(op: str, name: str, value) -> bool:
+    """A bool flag: True or False (None -> 161001; anything else, 0/1 included -> 161002 as a
+    TypeError)."""
+    if value is None:
+        fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected a bool")
+    if not isinstance(value, bool):
+        wrong_type(op, f"{name} is {short_repr(value)}, expected a bool")
+    return value
 
 
 def element_offsets(t: torch.Tensor) -> torch.Tensor:
@@ -162,6 +181,16 @@ def _has_internal_overlap(t: torch.Tensor) -> bool:
     status = torch._debug_has_internal_overlap(t)  # 0: no, 1: yes, 2: too hard to tell cheaply
     if status != 2:
         return status == 1
+    # Dims ordered by stride, each stride past the reach of the smaller ones (a permuted or
+    # sliced dense tensor): no overlap, decided without enumerating the elements.
+    dims = sorted((abs(stride), size) for size, stride in zip(t.shape, t.stride()) if size > 1)
+    reach = 0
+    for stride, size in dims:
+        if stride <= reach:
+            break
+        reach += (size - 1) * stride
+    else:
+        return False
     offsets = element_offsets(t).reshape(-1)
     return offsets.unique().numel() != offsets.numel()
 
@@ -171,11 +200,10 @@ def check_writable(op: str, name: str, t: torch.Tensor, *, requires_grad_ok: boo
     element its own memory (no stride-0 or other self-overlapping view), strided, writable
     here (not an inference tensor outside inference mode), and, unless ``requires_grad_ok``,
     not requiring grad (torch's rule for ``out=`` tensors). Checked before anything is written,
-    so a call never fails half-way through its writes."""
+    so a call never fails half-way through its writes. A meta tensor passes (a call wholly on
+    meta is a dry run; one beside real tensors fails the device rule)."""
     if t.layout != torch.strided:
         invalid(op, f"{name} has layout {str(t.layout).replace('torch.', '')}, expected a strided (dense) tensor")
-    if t.device.type == "meta":
-        invalid(op, f"{name} is a meta tensor (no memory), expected a tensor that can be written")
     if t.is_inference() and not torch.is_inference_mode_enabled():
         invalid(op, f"{name} is an inference tensor, expected a tensor that can be written outside "
                     f"torch.inference_mode()")
@@ -185,6 +213,17 @@ def check_writable(op: str, name: str, t: torch.Tensor, *, requires_grad_ok: boo
     if t.numel() > 1 and _has_internal_overlap(t):
         invalid(op, f"{name} has elements that share memory (shape {tuple(t.shape)}, strides {t.stride()}), "
                     f"expected a tensor whose every element can be written (not an expanded or stride-0 view)")
+
+
+def check_overwritten(op, name, t, others):
+    """``t`` is written by the call (in_place, reuse_source): writable (every element its own
+    memory), and sharing no memory with the inputs ``others`` (name, tensor-or-None) the call
+    still reads, which a write would change under it."""
+    check_writable(op, name, t, requires_grad_ok=True)
+    for other_name, other in others:
+        if other is not None and shares_memory(t, other):
+            invalid(op, f"{name} shares memory with {other_name}, expected {name}, which this call "
+                        f"overwrites, to share no memory with the other inputs")
 
 
 def _byte_span(t: torch.Tensor):
@@ -198,7 +237,10 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     of the other (exact for views of one dtype, conservative across dtypes)."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    if a.device.type == "meta":  # every meta storage starts at address 0: only one storage's views share
+        if a.untyped_storage()._cdata != b.untyped_storage()._cdata:
+            return False
+    elif a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
     if a1 <= b0 or b1 <= a0:

@@ -2,33 +2,52 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Tuple
 
 import torch
 
-from ._checks import fail, invalid, dtype_name, ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR
+from ._checks import (
+    ACLNN_ERR_PARAM_INVALID,
+    ACLNN_ERR_PARAM_NULLPTR,
+    dtype_name,
+    fail,
+    invalid,
+    short_repr,
+    wrong_type,
+)
 
 
 def int_sequence(op: str, name: str, value, *, scalar_ok: bool = False) -> Tuple[int, ...]:
-    """A sequence of ints (a list, tuple, torch.Size) or a 1-D integer tensor -> tuple of ints;
-    with ``scalar_ok`` a bare int too. None -> 161001, anything else -> 161002."""
+    """A sequence of ints (a list, tuple, torch.Size, numpy array) or a 1-D integer tensor ->
+    tuple of ints; with ``scalar_ok`` a bare int too. None -> 161001; a tensor that cannot be
+    read on the host (meta, sparse) or is not 1-D integer -> 161002; anything else that is not
+    a sequence of ints -> 161002 as a TypeError."""
     if value is None:
         fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected a sequence of ints")
-    if scalar_ok and isinstance(value, int) and not isinstance(value, bool):
-        return (value,)
+    if scalar_ok and _is_int(value):
+        return (int(value),)
     if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.device.type == "meta":
+            where = "a meta tensor" if value.device.type == "meta" else \
+                f"a {str(value.layout).replace('torch.', '')} tensor"
+            invalid(op, f"{name} is {where}, expected a dense 1-D integer tensor whose values can be read")
         if value.dim() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
             invalid(op, f"{name} is a {dtype_name(value.dtype)} tensor of shape {tuple(value.shape)}, "
                         f"expected a 1-D integer tensor")
         return tuple(int(v) for v in value.tolist())
-    try:
-        items = tuple(value)
-    except TypeError:
-        invalid(op, f"{name} is {value!r}, expected a sequence of ints")
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__") or getattr(value, "ndim", 1) != 1:
+        wrong_type(op, f"{name} is {short_repr(value)}, expected a sequence of ints")
+    items = tuple(value)
     for v in items:
-        if isinstance(v, bool) or not isinstance(v, int):
-            invalid(op, f"{name} is {value!r}, expected a sequence of ints")
-    return items
+        if not _is_int(v):
+            wrong_type(op, f"{name} is {short_repr(value)}, expected a sequence of ints")
+    return tuple(int(v) for v in items)
+
+
+def _is_int(v) -> bool:
+    """An int or numpy integer, not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def as_int_tuple(op: str, name: str, value) -> Tuple[int, ...]:
@@ -66,15 +85,14 @@ def check_stat(op: str, name: str, t: torch.Tensor, x: torch.Tensor, n_norm: int
 def as_bool_triple(op: str, name: str, value) -> Tuple[bool, bool, bool]:
     if value is None:
         fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected 3 bools")
-    try:
-        items = tuple(value)
-    except TypeError:
-        invalid(op, f"{name} is {value!r}, expected a sequence of 3 bools")
+    if isinstance(value, (str, bytes, dict, torch.Tensor)) or not hasattr(value, "__iter__"):
+        wrong_type(op, f"{name} is {short_repr(value)}, expected a sequence of 3 bools")
+    items = tuple(value)
     if len(items) != 3:
         invalid(op, f"{name} has length {len(items)}, expected length 3 (gradInput, gradWeight, gradBias)")
     for v in items:
         if not isinstance(v, (bool, int)) or isinstance(v, int) and v not in (0, 1):
-            invalid(op, f"{name} is {value!r}, expected 3 bools")
+            wrong_type(op, f"{name} is {short_repr(value)}, expected 3 bools")
     return tuple(bool(v) for v in items)
 
 

@@ -40,15 +40,34 @@ def _check_dtypes(op, named):
         check_same_dtype(op, name, t, first_name, first)
 
 
+_LAYOUTS = {"q": "BHNMD", "k1": "BHNKD", "v1": "BHNKD", "k2": "BHKMD", "v2": "BHKMD"}
+
+
 def _check_shapes(op, q, k1, v1, k2, v2):
-    for name, t in (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2)):
+    """Rank 5 each; B, H, N, M, D of q in every other tensor; one K in k1, v1, k2, v2 (the
+    value most of them have; a tie goes to k1's). An error names the tensor and the dims
+    that differ."""
+    named = (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2))
+    for name, t in named:
         check_rank(op, name, t, 5, 5, status=TILING)
+    of_q = dict(zip("BHNMD", q.shape))
+    for name, t in named[1:]:
+        layout = _LAYOUTS[name]
+        wrong = [f"{dim} = {size}" for dim, size in zip(layout, t.shape) if dim != "K" and size != of_q[dim]]
+        if wrong:
+            fail(op, TILING, f"{name} has shape {tuple(t.shape)}, expected ({', '.join(layout)}) with "
+                             f"{', '.join(d for d in layout if d != 'K')} of q {tuple(q.shape)}: {name} has "
+                             f"{', '.join(wrong)}, q has {', '.join(f'{d.split()[0]} = {of_q[d.split()[0]]}' for d in wrong)}")
+    pivots = [(name, t.shape[_LAYOUTS[name].index("K")]) for name, t in named[1:]]
+    counts = [sum(1 for _, k in pivots if k == k_i) for _, k_i in pivots]
+    kk = pivots[counts.index(max(counts))][1]
+    for name, k in pivots:
+        if k != kk:
+            agree = [other for other, k_o in pivots if k_o == kk]
+            fail(op, TILING, f"{name} has K = {k} pivots (shape {tuple(dict(named)[name].shape)}), expected "
+                             f"K = {kk}, the K of {', '.join(agree)} ({name} is "
+                             f"[{', '.join(_LAYOUTS[name])}])")
     b, h, n, m, d = q.shape
-    kk = k1.shape[3]
-    check_shape(op, "k1", k1, (b, h, n, kk, d), "(B, H, N, K, D) of q", status=TILING)
-    check_shape(op, "v1", v1, k1.shape, "k1.shape", status=TILING)
-    check_shape(op, "k2", k2, (b, h, kk, m, d), "(B, H, K, M, D) with K of k1", status=TILING)
-    check_shape(op, "v2", v2, k2.shape, "k2.shape", status=TILING)
     if kk < 1 and b * h * n * m > 0:
         fail(op, TILING, f"k1 has K = {kk} pivots, expected K >= 1 (a softmax over no pivots is undefined)")
     return b, h, n, m, kk, d

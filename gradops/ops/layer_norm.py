@@ -13,12 +13,16 @@ import torch
 from .._backend import implementation
 from ._checks import (
     FLOAT_DTYPES,
+    check_bool_attr,
+    check_overwritten,
     check_companion,
     check_dtype,
     check_float_attr,
     check_same_device,
     check_same_dtype,
     check_shape,
+    dtype_name,
+    dtype_names,
     invalid,
     require_tensor,
     stat_dtype,
@@ -42,6 +46,13 @@ def param_dtypes(x_dtype: torch.dtype):
     """Dtypes a weight/bias may have beside activations of ``x_dtype``: the same, or float32
     master weights beside half-precision activations."""
     return (x_dtype,) if x_dtype in (torch.float32, torch.float64) else (x_dtype, torch.float32)
+
+
+def stat_dtypes(x_dtype: torch.dtype):
+    """Dtypes the backward takes mean/rstd in: float32 (what CANN and torch on a GPU return
+    for every input dtype), or x's own dtype (torch on CPU returns half statistics for half
+    input, float64 for float64). They are computed in float32 (float64 for float64 input)."""
+    return (torch.float32,) if x_dtype == torch.float32 else (torch.float32, x_dtype)
 
 
 def _check_affine(op, name, t, x, normalized_shape):
@@ -104,8 +115,10 @@ def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None
     check_dtype(op, "x", x, FLOAT_DTYPES)
     check_same_dtype(op, "dy", dy, "x", x)
     acc = stat_dtype(x.dtype)
-    check_dtype(op, "mean", mean, (acc,))
-    check_dtype(op, "rstd", rstd, (acc,))
+    for name, t in (("mean", mean), ("rstd", rstd)):
+        if t.dtype not in stat_dtypes(x.dtype):
+            invalid(op, f"{name} has dtype {dtype_name(t.dtype)} beside x of dtype {dtype_name(x.dtype)}, "
+                        f"expected dtype in {dtype_names(stat_dtypes(x.dtype))} (float32 or x's dtype)")
     check_shape(op, "dy", dy, x.shape, "x.shape")
     check_trailing(op, "normalized_shape", x, "x", normalized_shape)
     n_norm = len(normalized_shape)
@@ -115,13 +128,15 @@ def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None
     _check_affine(op, "bias", bias, x, normalized_shape)  # checked like CANN, unused by the math
     if dresidual is not None:
         check_companion(op, "dresidual", dresidual, "x", x)
-    if not isinstance(in_place, bool):
-        invalid(op, f"in_place is {in_place!r}, expected a bool")
+    in_place = check_bool_attr(op, "in_place", in_place)
     if in_place and not output_mask[0]:
         invalid(op, "in_place is True but output_mask[0] is False, expected the input gradient to be "
                     "computed when it is to be written into dy")
     check_same_device(op, [("dy", dy), ("x", x), ("mean", mean), ("rstd", rstd), ("weight", weight),
                            ("bias", bias), ("dresidual", dresidual)])
+    if in_place:
+        check_overwritten(op, "dy", dy, [("x", x), ("mean", mean), ("rstd", rstd), ("weight", weight),
+                                         ("dresidual", dresidual)])
     impl = implementation(op, FAMILY, backend, x.device)
     rows, cols = rows_cols(x, n_norm)
     grad_dtype = weight.dtype if weight is not None else acc
@@ -159,8 +174,7 @@ def _check_ascendc_rows(op, x, dy):
 
 
 def _check_reuse(op, reuse_source, dtype):
-    if not isinstance(reuse_source, bool):
-        invalid(op, f"reuse_source is {reuse_source!r}, expected a bool")
+    reuse_source = check_bool_attr(op, "reuse_source", reuse_source)
     if reuse_source and dtype not in (torch.float32, torch.float64):
         invalid(op, f"reuse_source is True with dtype {str(dtype).replace('torch.', '')}, expected "
                     f"reuse_source only for float inputs (CANN's isReuseSource rule)")
@@ -179,6 +193,9 @@ def prepare_layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source=Fals
     check_shape(op, "gamma", gamma, x.shape[-1:], "x.shape[-1:]")
     _check_reuse(op, reuse_source, x.dtype)
     check_same_device(op, [("dy", dy), ("x", x), ("variance", variance), ("mean", mean), ("gamma", gamma)])
+    if reuse_source:  # dy and x are overwritten (dy*gamma, x-mean)
+        check_overwritten(op, "dy", dy, [("x", x), ("variance", variance), ("mean", mean), ("gamma", gamma)])
+        check_overwritten(op, "x", x, [("variance", variance), ("mean", mean), ("gamma", gamma)])
     impl = implementation(op, FAMILY, backend, x.device)
     rows, cols = rows_cols(x, 1)
     if x.dtype == torch.float16:
@@ -210,6 +227,8 @@ def prepare_layer_norm_grad_beta(res_for_gamma, dy, reuse_source=False, *, backe
         invalid(op, "dy has 0 dims, expected [..., H]")
     _check_reuse(op, reuse_source, dy.dtype)
     check_same_device(op, [("res_for_gamma", res_for_gamma), ("dy", dy)])
+    if reuse_source:  # res_for_gamma is overwritten (dy*res_for_gamma)
+        check_overwritten(op, "res_for_gamma", res_for_gamma, [("dy", dy)])
     impl = implementation(op, FAMILY, backend, dy.device)
     rows, cols = rows_cols(dy, 1)
 

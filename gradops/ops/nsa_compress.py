@@ -3,11 +3,12 @@ aclnnNsaCompressGrad, OPERATORS.md section 4). Layout TND, packed variable-lengt
 All rules here are 161002 (CANN checks weight, actSeqLen, type and layout in its op API)."""
 from __future__ import annotations
 
+import numbers
 from typing import List
-
 
 from .._backend import implementation
 from ._checks import (
+    ACLNN_ERR_PARAM_NULLPTR,
     FLOAT_DTYPES,
     check_dtype,
     check_int_attr,
@@ -15,8 +16,11 @@ from ._checks import (
     check_same_device,
     check_same_dtype,
     check_shape,
+    fail,
     invalid,
     require_tensor,
+    short_repr,
+    wrong_type,
 )
 from ._prepared import Prepared
 from ._shapes import int_sequence
@@ -27,12 +31,19 @@ SEQ_LENS_TYPES = {"cumsum": 0, "lengths": 1}  # CANN actSeqLenType values
 
 
 def seq_lens_type_code(op: str, seq_lens_type) -> int:
-    """"cumsum"/"lengths" (or CANN's 0/1) -> 0/1."""
-    if seq_lens_type in SEQ_LENS_TYPES:
-        return SEQ_LENS_TYPES[seq_lens_type]
-    if isinstance(seq_lens_type, int) and not isinstance(seq_lens_type, bool) and seq_lens_type in (0, 1):
-        return seq_lens_type
-    invalid(op, f"seq_lens_type is {seq_lens_type!r}, expected 'cumsum' (0) or 'lengths' (1)")
+    """"cumsum"/"lengths" (or CANN's 0/1) -> 0/1. None -> 161001; neither a str nor an int ->
+    161002 as a TypeError; another string or int -> 161002."""
+    if seq_lens_type is None:
+        fail(op, ACLNN_ERR_PARAM_NULLPTR, "seq_lens_type is None, expected 'cumsum' (0) or 'lengths' (1)")
+    if isinstance(seq_lens_type, str):
+        if seq_lens_type in SEQ_LENS_TYPES:
+            return SEQ_LENS_TYPES[seq_lens_type]
+    elif isinstance(seq_lens_type, numbers.Integral) and not isinstance(seq_lens_type, bool):
+        if seq_lens_type in (0, 1):
+            return int(seq_lens_type)
+    else:
+        wrong_type(op, f"seq_lens_type is {short_repr(seq_lens_type)}, expected 'cumsum' (0) or 'lengths' (1)")
+    invalid(op, f"seq_lens_type is {short_repr(seq_lens_type)}, expected 'cumsum' (0) or 'lengths' (1)")
 
 
 def seq_lens_to_list(op: str, seq_lens) -> List[int]:

@@ -15,6 +15,8 @@ import torch
 from .._backend import implementation
 from ._checks import (
     TILING,
+    check_bool_attr,
+    check_overwritten,
     check_companion,
     check_dtype,
     check_float_attr,
@@ -25,6 +27,7 @@ from ._checks import (
     invalid,
     require_tensor,
     stat_dtype,
+    wrong_type,
 )
 from ._prepared import Prepared
 from ._shapes import check_stat, check_trailing, finish_dx, in_place_rows, rows_cols
@@ -53,6 +56,9 @@ CASTING_MODES = ("gemma", "llama")
 
 def check_casting_mode(op, casting_mode) -> bool:
     """Validates ``casting_mode``; returns whether it rounds x-hat to x's dtype before gamma."""
+    if not isinstance(casting_mode, str):  # before the comparison, which an array would answer elementwise
+        wrong_type(op, f"casting_mode is a {type(casting_mode).__name__}, expected a str "
+                       f"({', '.join(map(repr, CASTING_MODES))})")
     if casting_mode not in CASTING_MODES:
         invalid(op, f"casting_mode is {casting_mode!r}, expected one of {', '.join(map(repr, CASTING_MODES))}")
     return casting_mode == "llama"
@@ -115,9 +121,10 @@ def prepare_rms_norm_grad(dy, x, rstd, gamma, *, in_place=False, offset=0.0, cas
         check_shape(op, "dresidual", dresidual, x.shape, "x.shape", status=TILING)
     n = gamma.dim()
     check_stat(op, "rstd", rstd, x, n, status=TILING)
-    if not isinstance(in_place, bool):
-        invalid(op, f"in_place is {in_place!r}, expected a bool")
+    in_place = check_bool_attr(op, "in_place", in_place)
     check_same_device(op, [("dy", dy), ("x", x), ("rstd", rstd), ("gamma", gamma), ("dresidual", dresidual)])
+    if in_place:  # dx is written into dy's memory
+        check_overwritten(op, "dy", dy, [("x", x), ("rstd", rstd), ("gamma", gamma), ("dresidual", dresidual)])
     impl = implementation(op, FAMILY, backend, x.device)
     rows, cols = rows_cols(x, n)
 

@@ -21,8 +21,18 @@ def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
         x = torch.add(x, residual, out=h_out)
     acc = stat_dtype(x.dtype)
     xf = x.to(acc)
-    mean = xf.mean(dim=1)
-    var = (xf - mean[:, None]).square().mean(dim=1)  # biased variance, two-pass for accuracy
+    n = xf.shape[1]
+    if n == 0:  # as torch.native_layer_norm: an empty row has mean 0 and variance 0/0
+        mean = torch.zeros(xf.shape[0], dtype=acc, device=x.device)
+        var = torch.full_like(mean, float("nan"))
+    else:
+        # The mean, corrected by the mean of the deviations from it (the corrected two-pass
+        # algorithm): the correction removes the rounding of the first sum, so a constant row
+        # gets its value back exactly and is centred to exact zeros; then the biased variance
+        # of the centred row (two-pass: no cancellation).
+        mean = xf.mean(dim=1)
+        mean = mean + (xf - mean[:, None]).mean(dim=1)
+        var = (xf - mean[:, None]).square().mean(dim=1)
     rstd = torch.rsqrt(var + eps)
     y = (xf - mean[:, None]) * rstd[:, None]
     if weight is not None:
@@ -73,6 +83,7 @@ def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source, origin_h=No
     x2 = xf - mean.to(acc)[:, None]
     x1 = dyf * gf
     pd_var = (-0.5 * x1 * x2 * r.pow(3)).sum(dim=1, keepdim=True)
+    h = max(h, 1)  # H = 0: every row is empty, and so is every result; nothing to divide
     pd_mean = (-x1 * r).sum(dim=1, keepdim=True) + pd_var * (1.0 / h) * (-2.0 * x2).sum(dim=1, keepdim=True)
     pd_x = x1 * r + pd_var * (2.0 / h) * x2 + pd_mean / h
     res_for_gamma = x2 * r
