@@ -118,6 +118,14 @@ def _column_terms(dy, factor, n_norm) -> float:
     return (dy.double().abs() * factor).sum(dim=tuple(range(rows))).max().item()
 
 
+def _check_dy_use(in_place, dx, dy, dy_before):
+    """``in_place``: dx is written into dy's memory and dy returned; else dy is left as it was."""
+    if in_place:
+        assert dx is dy
+    else:
+        assert torch.equal(dy, dy_before)
+
+
 def _acc(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -172,10 +180,7 @@ def test_layer_norm_matches_aten_float64(backend_name, dtypes):
         x_terms = (x.double().abs() + mean_ref.abs()) * rstd_ref
         _check(dw, dw_ref, grad_dtype, "dweight", terms=_column_terms(dy_before, x_terms, n_norm))
         _check(db, db_ref, grad_dtype, "dbias", terms=_column_terms(dy_before, 1.0, n_norm))
-        if call["in_place"]:
-            assert dx is dy
-        else:
-            assert torch.equal(dy, dy_before)
+        _check_dy_use(call["in_place"], dx, dy, dy_before)
 
     check()
 
@@ -211,10 +216,7 @@ def test_rms_norm_matches_float64_formula(backend_name):
         assert dgamma.dtype == acc
         terms = _column_terms(dy_before, x.double().abs() * rstd_ref, gamma.dim())
         _check(dgamma, dgamma_ref, acc, "dgamma", terms=terms)
-        if call["in_place"]:
-            assert dx is dy
-        else:
-            assert torch.equal(dy, dy_before)
+        _check_dy_use(call["in_place"], dx, dy, dy_before)
 
     check()
 
