@@ -40,6 +40,8 @@ from .errors import (
     AclnnError,
 )
 from .ops._checks import (
+    check_int_attr,
+    short_repr,
     INT64_MAX,
     check_no_shared_outputs,
     check_writable,
@@ -49,7 +51,7 @@ from .ops._checks import (
     shares_memory,
     wrong_type,
 )
-from .ops._shapes import as_bool_triple, check_trailing
+from .ops._shapes import as_bool_triple, check_trailing, int_sequence
 from .ops.floyd_attention import prepare_floyd_attention, prepare_floyd_attention_grad
 from .ops.layer_norm import prepare_layer_norm, prepare_layer_norm_backward
 from .ops.nsa_compress import prepare_nsa_compress, prepare_nsa_compress_grad
@@ -84,6 +86,7 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 CANN_FLOATS = (F32, F16, BF16)  # CANN's float table: no float64 anywhere
 CANN_HALVES = (F16, BF16)
 MAX_DIMS = 8
+UINT64_MAX = 2**64 - 1
 _F32_BYTES = 4
 
 
@@ -135,13 +138,7 @@ def _limit(op: str, ok: bool, status: int, message: str) -> None:
 
 def _int_attr(op: str, name: str, value) -> int:
     """An int64 attribute of CANN (None -> 161001)."""
-    if value is None:
-        _fail(op, NULLPTR, f"{name} is None, expected an int")
-    if isinstance(value, bool) or not isinstance(value, int):
-        wrong_type(op, f"{name} is {value!r}, expected an int")
-    _limit(op, -INT64_MAX - 1 <= value <= INT64_MAX, INVALID,
-           f"{name} is {value}, expected an int in {-INT64_MAX - 1}..{INT64_MAX} (int64)")
-    return int(value)
+    return check_int_attr(op, name, value, -INT64_MAX - 1)
 
 
 def _out(op: str, name: str, t: Optional[torch.Tensor], shapes: Sequence[Tuple[int, ...]],
@@ -325,8 +322,8 @@ def _stream_context(op: str, stream, device: torch.device):
     rule = f"expected None (the current stream) or a torch.cuda.Stream of {device}"
     stream_types = tuple(t for t in (torch.cuda.Stream, cpu_stream, generic) if isinstance(t, type))
     if not isinstance(stream, stream_types):
-        wrong_type(op, f"stream is {stream!r}, {rule}")
-    _fail(op, INVALID, f"stream is {stream!r}, {rule}")
+        wrong_type(op, f"stream is {short_repr(stream)}, {rule}")
+    _fail(op, INVALID, f"stream is {short_repr(stream)}, {rule}")
 
 
 def _run_phase_two(op: str, workspace, workspace_size, executor, stream) -> int:
@@ -339,9 +336,10 @@ def _run_phase_two(op: str, workspace, workspace_size, executor, stream) -> int:
     if workspace_size is None:
         _fail(op, NULLPTR, "workspaceSize is None, expected the size phase one returned")
     if isinstance(workspace_size, bool) or not isinstance(workspace_size, int):
-        wrong_type(op, f"workspaceSize is {workspace_size!r}, expected an int >= 0")
-    if workspace_size < 0:
-        _fail(op, INVALID, f"workspaceSize is {workspace_size!r}, expected an int >= 0")
+        wrong_type(op, f"workspaceSize is {short_repr(workspace_size)}, expected an int >= 0")
+    if not 0 <= workspace_size <= UINT64_MAX:
+        _fail(op, INVALID, f"workspaceSize is {short_repr(workspace_size)}, expected an int in 0..{UINT64_MAX} "
+                           f"(uint64)")
     if workspace_size < ex.workspace_size:
         _fail(op, INVALID, f"workspaceSize is {workspace_size}, expected >= {ex.workspace_size} "
                            f"(phase one's size)")
@@ -390,11 +388,8 @@ _LN_NAMES = {"x": "input", "normalized_shape": "normalizedShape", "weight": "wei
 
 def _normalized_shape(op: str, normalizedShape) -> Tuple[int, ...]:
     if isinstance(normalizedShape, torch.Tensor) or not isinstance(normalizedShape, (list, tuple, torch.Size)):
-        wrong_type(op, f"normalizedShape is {normalizedShape!r}, expected a list of ints (aclIntArray)")
-    shape = tuple(normalizedShape)
-    for v in shape:
-        if isinstance(v, bool) or not isinstance(v, int):
-            wrong_type(op, f"normalizedShape is {normalizedShape!r}, expected a list of ints")
+        wrong_type(op, f"normalizedShape is {short_repr(normalizedShape)}, expected a list of ints (aclIntArray)")
+    shape = int_sequence(op, "normalizedShape", normalizedShape)
     _limit(op, 1 <= len(shape) <= MAX_DIMS, INVALID,
            f"normalizedShape has length {len(shape)}, expected 1..{MAX_DIMS}")
     return shape
@@ -600,7 +595,7 @@ def _nsa_host_args(op: str, actSeqLen, layout, blockSize, stride, seqType):
     stride = _int_attr(op, "compressStride", stride)
     seq_type = _int_attr(op, "actSeqLenType", seqType)
     if layout != "TND":
-        _fail(op, INVALID, f"layoutOptional is {layout!r}, expected 'TND' (CANN supports TND only)")
+        _fail(op, INVALID, f"layoutOptional is {short_repr(layout)}, expected 'TND' (CANN supports TND only)")
     if actSeqLen is None:
         _fail(op, INVALID, "actSeqLenOptional is None, expected the cumulative sequence ends (CANN requires it)")
     if isinstance(actSeqLen, torch.Tensor):
@@ -608,7 +603,7 @@ def _nsa_host_args(op: str, actSeqLen, layout, blockSize, stride, seqType):
             _fail(op, INVALID, f"actSeqLenOptional is a {dtype_name(actSeqLen.dtype)} tensor of shape "
                                f"{tuple(actSeqLen.shape)}, expected a 1-D int64 tensor or a list of ints")
     elif not isinstance(actSeqLen, (list, tuple)):
-        _fail(op, INVALID, f"actSeqLenOptional is {actSeqLen!r}, expected a list of ints (aclIntArray)")
+        _fail(op, INVALID, f"actSeqLenOptional is {short_repr(actSeqLen)}, expected a list of ints (aclIntArray)")
     if len(actSeqLen) == 0:
         _fail(op, INVALID, "actSeqLenOptional is empty, expected the cumulative sequence ends")
     _limit(op, seq_type == 0, INVALID, f"actSeqLenType is {seq_type}, expected 0 (CANN supports cumulative "

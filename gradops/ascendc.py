@@ -45,6 +45,7 @@ from .errors import (
     AclnnTypeError,
 )
 from .ops._checks import (
+    short_repr,
     check_bool_attr,
     check_float_attr,
     dtype_name,
@@ -158,21 +159,23 @@ def _check_host_args(api: str, func: str, srcShape, typeSize) -> Tuple[int, int,
     if typeSize is None:
         _host_error(api, func, "typeSize is None, expected 2 (half) or 4 (float)", ACLNN_ERR_PARAM_NULLPTR)
     if not _is_int(typeSize) or typeSize not in (2, 4):
-        _host_error(api, func, f"typeSize is {typeSize!r}, expected 2 (half) or 4 (float)",
+        _host_error(api, func, f"typeSize is {short_repr(typeSize)}, expected 2 (half) or 4 (float)",
                     type_error=not _is_int(typeSize))
     try:
         dims = [operator.index(d) for d in srcShape]
     except TypeError:
         dims = None
     if dims is None or isinstance(srcShape, (str, bytes)):
-        _host_error(api, func, f"srcShape is {srcShape!r}, expected a sequence of 4 ints [B, S, storageH, originH]",
-                    type_error=True)
+        _host_error(api, func, f"srcShape is {short_repr(srcShape)}, expected a sequence of 4 ints "
+                               f"[B, S, storageH, originH]", type_error=True)
     if len(dims) != 4:
-        _host_error(api, func, f"srcShape has {len(dims)} dims ({dims}), expected 4 dims [B, S, storageH, originH]")
+        _host_error(api, func, f"srcShape has {len(dims)} dims ({short_repr(dims)}), expected 4 dims "
+                               f"[B, S, storageH, originH]")
     if any(d <= 0 for d in dims):
-        _host_error(api, func, f"srcShape is {dims}, expected every dim > 0")
+        _host_error(api, func, f"srcShape is {short_repr(dims)}, expected every dim > 0")
     if any(d > _UINT32_MAX for d in dims):  # the tilings keep each dim in a uint32 field
-        _host_error(api, func, f"srcShape is {dims}, expected every dim <= 2^32-1 (a uint32 tiling field)")
+        _host_error(api, func, f"srcShape is {short_repr(dims)}, expected every dim <= 2^32-1 (a uint32 tiling "
+                               f"field)")
     return dims[0], dims[1], dims[2], dims[3]
 
 
@@ -180,8 +183,8 @@ def _check_stack_buffer(api: str, func: str, stackBufferSize) -> int:
     if stackBufferSize is None:
         _host_error(api, func, "stackBufferSize is None, expected a size in bytes", ACLNN_ERR_PARAM_NULLPTR)
     if not _is_int(stackBufferSize) or stackBufferSize < 0 or stackBufferSize > _UINT32_MAX:
-        _host_error(api, func, f"stackBufferSize is {stackBufferSize!r}, expected an int in 0..2^32-1 (bytes)",
-                    type_error=not _is_int(stackBufferSize))
+        _host_error(api, func, f"stackBufferSize is {short_repr(stackBufferSize)}, expected an int in "
+                               f"0..2^32-1 (bytes)", type_error=not _is_int(stackBufferSize))
     return int(stackBufferSize)
 
 
@@ -339,9 +342,9 @@ def _check_present(op: str, named, tiling, tiling_cls) -> None:
         if v is None:
             _fail(op, ACLNN_ERR_PARAM_NULLPTR, f"tiling.{f.name} is None, expected an int >= 0")
         if not _is_int(v):
-            wrong_type(op, f"tiling.{f.name} is {v!r}, expected an int >= 0")
+            wrong_type(op, f"tiling.{f.name} is {short_repr(v)}, expected an int >= 0")
         if v < 0:
-            _fail(op, ACLNN_ERR_PARAM_INVALID, f"tiling.{f.name} is {v!r}, expected an int >= 0")
+            _fail(op, ACLNN_ERR_PARAM_INVALID, f"tiling.{f.name} is {short_repr(v)}, expected an int >= 0")
 
 
 def _check_kernel_tensors(op: str, named, shapes, is_reuse: bool) -> torch.dtype:

@@ -556,7 +556,7 @@ def test_messages_name_cann_parameters(backend):
         (A.aclnnLayerNormBackwardGetWorkspaceSize, lnb_args(gradOut=rand(2, 4, 16)),
          ["gradOut", "input.shape"], ["dy ", "x.shape"]),
         (A.aclnnFusedFloydAttentionGetWorkspaceSize, fa_args(key1=rand(B, H, N, K, 64, dtype=torch.float16)),
-         ["key1", "of query"], ["k1 ", "of q "]),
+         ["key1", "as in query"], ["k1 ", " q,", " q "]),
         (A.aclnnFusedFloydAttentionGradGetWorkspaceSize,
          fag_args(attentionIn=rand(B, H, N, M - 1, D, dtype=torch.float16)), ["attentionIn", "query"], ["out "]),
     ]

@@ -12,6 +12,7 @@ from gradops.errors import (
     ACLNN_ERR_INNER_TILING_ERROR as TILING,
     ACLNN_ERR_PARAM_INVALID as INVALID,
     ACLNN_ERR_PARAM_NULLPTR as NULLPTR,
+    AclnnTypeError,
 )
 from gradops.kernels import norm_config
 
@@ -465,10 +466,10 @@ def test_a_wrong_pivot_count_is_blamed_on_its_tensor(backend, name, pivot_dim):
     fn, kwargs = valid_calls()["floyd_attention"]
     t = kwargs[name]
     kwargs = dict(kwargs, **{name: t.narrow(pivot_dim, 0, 4)})  # K = 4 where the others have 5
-    with raises_status(TILING, f"{name} has K = 4", "K = 5") as info:
+    with raises_status(TILING, f"{name} has shape", "K = 4", "expected K = 5 as in") as info:
         fn(**kwargs)
     others = [o for o in ("k1", "v1", "k2", "v2") if o != name]
-    assert all(o in str(info.value) for o in others)
+    assert all(o in str(info.value).split("expected")[1] for o in others)
 
 
 @pytest.mark.parametrize("name,dim,letter", [("k1", 4, "D"), ("v1", 2, "N"), ("k2", 3, "M"), ("v2", 0, "B"),
@@ -479,8 +480,17 @@ def test_a_wrong_dim_of_q_names_the_tensor_and_the_dim(backend, name, dim, lette
         t = kwargs[name]
         bad = torch.cat([t, t], dim=dim)
         with raises_status(TILING, f"{name} has shape", f"{letter} = {t.shape[dim] * 2}",
-                           f"q has {letter} = {t.shape[dim]}"):
+                           f"expected {letter} = {t.shape[dim]} as in q"):
             fn(**dict(kwargs, **{name: bad}))
+
+
+def test_a_wrong_dim_of_q_itself_is_blamed_on_q(backend):
+    """When q alone differs from the four tensors beside it, q is named, not k1."""
+    fn, kwargs = valid_calls()["floyd_attention"]
+    q = kwargs["q"]
+    with raises_status(TILING, "q has shape", f"D = {q.shape[4] + 1}",
+                       f"expected D = {q.shape[4]} as in k1, v1, k2, v2"):
+        fn(**dict(kwargs, q=torch.cat([q, q[..., :1]], dim=4)))
 
 
 # ------------------------------------------------------------------ Floyd masks, float64
@@ -518,3 +528,57 @@ def test_an_additive_or_integer_mask_is_refused_naming_mask(backend, mask_dtype)
         mask = torch.zeros((1, 1, 2, 1, 5), dtype=mask_dtype)
         with raises_status(INVALID, "mask", "dtype"):
             fn(**dict(kwargs, mask=mask))
+
+
+# ------------------------------------------------- found by review: huge ints, order, blame
+HUGE = 10 ** 5000  # past Python's 4300-digit str() limit: a message must not print it
+
+
+@pytest.mark.parametrize("op,name,value", [
+    ("nsa_compress", "block_size", HUGE), ("nsa_compress", "seq_lens", [HUGE]), ("layer_norm", "eps", HUGE),
+    ("layer_norm", "normalized_shape", [HUGE]), ("layer_norm", "normalized_shape", HUGE),
+    ("floyd_attention", "scale", HUGE), ("nsa_compress", "seq_lens", [2 ** 63]),
+], ids=["block_size", "seq_lens", "eps", "shape_list", "shape_int", "scale", "seq_lens_2**63"])
+def test_integers_past_any_limit_are_refused_by_name(backend, op, name, value):
+    fn, kwargs = valid_calls()[op]
+    with raises_status(INVALID, name):
+        fn(**dict(kwargs, **{name: value}))
+
+
+@pytest.mark.parametrize("value", [{8}, (v for v in (8,)), frozenset({8})])
+def test_unordered_shapes_are_a_type_error(backend, value):
+    fn, kwargs = valid_calls()["layer_norm"]
+    with pytest.raises(AclnnTypeError, match="normalized_shape"):
+        fn(**dict(kwargs, normalized_shape=value))
+
+
+def test_numpy_scalars_are_accepted_as_torch_accepts_them(backend):
+    np = pytest.importorskip("numpy")
+    fn, kwargs = valid_calls()["layer_norm"]
+    y_np = fn(**dict(kwargs, eps=np.float32(1e-5), normalized_shape=[np.int64(8)]))[0]
+    y = fn(**kwargs)[0]
+    expected = torch.nn.functional.layer_norm(kwargs["x"].double(), (8,), kwargs["weight"].double(),
+                                              kwargs["bias"].double(), float(np.float32(1e-5)))
+    assert_close(y_np, expected, torch.float32, what="y with numpy scalars")
+    assert_close(y, expected, torch.float32, what="y")
+
+
+def test_the_tensor_moved_to_another_device_is_the_one_named(backend):
+    fn, kwargs = valid_calls()["layer_norm"]
+    with raises_status(INVALID, "x is on meta", "weight, bias (cpu)"):
+        fn(**dict(kwargs, x=kwargs["x"].to("meta")))
+    with raises_status(INVALID, "bias is on meta", "x, weight (cpu)"):
+        fn(**dict(kwargs, bias=kwargs["bias"].to("meta")))
+
+
+def test_overwritten_input_overlapping_another_through_a_second_storage(backend):
+    """Two storages over one buffer (numpy views) share memory as much as two views do."""
+    np = pytest.importorskip("numpy")
+    buf = np.random.default_rng(0).standard_normal(64).astype(np.float32)
+    x = torch.from_numpy(buf[:24]).view(3, 8)
+    dy = torch.from_numpy(buf[16:40]).view(3, 8)  # its first row is x's last
+    rstd = (x.double().square().mean(-1, keepdim=True) + 1e-6).rsqrt().float()
+    before = buf.copy()
+    with raises_status(INVALID, "dy shares memory with x"):
+        gradops.rms_norm_grad(dy, x, rstd, torch.ones(8), in_place=True)
+    assert np.array_equal(buf, before)

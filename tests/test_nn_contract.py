@@ -418,3 +418,28 @@ def test_valid_norms_match_torch(backend):
                          (gnn.RMSNorm(8), torch.nn.RMSNorm(8))):
         xi = torch.randn(2, 8)
         torch.testing.assert_close(ours(xi), theirs(xi), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------- found by review
+@pytest.mark.parametrize("make,status,word,type_error", [
+    (lambda: gradops.nn.LayerNorm(-1), INVALID, "normalized_shape", False),
+    (lambda: gradops.nn.LayerNorm(None), NULLPTR, "normalized_shape", False),
+    (lambda: gradops.nn.LayerNorm("3"), INVALID, "normalized_shape", True),
+    (lambda: gradops.nn.LayerNorm(4, eps="x"), INVALID, "eps", True),
+    (lambda: gradops.nn.LayerNorm(4, device="nowhere"), INVALID, "device", False),
+    (lambda: gradops.nn.RMSNorm(3, dtype=torch.int64), INVALID, "dtype", False),
+    (lambda: gradops.nn.RMSNorm(3, casting_mode=None), NULLPTR, "casting_mode", False),
+    (lambda: gradops.nn.FloydAttention(4, 2, dtype="float"), INVALID, "dtype", True),
+    (lambda: gradops.nn.NsaCompress(10 ** 5000, 2, 2), INVALID, "", False),
+])
+def test_module_constructors_raise_the_contracted_error(make, status, word, type_error):
+    with pytest.raises(AclnnError) as info:
+        make()
+    assert info.value.status == status and word in str(info.value), str(info.value)
+    assert isinstance(info.value, TypeError) == type_error, repr(info.value)
+
+
+def test_casting_mode_none_is_nullptr(backend):
+    with pytest.raises(AclnnError) as info:
+        F.rms_norm(x38(), [8], w8(), casting_mode=None)
+    assert info.value.status == NULLPTR and "casting_mode" in str(info.value)

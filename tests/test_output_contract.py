@@ -502,3 +502,27 @@ def test_ascendc_tiling_none_fields_and_scratch_positions(backend):
     refused(lambda: LayerNormGrad(out, out.clone(), x.clone(), x, x.float().var(-1).half(), x.float().mean(-1).half(),
                                   T.rand(h, dtype=torch.float16), None, 1e-5, tiling), INVALID, "tmpTensor1Pos")
     assert torch.all(out == SENTINEL)
+
+
+def test_outputs_over_one_buffer_through_two_storages_are_refused(backend):
+    """Outputs made from one numpy buffer have two storages but one memory: refused as any
+    two overlapping views, and nothing written."""
+    np = pytest.importorskip("numpy")
+    buf = np.full(200, 7, np.float32)
+    x = torch.randn(2, 3, 16)
+    out = torch.from_numpy(buf[:96]).view(2, 3, 16)
+    mean = torch.from_numpy(buf[90:96]).view(2, 3, 1)
+    rstd = torch.empty(2, 3, 1)
+    before = buf.copy()
+    refused(lambda: A.aclnnLayerNormGetWorkspaceSize(x, [16], None, None, 1e-5, out, mean, rstd),
+            161002, "out", "meanOutOptional", "share memory")
+    assert np.array_equal(buf, before)
+
+
+def test_workspace_size_past_uint64_is_refused(backend):
+    x, gamma = torch.randn(2, 8, dtype=torch.float16), torch.randn(8, dtype=torch.float16)
+    y, rstd = torch.empty_like(x), torch.empty(2, 1)
+    size, ex = A.aclnnRmsNormGetWorkspaceSize(x, gamma, 1e-6, y, rstd)
+    refused(lambda: A.aclnnRmsNorm(None, 2 ** 64, ex), 161002, "workspaceSize")
+    refused(lambda: A.aclnnRmsNorm(None, 10 ** 5000, ex), 161002, "workspaceSize")
+    assert A.aclnnRmsNorm(None, size, ex) == 0

@@ -424,15 +424,18 @@ def _break(draw, name, value):
     if isinstance(value, bool):
         return draw(st.sampled_from(("yes", 2, None))), None, False
     if isinstance(value, int):
-        return draw(st.sampled_from((0, -3, 2**70, "2", 2.0, True, None, torch.tensor(value, device="meta"),
-                                     torch.tensor(float(value)), torch.tensor([value, value])))), None, False
+        return draw(st.sampled_from((0, -3, 2**70, 10**5000, "2", 2.0, True, None,
+                                     torch.tensor(value, device="meta"), torch.tensor(float(value)),
+                                     torch.tensor([value, value])))), None, False
     if isinstance(value, float):
-        return draw(st.sampled_from(("0.1", 10**400, None, [1e-5], True, torch.tensor(value, device="meta")))), \
+        return draw(st.sampled_from(("0.1", 10**400, 10**5000, None, [1e-5], True,
+                                     torch.tensor(value, device="meta")))), \
             None, False
     if isinstance(value, (tuple, list)):
         # normalized_shape (the width) or seq_lens (cumulative ends): each is wrong here
         wrong = [v + 1 for v in value]
-        return draw(st.sampled_from((None, "7", [1.5], [2**70], [-1], 3.5, ["6"], wrong, torch.tensor(wrong),
+        return draw(st.sampled_from((None, "7", [1.5], [2**70], [10**5000], [-1], 3.5, ["6"], {1}, wrong,
+                                     torch.tensor(wrong),
                                      torch.tensor(value, device="meta"), torch.tensor(value).to_sparse(),
                                      torch.tensor(value, dtype=torch.float32)))), None, False
     raise AssertionError(f"no way to break {name}={value!r}")

@@ -39,7 +39,7 @@ from ..ops import floyd_attention as _floyd_ops
 from ..ops import layer_norm as _ln_ops
 from ..ops import nsa_compress as _nsa_ops
 from ..ops import rms_norm as _rms_ops
-from ..ops._checks import check_companion, check_float_attr, check_int_attr, require_tensor, stat_dtype
+from ..ops._checks import check_companion, check_float_attr, check_int_attr, require_tensor, short_repr, stat_dtype
 from ..ops._shapes import as_int_tuple, check_trailing
 
 __all__ = ["layer_norm", "rms_norm", "fused_add_layer_norm", "fused_add_rms_norm", "nsa_compress",
@@ -363,7 +363,7 @@ def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, c
     if weight is None:
         if offset != 0:
             raise AclnnError(ACLNN_ERR_PARAM_INVALID,
-                             f"{op}: offset is {offset!r} but weight is None, expected a weight for the offset "
+                             f"{op}: offset is {short_repr(offset)} but weight is None, expected a weight for the offset "
                              f"to shift (offset + weight scales the row)")
         # float32 gamma beside half input is in CANN's dtype table; float32/float64 input keep their own
         gamma_dtype = stat_dtype(input.dtype) if input.is_floating_point() else torch.float32

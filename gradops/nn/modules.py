@@ -15,12 +15,38 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
-from ..ops._checks import check_float_attr, check_int_attr, dtype_name, invalid, require_tensor
+from ..ops._checks import (check_float_attr, check_int_attr, dtype_name, invalid, require_tensor,
+                           short_repr, wrong_type)
+from ..ops._shapes import as_int_tuple
 from ..ops.rms_norm import check_casting_mode
 from . import functional as F
 from .pivotal import pivotal_attention
 
 __all__ = ["LayerNorm", "RMSNorm", "NsaCompress", "FloydAttention"]
+
+
+def _check_norm_module(cls: str, normalized_shape, eps, device, dtype) -> None:
+    """The arguments of a norm module's constructor, checked before torch's (which would raise
+    its own TypeError or RuntimeError): what the functional will check on every call, and a
+    float dtype for the parameters."""
+    shape = as_int_tuple(cls, "normalized_shape", normalized_shape)
+    if any(size < 0 for size in shape):
+        invalid(cls, f"normalized_shape is {shape}, expected sizes >= 0")
+    check_float_attr(cls, "eps", eps)
+    _check_factory(cls, device, dtype)  # the flags, as torch's, are taken for their truth value
+
+
+def _check_factory(cls: str, device, dtype) -> None:
+    """``device`` and ``dtype`` of a module's parameters, as torch's factory functions take them."""
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        wrong = invalid if isinstance(dtype, torch.dtype) else wrong_type
+        wrong(cls, f"dtype is {short_repr(dtype)}, expected a floating torch.dtype for the parameters")
+    if device is not None:
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError):
+            wrong = invalid if isinstance(device, (str, int)) else wrong_type
+            wrong(cls, f"device is {short_repr(device)}, expected a torch.device, a device string or index")
 
 
 class LayerNorm(nn.LayerNorm):
@@ -31,6 +57,11 @@ class LayerNorm(nn.LayerNorm):
     returns ``(output, input + residual)``, the pre-norm block's add fused into the norm
     (:func:`gradops.nn.functional.fused_add_layer_norm`).
     """
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None):
+        _check_norm_module("LayerNorm", normalized_shape, eps, device, dtype)
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
 
     def forward(self, input: Tensor, residual: Optional[Tensor] = None):
         if residual is None:
@@ -54,10 +85,12 @@ class RMSNorm(nn.RMSNorm):
 
     def __init__(self, normalized_shape, eps: Optional[float] = None, elementwise_affine: bool = True,
                  device=None, dtype=None, *, offset: float = 0.0, casting_mode: str = "gemma"):
+        _check_norm_module("RMSNorm", normalized_shape, 0.0 if eps is None else eps, device, dtype)
         super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
         self.offset = check_float_attr("RMSNorm", "offset", offset)
         if self.offset and self.weight is None:
-            raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"RMSNorm: offset is {offset!r} with elementwise_affine=False, "
+            raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"RMSNorm: offset is {short_repr(offset)} with "
+                                                      f"elementwise_affine=False, "
                                                       f"expected a weight for the offset to shift")
         check_casting_mode("RMSNorm", casting_mode)
         self.casting_mode = casting_mode
@@ -135,13 +168,14 @@ class FloydAttention(nn.Module):
                  scale: Optional[float] = None, device=None, dtype=None):
         super().__init__()
         op = "FloydAttention"
+        _check_factory(op, device, dtype)
         embed_dim = check_int_attr(op, "embed_dim", embed_dim, 1)
         num_heads = check_int_attr(op, "num_heads", num_heads, 1)
         if embed_dim % num_heads != 0:
             invalid(op, f"embed_dim is {embed_dim}, expected a multiple of num_heads ({num_heads})")
         dropout = check_float_attr(op, "dropout", dropout)
         if not 0.0 <= dropout <= 1.0:
-            invalid(op, f"dropout is {dropout!r}, expected a float in [0, 1]")
+            invalid(op, f"dropout is {short_repr(dropout)}, expected a float in [0, 1]")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads

@@ -44,7 +44,7 @@ import torch.nn.functional as torch_F
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
-from ..ops._checks import check_float_attr, dtype_name, require_tensor
+from ..ops._checks import check_float_attr, dtype_name, require_tensor, short_repr
 from .functional import autocast_eligible, floyd_attention
 
 __all__ = ["pivotal_attention", "TILE_ELEMENTS", "FUSED_MIN_INF"]
@@ -188,7 +188,7 @@ def pivotal_attention(
     b, h, li, lk, lj, d = _check_inputs(q_ik, k_ij, k_jk, v_ij, v_jk)
     dropout = check_float_attr(_OP, "dropout", dropout)
     if not 0.0 <= dropout <= 1.0:
-        _fail(f"dropout is {dropout!r}, expected a float in [0, 1]")
+        _fail(f"dropout is {short_repr(dropout)}, expected a float in [0, 1]")
     if scale is None:  # with D = 0 every score is 0 whatever the scale: any finite one will do
         scale = 1.0 / math.sqrt(2.0 * d) if d else 1.0
     else:

@@ -104,15 +104,17 @@ def check_rank(op: str, name: str, t: torch.Tensor, lo: int, hi: int,
 
 
 def check_same_device(op: str, named: Sequence[tuple]):
-    """All given (name, tensor-or-None) pairs on one device."""
-    first = None
-    for name, t in named:
-        if t is None:
-            continue
-        if first is None:
-            first = (name, t)
-        elif t.device != first[1].device:
-            invalid(op, f"{name} is on {t.device}, expected the device of {first[0]} ({first[1].device})")
+    """All given (name, tensor-or-None) pairs on one device. The tensor blamed is the first
+    off the device most of them share (the first tensor's, in a tie): one tensor moved to
+    another device is named, not the ones beside it."""
+    given = [(name, t) for name, t in named if t is not None]
+    devices = [t.device for _, t in given]
+    if len(set(devices)) <= 1:
+        return
+    common = max(dict.fromkeys(devices), key=devices.count)  # first-seen wins a tie
+    holders = ", ".join(name for name, t in given if t.device == common)
+    name, t = next((name, t) for name, t in given if t.device != common)
+    invalid(op, f"{name} is on {t.device}, expected the device of {holders} ({common})")
 
 
 INT64_MAX = 2**63 - 1
@@ -142,7 +144,10 @@ def check_int_attr(op: str, name: str, value, minimum: int) -> int:
 def short_repr(value, limit: int = 60) -> str:
     """``repr(value)`` cut to ``limit`` characters for a message (an int of 400 digits, a
     long list)."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's 4300-digit str() limit
+        return f"a {type(value).__name__} too large to print"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -150,7 +155,7 @@ def check_float_attr(op: str, name: str, value) -> float:
     """A float attribute: a Python int or float (not bool, not a string) that fits a double."""
     if value is None:
         fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected a float")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy floats and ints are Real
         wrong_type(op, f"{name} is {short_repr(value)}, expected a float")
     try:
         return float(value)
@@ -226,28 +231,48 @@ def check_overwritten(op, name, t, others):
                         f"overwrites, to share no memory with the other inputs")
 
 
+def _address(t: torch.Tensor) -> int:
+    """Where t's first element lies: its address, or, on meta (where every storage starts at
+    0), its offset in its storage."""
+    return t.storage_offset() * t.element_size() if t.device.type == "meta" else t.data_ptr()
+
+
 def _byte_span(t: torch.Tensor):
-    start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+    start = _address(t)
     extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
     return start, start + (extent + 1) * t.element_size()
 
 
+def _fills_span(t: torch.Tensor) -> bool:
+    """Dense in some order of its dims (a contiguous tensor, permuted): every element slot
+    from its first to its last address is one of its elements."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether writing ``a`` can change ``b``: some byte of an element of one is in an element
-    of the other (exact for views of one dtype, conservative across dtypes)."""
+    of the other (exact for views of one dtype, conservative across dtypes). Decided from
+    addresses, not storages: two storages over one buffer (numpy arrays, DLPack) count too."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
-    if a.device.type == "meta":  # every meta storage starts at address 0: only one storage's views share
-        if a.untyped_storage()._cdata != b.untyped_storage()._cdata:
-            return False
-    elif a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
+    if a.device.type == "meta" and a.untyped_storage()._cdata != b.untyped_storage()._cdata:
+        return False  # meta tensors have no memory: only views of one storage share
     (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
     if a1 <= b0 or b1 <= a0:
         return False
     if a.element_size() != b.element_size() or (a0 - b0) % a.element_size():
         return True
-    return bool(torch.isin(element_offsets(a), element_offsets(b)).any())
+    if _fills_span(a) and _fills_span(b):
+        return True  # the spans meet, and each tensor has an element at every address of its own
+    step = a.element_size()
+    a_at = element_offsets(a) - a.storage_offset() + a0 // step
+    b_at = element_offsets(b) - b.storage_offset() + b0 // step
+    return bool(torch.isin(a_at, b_at).any())
 
 
 def check_no_shared_outputs(op: str, named: Sequence[tuple]):

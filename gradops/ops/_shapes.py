@@ -5,11 +5,13 @@ import math
 import numbers
 from typing import Tuple
 
+import numpy as np
 import torch
 
 from ._checks import (
     ACLNN_ERR_PARAM_INVALID,
     ACLNN_ERR_PARAM_NULLPTR,
+    INT64_MAX,
     dtype_name,
     fail,
     invalid,
@@ -26,7 +28,7 @@ def int_sequence(op: str, name: str, value, *, scalar_ok: bool = False) -> Tuple
     if value is None:
         fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected a sequence of ints")
     if scalar_ok and _is_int(value):
-        return (int(value),)
+        return _int64s(op, name, (value,))
     if isinstance(value, torch.Tensor):
         if value.layout != torch.strided or value.device.type == "meta":
             where = "a meta tensor" if value.device.type == "meta" else \
@@ -36,12 +38,21 @@ def int_sequence(op: str, name: str, value, *, scalar_ok: bool = False) -> Tuple
             invalid(op, f"{name} is a {dtype_name(value.dtype)} tensor of shape {tuple(value.shape)}, "
                         f"expected a 1-D integer tensor")
         return tuple(int(v) for v in value.tolist())
-    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__") or getattr(value, "ndim", 1) != 1:
+    # ordered sequences only (as torch takes): a set or a generator has no order to read dims in
+    if not isinstance(value, (list, tuple, np.ndarray)) or getattr(value, "ndim", 1) != 1:
         wrong_type(op, f"{name} is {short_repr(value)}, expected a sequence of ints")
     items = tuple(value)
     for v in items:
         if not _is_int(v):
             wrong_type(op, f"{name} is {short_repr(value)}, expected a sequence of ints")
+    return _int64s(op, name, items)
+
+
+def _int64s(op: str, name: str, items) -> Tuple[int, ...]:
+    """Ints as int64 values (what a shape or a sequence table holds), else 161002."""
+    for v in items:
+        if not -INT64_MAX - 1 <= v <= INT64_MAX:
+            invalid(op, f"{name} has a value {short_repr(v)} outside int64, expected int64 values")
     return tuple(int(v) for v in items)
 
 

@@ -44,30 +44,31 @@ _LAYOUTS = {"q": "BHNMD", "k1": "BHNKD", "v1": "BHNKD", "k2": "BHKMD", "v2": "BH
 
 
 def _check_shapes(op, q, k1, v1, k2, v2):
-    """Rank 5 each; B, H, N, M, D of q in every other tensor; one K in k1, v1, k2, v2 (the
-    value most of them have; a tie goes to k1's). An error names the tensor and the dims
-    that differ."""
+    """Rank 5 each, and one size per dim (B, H, N, M, K, D) across the tensors that have it:
+    the size most of them have (a tie goes to the first, q's, or k1's for K). An error names
+    the tensor off it, the dims that differ and the tensors that agree."""
     named = (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2))
     for name, t in named:
         check_rank(op, name, t, 5, 5, status=TILING)
-    of_q = dict(zip("BHNMD", q.shape))
-    for name, t in named[1:]:
+    sizes = {}  # dim -> [(name, size)] in the order of ``named``
+    for name, t in named:
+        for dim, size in zip(_LAYOUTS[name], t.shape):
+            sizes.setdefault(dim, []).append((name, size))
+    agreed = {}
+    for dim, pairs in sizes.items():
+        values = [size for _, size in pairs]
+        agreed[dim] = max(dict.fromkeys(values), key=values.count)  # first-seen wins a tie
+    for name, t in named:
         layout = _LAYOUTS[name]
-        wrong = [f"{dim} = {size}" for dim, size in zip(layout, t.shape) if dim != "K" and size != of_q[dim]]
+        wrong = [(dim, size) for dim, size in zip(layout, t.shape) if size != agreed[dim]]
         if wrong:
-            fail(op, TILING, f"{name} has shape {tuple(t.shape)}, expected ({', '.join(layout)}) with "
-                             f"{', '.join(d for d in layout if d != 'K')} of q {tuple(q.shape)}: {name} has "
-                             f"{', '.join(wrong)}, q has {', '.join(f'{d.split()[0]} = {of_q[d.split()[0]]}' for d in wrong)}")
-    pivots = [(name, t.shape[_LAYOUTS[name].index("K")]) for name, t in named[1:]]
-    counts = [sum(1 for _, k in pivots if k == k_i) for _, k_i in pivots]
-    kk = pivots[counts.index(max(counts))][1]
-    for name, k in pivots:
-        if k != kk:
-            agree = [other for other, k_o in pivots if k_o == kk]
-            fail(op, TILING, f"{name} has K = {k} pivots (shape {tuple(dict(named)[name].shape)}), expected "
-                             f"K = {kk}, the K of {', '.join(agree)} ({name} is "
-                             f"[{', '.join(_LAYOUTS[name])}])")
+            rules = "; ".join(f"{dim} = {agreed[dim]} as in "
+                              f"{', '.join(o for o, size in sizes[dim] if size == agreed[dim])}"
+                              for dim, _ in wrong)
+            fail(op, TILING, f"{name} has shape {tuple(t.shape)} ([{', '.join(layout)}]), so "
+                             f"{', '.join(f'{dim} = {size}' for dim, size in wrong)}, expected {rules}")
     b, h, n, m, d = q.shape
+    kk = agreed["K"]
     if kk < 1 and b * h * n * m > 0:
         fail(op, TILING, f"k1 has K = {kk} pivots, expected K >= 1 (a softmax over no pivots is undefined)")
     return b, h, n, m, kk, d

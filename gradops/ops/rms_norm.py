@@ -14,6 +14,9 @@ import torch
 
 from .._backend import implementation
 from ._checks import (
+    ACLNN_ERR_PARAM_NULLPTR,
+    fail,
+    short_repr,
     TILING,
     check_bool_attr,
     check_overwritten,
@@ -56,11 +59,13 @@ CASTING_MODES = ("gemma", "llama")
 
 def check_casting_mode(op, casting_mode) -> bool:
     """Validates ``casting_mode``; returns whether it rounds x-hat to x's dtype before gamma."""
+    if casting_mode is None:
+        fail(op, ACLNN_ERR_PARAM_NULLPTR, f"casting_mode is None, expected one of {', '.join(map(repr, CASTING_MODES))}")
     if not isinstance(casting_mode, str):  # before the comparison, which an array would answer elementwise
         wrong_type(op, f"casting_mode is a {type(casting_mode).__name__}, expected a str "
                        f"({', '.join(map(repr, CASTING_MODES))})")
     if casting_mode not in CASTING_MODES:
-        invalid(op, f"casting_mode is {casting_mode!r}, expected one of {', '.join(map(repr, CASTING_MODES))}")
+        invalid(op, f"casting_mode is {short_repr(casting_mode)}, expected one of {', '.join(map(repr, CASTING_MODES))}")
     return casting_mode == "llama"
 
 
