@@ -40,15 +40,15 @@ from .errors import (
     AclnnError,
 )
 from .ops._checks import (
-    check_int_attr,
-    short_repr,
     INT64_MAX,
+    check_int_attr,
     check_no_shared_outputs,
     check_writable,
     dtype_name,
     dtype_names,
     require_tensor,
     shares_memory,
+    short_repr,
     wrong_type,
 )
 from .ops._shapes import as_bool_triple, check_trailing, int_sequence

@@ -45,13 +45,13 @@ from .errors import (
     AclnnTypeError,
 )
 from .ops._checks import (
-    short_repr,
     check_bool_attr,
     check_float_attr,
     dtype_name,
     invalid,
     require_tensor,
     shares_memory,
+    short_repr,
     wrong_type,
 )
 

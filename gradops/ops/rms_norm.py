@@ -15,20 +15,20 @@ import torch
 from .._backend import implementation
 from ._checks import (
     ACLNN_ERR_PARAM_NULLPTR,
-    fail,
-    short_repr,
     TILING,
     check_bool_attr,
-    check_overwritten,
     check_companion,
     check_dtype,
     check_float_attr,
+    check_overwritten,
     check_same_device,
     check_same_dtype,
     check_shape,
     dtype_name,
+    fail,
     invalid,
     require_tensor,
+    short_repr,
     stat_dtype,
     wrong_type,
 )
