@@ -511,7 +511,13 @@ for n in (1000, 8192):
         ln = dict(HAS_W=True, HAS_DRES=dres, WANT_DX=True, WANT_DW=True, WANT_DB=True, **b)
         cases.append((KLN._ln_bwd_fused_kernel, ln, f.num_warps))
         cases.append((KRN._rms_bwd_fused_kernel, dict(HAS_W=True, HAS_DRES=dres, ROUND_XHAT=dres, **b), f.num_warps))
+    f = norm_config.fused_config(32768, n, dev, persistent=False)  # the LayerNorm forward (corrected mean)
+    for res in (False, True):
+        fwd = dict(HAS_W=True, HAS_B=True, HAS_RES=res, BLOCK_M=f.block_m, BLOCK_N=f.block_n)
+        cases.append((KLN._ln_fwd_fused_kernel, fwd, f.num_warps))
 s = norm_config.split_config(2048, 65536, dev)
+cases.append((KLN._ln_fwd_wide_kernel, dict(HAS_W=True, HAS_B=True, HAS_RES=False, BLOCK_N=s.block_n),
+              s.row_num_warps))
 b = dict(BLOCK_M=s.block_m, BLOCK_N=s.block_n)
 for dres in (False, True):
     ln = dict(HAS_W=True, HAS_DRES=dres, WANT_DX=True, WANT_DW=True, WANT_DB=True, **b)
@@ -547,15 +553,15 @@ def _ptxas():
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_without_register_spills():
-    """The hot backward kernels, with their launch parameters from norm_config, compile for
-    H100 and ptxas reports no register spills: rows are kept in registers only up to a width
+    """The hot backward kernels and the LayerNorm forwards, with their launch parameters from
+    norm_config, compile for H100 and ptxas reports no register spills: rows are kept in registers only up to a width
     that fits."""
     ptxas = _ptxas()
     if ptxas is None:
         pytest.skip("no ptxas in the triton wheel")
     stdout = run_sm90_compile(_SM90_CHECK, ptxas)
     lines = [ln for ln in stdout.splitlines() if " spill " in ln]
-    assert len(lines) == 12, stdout
+    assert len(lines) == 17, stdout
     for ln in lines:
         if ln.endswith("spill None"):
             pytest.skip(f"ptxas could not assemble Triton's PTX: {ln}")
