@@ -103,6 +103,22 @@ def check_rank(op: str, name: str, t: torch.Tensor, lo: int, hi: int,
         fail(op, status, f"{name} has {t.dim()} dims (shape {tuple(t.shape)}), expected {rule}")
 
 
+def is_int(v) -> bool:
+    """An int or a numpy integer, not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def most_common(values):
+    """The value most of ``values`` equal, the first seen in a tie. By comparison, not hashing:
+    under torch.compile with dynamic shapes sizes are SymInts, which do not hash."""
+    best, best_count = values[0], 0
+    for v in values:
+        count = sum(1 for w in values if w == v)
+        if count > best_count:
+            best, best_count = v, count
+    return best
+
+
 def check_same_device(op: str, named: Sequence[tuple]):
     """All given (name, tensor-or-None) pairs on one device. The tensor blamed is the first
     off the device most of them share (the first tensor's, in a tie): one tensor moved to
@@ -111,7 +127,7 @@ def check_same_device(op: str, named: Sequence[tuple]):
     devices = [t.device for _, t in given]
     if len(set(devices)) <= 1:
         return
-    common = max(dict.fromkeys(devices), key=devices.count)  # first-seen wins a tie
+    common = most_common(devices)
     holders = ", ".join(name for name, t in given if t.device == common)
     name, t = next((name, t) for name, t in given if t.device != common)
     invalid(op, f"{name} is on {t.device}, expected the device of {holders} ({common})")
@@ -132,7 +148,7 @@ def check_int_attr(op: str, name: str, value, minimum: int) -> int:
     ``minimum..INT64_MAX``."""
     if value is None:
         fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected an int >= {minimum}")
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy ints are Integral
+    if not is_int(value):
         if not _is_host_integer_scalar(value):
             wrong_type(op, f"{name} is {short_repr(value)}, expected an int >= {minimum}")
         value = int(value.item())

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Tuple
 
 import numpy as np
@@ -15,6 +14,7 @@ from ._checks import (
     dtype_name,
     fail,
     invalid,
+    is_int,
     short_repr,
     wrong_type,
 )
@@ -27,7 +27,7 @@ def int_sequence(op: str, name: str, value, *, scalar_ok: bool = False) -> Tuple
     a sequence of ints -> 161002 as a TypeError."""
     if value is None:
         fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected a sequence of ints")
-    if scalar_ok and _is_int(value):
+    if scalar_ok and is_int(value):
         return _int64s(op, name, (value,))
     if isinstance(value, torch.Tensor):
         if value.layout != torch.strided or value.device.type == "meta":
@@ -43,7 +43,7 @@ def int_sequence(op: str, name: str, value, *, scalar_ok: bool = False) -> Tuple
         wrong_type(op, f"{name} is {short_repr(value)}, expected a sequence of ints")
     items = tuple(value)
     for v in items:
-        if not _is_int(v):
+        if not is_int(v):
             wrong_type(op, f"{name} is {short_repr(value)}, expected a sequence of ints")
     return _int64s(op, name, items)
 
@@ -54,11 +54,6 @@ def _int64s(op: str, name: str, items) -> Tuple[int, ...]:
         if not -INT64_MAX - 1 <= v <= INT64_MAX:
             invalid(op, f"{name} has a value {short_repr(v)} outside int64, expected int64 values")
     return tuple(int(v) for v in items)
-
-
-def _is_int(v) -> bool:
-    """An int or numpy integer, not a bool."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def as_int_tuple(op: str, name: str, value) -> Tuple[int, ...]:

@@ -17,6 +17,7 @@ from ._checks import (
     check_same_dtype,
     check_shape,
     fail,
+    most_common,
     require_tensor,
     stat_dtype,
 )
@@ -43,17 +44,6 @@ def _check_dtypes(op, named):
 _LAYOUTS = {"q": "BHNMD", "k1": "BHNKD", "v1": "BHNKD", "k2": "BHKMD", "v2": "BHKMD"}
 
 
-def _most_common(values):
-    """The value most of ``values`` equal, the first seen in a tie. By comparison, not hashing:
-    under torch.compile with dynamic shapes the sizes are SymInts, which do not hash."""
-    best, best_count = values[0], 0
-    for v in values:
-        count = sum(1 for w in values if w == v)
-        if count > best_count:
-            best, best_count = v, count
-    return best
-
-
 def _check_shapes(op, q, k1, v1, k2, v2):
     """Rank 5 each, and one size per dim (B, H, N, M, K, D) across the tensors that have it:
     the size most of them have (a tie goes to the first, q's, or k1's for K). An error names
@@ -65,7 +55,7 @@ def _check_shapes(op, q, k1, v1, k2, v2):
     for name, t in named:
         for dim, size in zip(_LAYOUTS[name], t.shape):
             sizes.setdefault(dim, []).append((name, size))
-    agreed = {dim: _most_common([size for _, size in pairs]) for dim, pairs in sizes.items()}
+    agreed = {dim: most_common([size for _, size in pairs]) for dim, pairs in sizes.items()}
     for name, t in named:
         layout = _LAYOUTS[name]
         wrong = [(dim, size) for dim, size in zip(layout, t.shape) if size != agreed[dim]]

@@ -145,7 +145,7 @@ def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None
         dy2 = dy.reshape(rows, cols)
         dx_out = in_place_rows(dy, dy2, in_place)
         dx, dw, db = impl.layer_norm_backward(
-            dy2, x.reshape(rows, cols), mean.reshape(rows), rstd.reshape(rows),
+            dy2, x.reshape(rows, cols), mean.reshape(rows).to(acc), rstd.reshape(rows).to(acc),
             None if weight is None else weight.reshape(cols), output_mask, dx_out,
             None if dresidual is None else dresidual.reshape(rows, cols))
         if dx is not None:
