@@ -68,11 +68,27 @@ def interpreted(backend) -> bool:
     return backend == "triton" and TEST_DEVICE == "cpu"
 
 
-def run_sm90_compile(script: str, *args: str, timeout: int = 600) -> str:
+# Triton 3.6, the GPU image's version, installed beside the newest (which the venv has) by
+# .ci/run: pip install --no-deps --target .ci/triton-3.6 triton==3.6.0. GRADOPS_TRITON_3_6
+# names another folder holding it.
+TRITON_3_6_ENV = "GRADOPS_TRITON_3_6"
+
+
+def triton_3_6_path() -> str:
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.environ.get(TRITON_3_6_ENV) or os.path.join(root, ".ci", "triton-3.6")
+
+
+def run_sm90_compile(script: str, *args: str, timeout: int = 600, triton_version: str = "installed") -> str:
     """Run ``script`` (Python that compiles kernels for an H100, sm_90, with Triton's bundled
     tools: no GPU needed) in a child process, with the Triton interpreter off and this checkout
     importable; returns its stdout. Skips on a GPU run (every test compiles the kernels there)
-    and where this Triton cannot cross-compile."""
+    and where this Triton cannot cross-compile.
+
+    ``triton_version``: "installed" (the venv's, the newest), or "3.6" (the GPU image's, from
+    :func:`triton_3_6_path`; skipped, saying how to install it, where it is absent)."""
     import os
     import subprocess
     import sys
@@ -81,7 +97,16 @@ def run_sm90_compile(script: str, *args: str, timeout: int = 600) -> str:
         pytest.skip("on a GPU every other test compiles the kernels")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    paths = [root]
+    if triton_version == "3.6":
+        old = triton_3_6_path()
+        if not os.path.isdir(os.path.join(old, "triton")):
+            pytest.skip(f"Triton 3.6 is not installed at {old}: pip install --no-deps --target {old} "
+                        f"triton==3.6.0 (as .ci/run does), or set {TRITON_3_6_ENV}")
+        paths.append(old)
+    elif triton_version != "installed":
+        raise ValueError(triton_version)
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
     out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
                          timeout=timeout)
     if out.returncode != 0 and ("GPUTarget" in out.stderr or "ASTSource" in out.stderr):
