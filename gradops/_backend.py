@@ -9,6 +9,7 @@ Both expose the same functions with the same canonical arguments (see docs/backe
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 from typing import Callable, Iterator, Optional
@@ -125,15 +126,21 @@ def implementation(op: str, family: str, backend: Optional[str], device: torch.d
                 f"{op}: backend='triton' needs CUDA tensors (got {device}); on CPU it runs through "
                 f"the Triton interpreter only when TRITON_INTERPRET=1 is set before triton is imported",
             )
-    module = importlib.import_module(f"gradops.{'kernels' if backend == 'triton' else 'reference'}.{family}")
+    module = _module(backend, family)
     if backend == "triton" and kernel_limit is not None:
         reason = kernel_limit(module)
         if reason is not None:
             if explicit == "triton":
                 raise AclnnError(ACLNN_ERR_PARAM_INVALID,
                                  f"{op}: backend='triton' cannot run this call: {reason}; use backend='reference'")
-            module = importlib.import_module(f"gradops.reference.{family}")
+            module = _module("reference", family)
     return module
+
+
+@functools.lru_cache(maxsize=None)
+def _module(backend: str, family: str):
+    """gradops.reference.<family> or gradops.kernels.<family> (cached: every call asks)."""
+    return importlib.import_module(f"gradops.{'kernels' if backend == 'triton' else 'reference'}.{family}")
 
 
 def available_backends(family: str, device: torch.device) -> list:

@@ -153,16 +153,16 @@ def test_nn_backward_runs_on_the_forwards_backend(monkeypatch):
     from gradops.nn import functional as F
     from gradops.ops import rms_norm as rms_ops
     seen = []
-    real = rms_ops.prepare_rms_norm_grad
+    real = rms_ops.run_rms_norm_grad
 
-    def spy(*args, backend=None, **kwargs):
-        seen.append(backend)
-        return real(*args, backend=backend, **kwargs)
+    def spy(impl, *args, **kwargs):
+        seen.append(impl.__name__)
+        return real(impl, *args, **kwargs)
 
-    monkeypatch.setattr(rms_ops, "prepare_rms_norm_grad", spy)
+    monkeypatch.setattr(rms_ops, "run_rms_norm_grad", spy)
     x = torch.randn(3, 8, requires_grad=True)
     with gradops.use_backend("reference"):
         y = F.rms_norm(x, [8], torch.ones(8, requires_grad=True))
     with gradops.use_backend("auto"):
         y.sum().backward()
-    assert seen == ["reference"]
+    assert seen == ["gradops.reference.rms_norm"]

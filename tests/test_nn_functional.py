@@ -204,10 +204,11 @@ def test_half_inputs_compute_in_float32(backend, dtype, tol):
 
 @pytest.mark.parametrize("family", ["layer_norm", "rms_norm", "nsa_compress", "floyd_attention"])
 def test_backward_is_the_library_operator(backend, family, monkeypatch):
-    """Autograd reaches gradops' backward operator (prepare_*_grad/_backward), once per backward."""
+    """Autograd reaches gradops' backward operator (prepare_*_grad/_backward; for the norms the
+    computation both their prepare and the eager path run), once per backward."""
     calls = []
-    module, name = {"layer_norm": (ln_ops, "prepare_layer_norm_backward"),
-                    "rms_norm": (rms_ops, "prepare_rms_norm_grad"),
+    module, name = {"layer_norm": (ln_ops, "run_layer_norm_backward"),
+                    "rms_norm": (rms_ops, "run_rms_norm_grad"),
                     "nsa_compress": (nsa_ops, "prepare_nsa_compress_grad"),
                     "floyd_attention": (floyd_ops, "prepare_floyd_attention_grad")}[family]
     real = getattr(module, name)
@@ -258,13 +259,13 @@ def test_double_backward_is_a_clear_error(backend, family):
 def test_gradients_skip_unneeded_outputs(backend, monkeypatch):
     """Only the gradients autograd asks for are computed (output_mask follows requires_grad)."""
     seen = []
-    real = ln_ops.prepare_layer_norm_backward
+    real = ln_ops.run_layer_norm_backward
 
-    def spy(*args, **kwargs):
-        seen.append(tuple(args[7]))
-        return real(*args, **kwargs)
+    def spy(impl, dy, x, normalized_shape, mean, rstd, weight, output_mask, **kwargs):
+        seen.append(tuple(output_mask))
+        return real(impl, dy, x, normalized_shape, mean, rstd, weight, output_mask, **kwargs)
 
-    monkeypatch.setattr(ln_ops, "prepare_layer_norm_backward", spy)
+    monkeypatch.setattr(ln_ops, "run_layer_norm_backward", spy)
     x = torch.randn(3, 8, requires_grad=True)
     w, b = torch.randn(8), torch.randn(8, requires_grad=True)
     F.layer_norm(x, 8, w, b).sum().backward()

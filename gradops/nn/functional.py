@@ -27,6 +27,7 @@ lowered.
 This file deliberately avoids ``from __future__ import annotations``: ``custom_op`` reads
 the type hints to build each operator's schema.
 """
+import contextlib
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -65,6 +66,21 @@ def _empty_like_spec(spec, like: Tensor) -> Tensor:
 
 def _no_autocast(device_type: str):
     return torch.autocast(device_type=device_type, enabled=False)
+
+
+def _autocast_off(device_type: str):
+    """``_no_autocast`` where autocast is on, else nothing (entering the context costs a few
+    microseconds, which a tiny eager call notices)."""
+    return _no_autocast(device_type) if torch.is_autocast_enabled(device_type) else contextlib.nullcontext()
+
+
+def _eager() -> bool:
+    """Whether a norm call takes the eager path (a ``torch.autograd.Function``) rather than its
+    custom op. The custom ops exist for torch.compile and torch.export, which need an opaque,
+    fake-implementable op; run eagerly, their dispatch (the autograd, autocast and dynamo
+    wrappers of ``torch.library``) costs several times what a small norm computes. Both
+    paths validate with the same ``prepare_*`` and run the same backend code."""
+    return not torch.compiler.is_compiling()
 
 
 def _double_backward_error(name: str, alternative: str):
@@ -242,6 +258,56 @@ torch.library.register_autograd("gradops::layer_norm_backward",
                                 _double_backward_error("layer_norm", "torch.nn.functional.layer_norm"))
 
 
+class _LayerNormFunction(torch.autograd.Function):
+    """The eager path of ``gradops::layer_norm`` (see ``_eager``): the same prepare, run and
+    backward operator. Returns y, and h as well with a residual."""
+
+    @staticmethod
+    def forward(ctx, x, residual, normalized_shape, weight, bias, eps, backend):
+        p = _prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
+        with _autocast_off(x.device.type):
+            out = p.run()
+        y, mean, rstd = out[:3]
+        ctx.has_residual = residual is not None
+        ctx.save_for_backward(out[3] if ctx.has_residual else x, weight, bias, mean, rstd)
+        ctx.normalized_shape = normalized_shape
+        ctx.backend = backend
+        ctx.impl = p.backend
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros to add)
+        return (y, out[3]) if ctx.has_residual else y
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        need_x, need_res, _, need_w, need_b = ctx.needs_input_grad[:5]
+        mask = [bool(need_x or (ctx.has_residual and need_res)), bool(need_w and weight is not None),
+                bool(need_b and bias is not None)]
+        if not any(mask):
+            return None, None, None, None, None, None, None
+        if dy is None:
+            dy = torch.zeros_like(x)
+        if torch.is_grad_enabled():  # create_graph: the op's autograd node refuses a second backward
+            dx, dw, db = torch.ops.gradops.layer_norm_backward(dy, dh, x, ctx.normalized_shape, mean, rstd, weight,
+                                                               bias, mask, ctx.backend)
+        else:
+            # the forward validated every input; autograd gives dy and dh its outputs' metadata
+            with torch.no_grad(), _autocast_off(x.device.type):
+                dx, dw, db = _ln_ops.run_layer_norm_backward(ctx.impl, dy, x, ctx.normalized_shape, mean, rstd,
+                                                             weight, mask, dresidual=dh)
+        dx = dx if mask[0] else None
+        return (dx, dx if ctx.has_residual else None, None, dw if mask[1] else None, db if mask[2] else None,
+                None, None)
+
+
+def _layer_norm_call(x, residual, normalized_shape, weight, bias, eps, backend):
+    """(y, h): the eager Function or, under torch.compile, the custom op (h None without a residual)."""
+    if _eager():
+        out = _LayerNormFunction.apply(x, residual, normalized_shape, weight, bias, eps, backend)
+        return out if residual is not None else (out, None)
+    y, _, _, h = torch.ops.gradops.layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
+    return y, (h if residual is not None else None)
+
+
 def _normalized_shape(op: str, normalized_shape) -> List[int]:
     return list(as_int_tuple(op, "normalized_shape", normalized_shape))
 
@@ -258,7 +324,7 @@ def layer_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.
     """
     shape, eps, backend = _check_norm("layer_norm", input, None, normalized_shape, weight, bias, eps, backend,
                                       fused=False, shape_status=ACLNN_ERR_PARAM_INVALID)
-    return torch.ops.gradops.layer_norm(input, None, shape, weight, bias, eps, backend)[0]
+    return _layer_norm_call(input, None, shape, weight, bias, eps, backend)[0]
 
 
 def fused_add_layer_norm(input: Tensor, residual: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
@@ -270,8 +336,7 @@ def fused_add_layer_norm(input: Tensor, residual: Tensor, normalized_shape: Unio
     shape and dtype."""
     shape, eps, backend = _check_norm("fused_add_layer_norm", input, residual, normalized_shape, weight, bias,
                                       eps, backend, fused=True, shape_status=ACLNN_ERR_PARAM_INVALID)
-    y, _, _, h = torch.ops.gradops.layer_norm(input, residual, shape, weight, bias, eps, backend)
-    return y, h
+    return _layer_norm_call(input, residual, shape, weight, bias, eps, backend)
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,8 +412,53 @@ torch.library.register_autograd("gradops::rms_norm_backward",
                                 _double_backward_error("rms_norm", "torch.nn.functional.rms_norm"))
 
 
+class _RmsNormFunction(torch.autograd.Function):
+    """The eager path of ``gradops::rms_norm`` (see ``_eager``). Returns y, and h as well with
+    a residual."""
+
+    @staticmethod
+    def forward(ctx, x, residual, gamma, eps, offset, casting_mode, backend):
+        p = _prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)
+        with _autocast_off(x.device.type):
+            out = p.run()
+        ctx.has_residual = residual is not None
+        ctx.save_for_backward(out[2] if ctx.has_residual else x, gamma, out[1])
+        ctx.args = (offset, casting_mode, backend)
+        ctx.impl = p.backend
+        ctx.set_materialize_grads(False)
+        return (out[0], out[2]) if ctx.has_residual else out[0]
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        x, gamma, rstd = ctx.saved_tensors
+        need_x, need_res, need_gamma = ctx.needs_input_grad[:3]
+        if not (need_x or need_gamma or (ctx.has_residual and need_res)):
+            return None, None, None, None, None, None, None
+        if dy is None:
+            dy = torch.zeros_like(x)
+        offset, casting_mode, backend = ctx.args
+        if torch.is_grad_enabled():  # create_graph: the op's autograd node refuses a second backward
+            dx, dgamma = torch.ops.gradops.rms_norm_backward(dy, dh, x, rstd, gamma, offset, casting_mode, backend)
+        else:
+            # the forward validated every input; autograd gives dy and dh its outputs' metadata
+            with torch.no_grad(), _autocast_off(x.device.type):
+                dx, dgamma = _rms_ops.run_rms_norm_grad(ctx.impl, dy, x, rstd, gamma, offset=offset,
+                                                        round_xhat=_rms_ops.check_casting_mode("rms_norm_grad", casting_mode),
+                                                        dresidual=dh)
+        return dx, dx if ctx.has_residual else None, dgamma.to(gamma.dtype), None, None, None, None
+
+
+def _rms_norm_call(x, residual, gamma, eps, offset, casting_mode, backend):
+    """(y, h): the eager Function or, under torch.compile, the custom op (h None without a residual)."""
+    if _eager():
+        out = _RmsNormFunction.apply(x, residual, gamma, eps, offset, casting_mode, backend)
+        return out if residual is not None else (out, None)
+    y, _, h = torch.ops.gradops.rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)
+    return y, (h if residual is not None else None)
+
+
 def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, casting_mode, backend):
-    """rms_norm and fused_add_rms_norm: (y, h), h empty without a residual."""
+    """rms_norm and fused_add_rms_norm: (y, h), h None without a residual."""
     # RMSNorm's shape rules are tiling rules (561002)
     shape, eps, backend = _check_norm(op, input, residual, normalized_shape, weight, None, eps, backend,
                                       fused=op != "rms_norm", shape_status=ACLNN_ERR_INNER_TILING_ERROR,
@@ -387,8 +497,7 @@ def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, c
             # the other half type (fp16 beside bf16): "gemma" computes in float32 anyway, so
             # the exactly widened weight gives the same result in CANN's dtype table
             weight = weight.float()
-    y, _, h = torch.ops.gradops.rms_norm(input, residual, weight, float(eps), offset, casting_mode, backend)
-    return y, h
+    return _rms_norm_call(input, residual, weight, float(eps), offset, casting_mode, backend)
 
 
 def rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],

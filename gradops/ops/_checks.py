@@ -105,7 +105,7 @@ def check_rank(op: str, name: str, t: torch.Tensor, lo: int, hi: int,
 
 def is_int(v) -> bool:
     """An int or a numpy integer, not a bool."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    return type(v) is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool))
 
 
 def most_common(values):
@@ -169,6 +169,8 @@ def short_repr(value, limit: int = 60) -> str:
 
 def check_float_attr(op: str, name: str, value) -> float:
     """A float attribute: a Python int or float (not bool, not a string) that fits a double."""
+    if type(value) is float:  # the common case (a Python float always fits float64)
+        return value
     if value is None:
         fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected a float")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy floats and ints are Real

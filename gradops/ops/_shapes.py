@@ -25,6 +25,8 @@ def int_sequence(op: str, name: str, value, *, scalar_ok: bool = False) -> Tuple
     tuple of ints; with ``scalar_ok`` a bare int too. None -> 161001; a tensor that cannot be
     read on the host (meta, sparse) or is not 1-D integer -> 161002; anything else that is not
     a sequence of ints -> 161002 as a TypeError."""
+    if type(value) in (tuple, list, torch.Size) and all(type(v) is int for v in value):
+        return _int64s(op, name, value)  # the common case, decided without the checks below
     if value is None:
         fail(op, ACLNN_ERR_PARAM_NULLPTR, f"{name} is None, expected a sequence of ints")
     if scalar_ok and is_int(value):
@@ -53,6 +55,8 @@ def _int64s(op: str, name: str, items) -> Tuple[int, ...]:
     for v in items:
         if not -INT64_MAX - 1 <= v <= INT64_MAX:
             invalid(op, f"{name} has a value {short_repr(v)} outside int64, expected int64 values")
+    if type(items) is tuple and all(type(v) is int for v in items):
+        return items
     return tuple(int(v) for v in items)
 
 
@@ -74,8 +78,11 @@ def check_trailing(op: str, name: str, x: torch.Tensor, x_name: str, shape: Tupl
 
 
 def rows_cols(x: torch.Tensor, n_norm: int) -> Tuple[int, int]:
-    lead = x.shape[: x.dim() - n_norm]
-    return math.prod(lead), math.prod(x.shape[x.dim() - n_norm:])
+    shape = x.shape
+    if n_norm == 1 and len(shape) == 2:  # the common case, without the products
+        return shape[0], shape[1]
+    lead = shape[: len(shape) - n_norm]
+    return math.prod(lead), math.prod(shape[len(shape) - n_norm:])
 
 
 def check_stat(op: str, name: str, t: torch.Tensor, x: torch.Tensor, n_norm: int, x_name: str = "x",

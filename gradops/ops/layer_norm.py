@@ -138,23 +138,11 @@ def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None
         check_overwritten(op, "dy", dy, [("x", x), ("mean", mean), ("rstd", rstd), ("weight", weight),
                                          ("dresidual", dresidual)])
     impl = implementation(op, FAMILY, backend, x.device)
-    rows, cols = rows_cols(x, n_norm)
     grad_dtype = weight.dtype if weight is not None else acc
 
     def run():
-        dy2 = dy.reshape(rows, cols)
-        dx_out = in_place_rows(dy, dy2, in_place)
-        dx, dw, db = impl.layer_norm_backward(
-            dy2, x.reshape(rows, cols), mean.reshape(rows).to(acc), rstd.reshape(rows).to(acc),
-            None if weight is None else weight.reshape(cols), output_mask, dx_out,
-            None if dresidual is None else dresidual.reshape(rows, cols))
-        if dx is not None:
-            dx = finish_dx(dx, dy, dx_out, in_place, x.shape)
-        if dw is not None:
-            dw = dw.to(grad_dtype).reshape(normalized_shape)
-        if db is not None:
-            db = db.to(grad_dtype).reshape(normalized_shape)
-        return dx, dw, db
+        return run_layer_norm_backward(impl, dy, x, normalized_shape, mean, rstd, weight, output_mask,
+                                       in_place=in_place, dresidual=dresidual)
 
     outputs = (
         (tuple(x.shape), x.dtype) if output_mask[0] else None,
@@ -162,6 +150,29 @@ def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None
         (normalized_shape, grad_dtype) if output_mask[2] else None,
     )
     return Prepared(op, x.device, impl, outputs, run)
+
+
+def run_layer_norm_backward(impl, dy, x, normalized_shape, mean, rstd, weight, output_mask, *,
+                            in_place=False, dresidual=None):
+    """What a validated ``layer_norm_backward`` call computes, on backend module ``impl``.
+    gradops.nn's eager backward calls it directly: autograd hands it a dy (and dresidual) of
+    the shape, dtype and device of the outputs whose inputs the forward validated."""
+    rows, cols = rows_cols(x, len(normalized_shape))
+    acc = stat_dtype(x.dtype)
+    dy2 = dy.reshape(rows, cols)
+    dx_out = in_place_rows(dy, dy2, in_place)
+    dx, dw, db = impl.layer_norm_backward(
+        dy2, x.reshape(rows, cols), mean.reshape(rows).to(acc), rstd.reshape(rows).to(acc),
+        None if weight is None else weight.reshape(cols), output_mask, dx_out,
+        None if dresidual is None else dresidual.reshape(rows, cols))
+    if dx is not None:
+        dx = finish_dx(dx, dy, dx_out, in_place, x.shape)
+    grad_dtype = weight.dtype if weight is not None else acc
+    if dw is not None:
+        dw = dw.to(grad_dtype).reshape(normalized_shape)
+    if db is not None:
+        db = db.to(grad_dtype).reshape(normalized_shape)
+    return dx, dw, db
 
 
 def _check_ascendc_rows(op, x, dy):

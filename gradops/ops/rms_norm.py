@@ -131,15 +131,23 @@ def prepare_rms_norm_grad(dy, x, rstd, gamma, *, in_place=False, offset=0.0, cas
     if in_place:  # dx is written into dy's memory
         check_overwritten(op, "dy", dy, [("x", x), ("rstd", rstd), ("gamma", gamma), ("dresidual", dresidual)])
     impl = implementation(op, FAMILY, backend, x.device)
-    rows, cols = rows_cols(x, n)
 
     def run():
-        dy2 = dy.reshape(rows, cols)
-        dx_out = in_place_rows(dy, dy2, in_place)
-        dx, dgamma = impl.rms_norm_grad(dy2, x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols),
-                                        dx_out, offset, round_xhat,
-                                        None if dresidual is None else dresidual.reshape(rows, cols))
-        return finish_dx(dx, dy, dx_out, in_place, x.shape), dgamma.reshape(gamma.shape)
+        return run_rms_norm_grad(impl, dy, x, rstd, gamma, in_place=in_place, offset=offset, round_xhat=round_xhat,
+                                 dresidual=dresidual)
 
     outputs = ((tuple(x.shape), x.dtype), (tuple(gamma.shape), stat_dtype(x.dtype)))
     return Prepared(op, x.device, impl, outputs, run)
+
+
+def run_rms_norm_grad(impl, dy, x, rstd, gamma, *, in_place=False, offset=0.0, round_xhat=False, dresidual=None):
+    """What a validated ``rms_norm_grad`` call computes, on backend module ``impl``.
+    gradops.nn's eager backward calls it directly: autograd hands it a dy (and dresidual) of
+    the shape, dtype and device of the outputs whose inputs the forward validated."""
+    rows, cols = rows_cols(x, gamma.dim())
+    dy2 = dy.reshape(rows, cols)
+    dx_out = in_place_rows(dy, dy2, in_place)
+    dx, dgamma = impl.rms_norm_grad(dy2, x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols),
+                                    dx_out, offset, round_xhat,
+                                    None if dresidual is None else dresidual.reshape(rows, cols))
+    return finish_dx(dx, dy, dx_out, in_place, x.shape), dgamma.reshape(gamma.shape)
