@@ -141,8 +141,9 @@ MIXES = {
     "single": [37],
     "tails": [9, 10, 11, 12],
 }
-# (block_size, stride): divisible, non-divisible, equal, stride > block, stride 1, block 1.
-BLOCK_STRIDES = [(8, 4), (5, 3), (4, 4), (3, 5), (4, 1), (1, 1), (6, 4)]
+# (block_size, stride): divisible, non-divisible, equal, stride > block, stride 1, block 1;
+# (11, 2) covers a token by 6 blocks, more than the kernel unrolls (a run-time loop).
+BLOCK_STRIDES = [(8, 4), (5, 3), (4, 4), (3, 5), (4, 1), (1, 1), (6, 4), (11, 2)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -209,17 +210,21 @@ SMALL_BWD = [
     # two groups per program, heads tiled by two, rows cover a whole group
     BackwardConfig(rows=8, block_h=2, block_d=8, groups_per_chunk=2, num_warps=4,
                    reduce_block_p=4, reduce_block_w=8),
+    # the run-time loop over covering blocks (what l/s past MAX_UNROLLED_COVER gets) for
+    # every l/s, with rows and head dim split
+    BackwardConfig(rows=2, block_h=2, block_d=4, groups_per_chunk=3, num_warps=4,
+                   reduce_block_p=2, reduce_block_w=8, max_unrolled_cover=0, num_stages=1),
 ]
 SMALL_FWD = [ForwardConfig(block_c=2, block_h=1, block_d=2, num_warps=4),
              ForwardConfig(block_c=4, block_h=2, block_d=4, num_warps=4)]
 
 
-@pytest.mark.parametrize("tiling", [0, 1])
+@pytest.mark.parametrize("tiling", [0, 1, 2])
 @pytest.mark.parametrize("block_size,stride", [(6, 4), (3, 5), (4, 2)])
 def test_tilings(device, tiling, block_size, stride):
     cu, x, weight = make([0, 2, 15, 7], 3, 5, block_size, torch.float32, device)
     out, dout, dx, dw = run_both(x, weight, block_size, stride, cu,
-                                 fwd_cfg=SMALL_FWD[tiling], bwd_cfg=SMALL_BWD[tiling])
+                                 fwd_cfg=SMALL_FWD[tiling % 2], bwd_cfg=SMALL_BWD[tiling])
     check_forward(out.cpu(), x.cpu(), weight.cpu(), block_size, stride, cu)
     check_backward(dx.cpu(), dw.cpu(), dout.cpu(), x.cpu(), weight.cpu(), block_size, stride, cu)
 
@@ -247,6 +252,25 @@ def test_deterministic(device):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     out = [kernels.nsa_compress(x, weight, block_size, stride, cu, c) for _ in range(2)]
     assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("block_size,stride", [(4, 4), (8, 4), (5, 2), (7, 2), (3, 5)])
+def test_unrolled_blocks_match_the_loop(device, block_size, stride):
+    """The unrolled (pipelined) covering blocks and the run-time loop over them add the
+    same terms in the same order: bitwise equal dx and dweight, with 1 to 4 covering blocks
+    and sequences with fewer blocks than that (the missing ones are masked)."""
+    cu, x, weight = make([1, 5, 0, 13, 9], 2, 6, block_size, torch.bfloat16, device)
+    c = num_blocks_of(cu, block_size, stride)
+    dout = torch.randn(c, 2, 6, device=device).to(torch.bfloat16)
+    cfg = kernels.nsa_config.backward_config(cu[-1], 2, 6, block_size, stride, device)
+    assert kernels.backward_meta(cfg, block_size, stride)["COVER"] == -(-block_size // stride)
+    loop = BackwardConfig(**{**cfg.__dict__, "max_unrolled_cover": 0})
+    assert kernels.backward_meta(loop, block_size, stride)["COVER"] == 0
+    unrolled = kernels._backward(dout, x, weight, block_size, stride, cu, c, cfg)
+    looped = kernels._backward(dout, x, weight, block_size, stride, cu, c, loop)
+    assert torch.equal(unrolled[0], looped[0]) and torch.equal(unrolled[1], looped[1])
+    check_backward(unrolled[0].cpu(), unrolled[1].cpu(), dout.cpu(), x.cpu(), weight.cpu(),
+                   block_size, stride, cu)
 
 
 # ---------------------------------------------------------------------------------------
@@ -307,12 +331,12 @@ def test_uncovered_tokens_are_zero(device):
     assert (dx.cpu()[covered] != 0).any()
 
 
-@pytest.mark.parametrize("tiling", [0, 1])
+@pytest.mark.parametrize("tiling", [0, 1, 2])
 @pytest.mark.parametrize("block_size,stride", [(6, 4), (3, 5), (4, 1)])
 def test_nan_stays_in_its_blocks_with_small_tilings(device, tiling, block_size, stride):
     """NaNs in dOut and x reach exactly the dx and dweight entries the formulas give, with
-    tilings that split rows, heads and head dim ((4, 1) on tiling 0 keeps the dweight
-    partial in its own array). One call: every block's dOut gets a NaN in its own
+    tilings that split rows, heads and head dim, unrolled and in a run-time loop ((4, 1) on
+    tiling 2 keeps the dweight partial in its own array). One call: every block's dOut gets a NaN in its own
     (head, dim) slot of heads 0-1, so the dx patterns cannot overlap; x gets NaNs in head 2
     at every token no block covers (must reach nothing) and at one covered token."""
     heads, dims = 3, 5
@@ -409,26 +433,31 @@ def test_int64_offsets_cuda(device):
 # ---------------------------------------------------------------------------------------
 # Compiled code without a GPU: the interpreter never compiles, so type or lowering errors
 # would only show on a GPU. Compile for sm_90 with the bundled ptxas, as the JIT would
-# specialise a contiguous [T, N, 128] bf16 problem, and check the register budget the
-# launch configuration is built on (nsa_config: at most 96 registers, no spills).
+# specialise a contiguous [T, N, D] bf16 problem (block size, stride and heads multiples of
+# 16, as CANN requires), with the launch parameters nsa_config picks for it, and check what
+# the configuration is built on: registers within nsa_config's budgets, no local memory
+# (spills), and in the backward's pipelined group loop asynchronous copies (cp.async) in
+# place of its loads. Under the installed (newest) Triton and under 3.6, the GPU image's.
 
 _COMPILE_SM90 = r"""
 import os, re, subprocess, sys, tempfile
+import torch
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from gradops.kernels import nsa_compress as K
+from gradops.kernels import nsa_compress as K, nsa_config as C
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 TYPES = {**{n: "*bf16" for n in ("x_ptr", "w_ptr", "out_ptr", "dout_ptr", "dx_ptr")},
          **{n: "*i64" for n in ("cu_seqlens_ptr", "cu_blocks_ptr", "cu_chunks_ptr")},
          "part_ptr": "*fp32"}
 UNIT = ("sx_d", "so_d", "sg_d", "sdx_d", "sw_n")
-DIV16 = ("sx_t", "sx_n", "so_c", "so_n", "sg_c", "sg_n", "sdx_t", "sdx_n", "head_dim", "sw_j", "width")
+DIV16 = ("sx_t", "sx_n", "so_c", "so_n", "sg_c", "sg_n", "sdx_t", "sdx_n", "head_dim", "sw_j", "width",
+         "num_heads", "block_size", "stride")
 
-def registers(fn, consts, types=TYPES):
+def usage(name, fn, consts, types=TYPES):
     sig, attrs = {}, {}
-    consts = dict(consts)
+    consts = dict(consts, ACC=tl.float32)
     for i, n in enumerate(fn.arg_names):
         if n in UNIT:
             consts[n] = 1
@@ -442,35 +471,59 @@ def registers(fn, consts, types=TYPES):
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
-    usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name],
-                           capture_output=True, text=True, check=True).stdout
-    m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
-    return int(m.group(1)), int(m.group(2)), k.asm["ptx"].count("ld.global.v")
+    res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name],
+                         capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name],
+                          capture_output=True, text=True, check=True).stdout
+    os.unlink(f.name)
+    ptx = k.asm["ptx"]
+    # A pipelined loop carries the tokens of the copies it has in flight.
+    pipelined = any("!ttg.async.token" in line for line in k.asm["ttgir"].splitlines() if "scf.for" in line)
+    print(name, re.search(r"REG:(\d+)", res).group(1), len(re.findall(r"\b(?:STL|LDL)\b", sass)),
+          ptx.count("cp.async.cg.shared.global") + ptx.count("cp.async.ca.shared.global"),
+          ptx.count("ld.global.v"), int(pipelined), flush=True)
 
-f32 = tl.float32
-print("fwd", *registers(K._nsa_compress_fwd_kernel, {"BLOCK_C": 16, "BLOCK_H": 2, "BLOCK_D": 128, "ACC": f32}))
-print("bwd", *registers(K._nsa_compress_bwd_kernel, {"ROWS": 16, "BLOCK_H": 1, "BLOCK_D": 128, "K_PAD": 2,
-                                                     "DW_IN_TILE": True, "ACC": f32}))
+def bwd(name, heads, dim, l, s, max_unrolled_cover=C.MAX_UNROLLED_COVER):
+    cfg = C.backward_config(131072, heads, dim, l, s, torch.device("cpu"))
+    cfg = type(cfg)(**{**cfg.__dict__, "max_unrolled_cover": max_unrolled_cover})
+    usage(name, K._nsa_compress_bwd_kernel, K.backward_meta(cfg, l, s))
+
+f = C.forward_config(64, 128, 32, 16)
+usage("fwd", K._nsa_compress_fwd_kernel, {"BLOCK_C": f.block_c, "BLOCK_H": f.block_h, "BLOCK_D": f.block_d})
+bwd("bwd", 64, 128, 32, 16)        # the training shape: ceil(l/s) = 2, 16 x 1 x 128 tiles
+bwd("bwd_d64", 64, 64, 64, 32)     # 16 x 2 x 64 tiles
+bwd("bwd_k1", 16, 128, 16, 16)     # l = s: one block per token
+bwd("bwd_k4", 16, 128, 64, 16)     # 4 blocks: half tiles
+bwd("bwd_loop", 16, 128, 128, 16)  # 8 blocks: run-time loop over them, not pipelined
 # ceil(l/s) > BLOCK_D (tiny head dims, stride 1): dweight partial in its own array
-print("bwd_k_array", *registers(K._nsa_compress_bwd_kernel, {"ROWS": 1, "BLOCK_H": 16, "BLOCK_D": 16,
-                                                             "K_PAD": 32, "DW_IN_TILE": False, "ACC": f32}))
-print("sum", *registers(K._sum_rows_kernel, {"BLOCK_P": 128, "BLOCK_W": 64, "ACC": f32},
-                        {"part_ptr": "*fp32", "out_ptr": "*bf16"}))
+usage("bwd_k_array", K._nsa_compress_bwd_kernel, {"ROWS": 1, "BLOCK_H": 16, "BLOCK_D": 16, "K_PAD": 32,
+                                                  "COVER": 0, "NUM_STAGES": 1, "DW_IN_TILE": False})
+usage("sum", K._sum_rows_kernel, {"BLOCK_P": 128, "BLOCK_W": 64}, {"part_ptr": "*fp32", "out_ptr": "*bf16"})
 """
 
 
-def test_compiles_for_sm90_within_register_budget():
+@pytest.mark.parametrize("triton_version", ["installed", "3.6"])
+def test_compiles_for_sm90_within_register_budget(triton_version):
     import os
 
     import triton
 
+    from gradops.kernels import nsa_config
+
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("triton's bundled ptxas is not installed")
-    stdout = run_sm90_compile(_COMPILE_SM90, timeout=300)
+    stdout = run_sm90_compile(_COMPILE_SM90, timeout=300, triton_version=triton_version)
     usage = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in stdout.splitlines()}
-    for kernel, (regs, stack, vector_loads) in usage.items():
-        assert stack == 0, f"{kernel} spills ({stack} bytes of stack)"
-        assert vector_loads > 0 or kernel == "bwd_k_array", f"{kernel}: loads are not vectorised"
-    assert usage["bwd"][0] <= 96, f"backward needs {usage['bwd'][0]} registers; nsa_config assumes <= 96"
-    assert usage["fwd"][0] <= 96, f"forward needs {usage['fwd'][0]} registers"
+    assert len(usage) == 8, stdout
+    for kernel, (regs, local, async_copies, vector_loads, pipelined) in usage.items():
+        assert local == 0, f"{kernel} spills ({local} local-memory instructions)"
+        if kernel.startswith("bwd") and kernel not in ("bwd_loop", "bwd_k_array"):
+            # The group loop's x tiles and dOut rows go through cp.async, 16 bytes a copy.
+            assert pipelined and async_copies > 0, f"{kernel}: the group loop is not pipelined"
+            assert regs <= nsa_config.BWD_MAX_REGISTERS, (
+                f"{kernel} needs {regs} registers; nsa_config assumes <= {nsa_config.BWD_MAX_REGISTERS}")
+        else:
+            assert vector_loads > 0 or kernel == "bwd_k_array", f"{kernel}: loads are not vectorised"
+            assert regs <= 96, f"{kernel} needs {regs} registers"
+    assert not usage["bwd_loop"][4] and not usage["bwd_k_array"][4]

@@ -19,7 +19,9 @@ given k reads the *same* dOut row. Each program owns a run of groups of one sequ
 slice of rows, heads and head dim): it reads each x row once, gathers the covering dOut rows
 (shared with its neighbours, so they come from cache), writes each dx row once, and in the
 same pass accumulates its dweight partial ``[k, r, head] -> dweight[k*s + r, head]`` in
-registers. A second tiny kernel sums the partials in a fixed order. Results are bitwise
+registers. For ceil(l/s) <= 4 the covering blocks are unrolled, so the group loop has no
+inner loop and is software-pipelined (the next groups' x tiles and dOut rows arrive by
+cp.async while one group computes). A second tiny kernel sums the partials in a fixed order. Results are bitwise
 reproducible for a given shape and launch configuration.
 """
 from __future__ import annotations
@@ -107,8 +109,11 @@ def _nsa_compress_bwd_kernel(
     groups_per_chunk, covering,
     sg_c, sg_n, sg_d, sx_t, sx_n, sx_d, sw_j, sw_n, sdx_t, sdx_n, sdx_d,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, K_PAD: tl.constexpr,
-    DW_IN_TILE: tl.constexpr, ACC: tl.constexpr,
+    COVER: tl.constexpr, NUM_STAGES: tl.constexpr, DW_IN_TILE: tl.constexpr, ACC: tl.constexpr,
 ):
+    """COVER > 0 (= ceil(l/s), known at compile time): the covering blocks are unrolled and
+    the group loop is software-pipelined over NUM_STAGES stages. COVER = 0: a run-time loop
+    over the covering blocks (any l/s), and the group loop is not pipelined."""
     pid_chunk = tl.program_id(0)
     pid_rest = tl.program_id(1)
     d_tiles = tl.cdiv(head_dim, BLOCK_D)
@@ -143,15 +148,23 @@ def _nsa_compress_bwd_kernel(
     hd_dx = h64[:, None] * sdx_n + d64[None, :] * sdx_d
     kk = tl.arange(0, K_PAD)
     d_local = tl.arange(0, BLOCK_D)
+    every_row = (r >= 0)[:, None, None] & hd_ok[None, :, :]
 
-    # dweight partial dweight[k*stride + r, head]. Kept in the layout of the x tile, with
-    # the head-dim index standing for k (when ceil(l/s) fits in BLOCK_D), so that adding
-    # a group's products needs no register shuffle; else as its own [k, r, head] array.
-    if DW_IN_TILE:
+    # dweight partial dweight[k*stride + r, head], accumulated without register shuffles:
+    # - unrolled blocks: a [ROWS, BLOCK_H, K_PAD] array, k last, so that its K_PAD values
+    #   sit in one thread's registers and every select on k is resolved at compile time;
+    # - run-time k: in the layout of the x tile, with the head-dim index standing for k
+    #   (when ceil(l/s) fits in BLOCK_D), else as its own [k, r, head] array.
+    if COVER > 0:
+        dw = tl.zeros([ROWS, BLOCK_H, K_PAD], dtype=ACC)
+    elif DW_IN_TILE:
         dw = tl.zeros([ROWS, BLOCK_H, BLOCK_D], dtype=ACC)
     else:
         dw = tl.zeros([K_PAD, ROWS, BLOCK_H], dtype=ACC)
-    for g in range(g_begin, g_end):
+    # With NUM_STAGES > 1 the compiler copies the x tiles and dOut rows of the next groups
+    # to shared memory asynchronously (cp.async) while this one computes; it pipelines only
+    # a loop without an inner loop, hence the unrolled covering blocks.
+    for g in tl.range(g_begin, g_end, num_stages=NUM_STAGES):
         p = g * stride + r  # positions in the sequence
         row_ok = r_ok & (p < seq_len)
         t = seq_start + p
@@ -162,30 +175,42 @@ def _nsa_compress_bwd_kernel(
         # then shuffles it through shared memory each group (sm_90 PTX of a 16x1x128 bf16
         # tile: 220 registers instead of 80). (xv != xv) is 0/1, never NaN, even for inf x.
         dx = (xv != xv).to(ACC) * 0.0
-        # Blocks g - k that exist: 0 <= g - k < n_blocks (and k < covering).
-        k_begin = tl.maximum(g - n_blocks + 1, 0)
-        k_end = tl.minimum(g + 1, covering)
-        for k in range(k_begin, k_end):
-            j = r + k * stride
-            w_ok = row_ok & (j < block_size)
-            wv = tl.load(w_ptr + (j[:, None] * sw_j + h[None, :] * sw_n),
-                         mask=w_ok[:, None] & h_ok[None, :], other=0.0).to(ACC)
-            # The block's dOut row, loaded once per row of the tile (same address: L1
-            # broadcast) so that it arrives in the tile's layout, without a shuffle.
-            g_off = (first_block + g - k) * sg_c + r * 0
-            gv = tl.load(dout_ptr + (g_off[:, None, None] + hd_g[None, :, :]),
-                         mask=(r >= 0)[:, None, None] & hd_ok[None, :, :], other=0.0).to(ACC)
-            # Rows past the block's end (w_ok false) have a zero weight, but 0 * NaN (or inf)
-            # in dOut is NaN: select, so that a non-finite dOut stays in its block's rows.
-            dx += tl.where(w_ok[:, None, None], wv[:, :, None] * gv, 0.0)
-            part = tl.sum(xv * gv, axis=2)
-            # Rows the block does not cover are no term of dweight: drop them, and with them
-            # any NaN or inf in their x.
-            part = tl.where(w_ok[:, None], part, 0.0)
-            if DW_IN_TILE:
-                dw += tl.where((d_local == k)[None, None, :], part[:, :, None], 0.0)
-            else:
-                dw += tl.where((kk == k)[:, None, None], part[None, :, :], 0.0)
+        if COVER > 0:
+            for k in tl.static_range(COVER):
+                # Block g - k, which exists iff 0 <= g - k < n_blocks; a missing one (the
+                # first and last groups of a sequence) is masked, not skipped.
+                blk_ok = (g - k >= 0) & (g - k < n_blocks)
+                j = r + k * stride
+                cov = row_ok & (j < block_size) & blk_ok  # rows block g - k covers
+                wv = tl.load(w_ptr + (j[:, None] * sw_j + h[None, :] * sw_n),
+                             mask=cov[:, None] & h_ok[None, :], other=0.0).to(ACC)
+                # The block's dOut row, loaded once per row of the tile (same address) so
+                # that it arrives in the tile's layout, without a shuffle.
+                g_off = (first_block + g - k) * sg_c + r * 0
+                gv = tl.load(dout_ptr + (g_off[:, None, None] + hd_g[None, :, :]),
+                             mask=every_row & blk_ok, other=0.0).to(ACC)
+                # Rows the block does not cover are selected out, not multiplied by a zero
+                # weight: 0 * NaN is NaN, and a non-finite dOut, x or weight must reach
+                # exactly the entries whose formula holds it.
+                dx += tl.where(cov[:, None, None], wv[:, :, None] * gv, 0.0)
+                part = tl.where(cov[:, None], tl.sum(xv * gv, axis=2), 0.0)
+                dw += tl.where((kk == k)[None, None, :], part[:, :, None], 0.0)
+        else:
+            # Blocks g - k that exist: 0 <= g - k < n_blocks (and k < covering).
+            for k in range(tl.maximum(g - n_blocks + 1, 0), tl.minimum(g + 1, covering)):
+                j = r + k * stride
+                cov = row_ok & (j < block_size)
+                wv = tl.load(w_ptr + (j[:, None] * sw_j + h[None, :] * sw_n),
+                             mask=cov[:, None] & h_ok[None, :], other=0.0).to(ACC)
+                g_off = (first_block + g - k) * sg_c + r * 0
+                gv = tl.load(dout_ptr + (g_off[:, None, None] + hd_g[None, :, :]),
+                             mask=every_row, other=0.0).to(ACC)
+                dx += tl.where(cov[:, None, None], wv[:, :, None] * gv, 0.0)
+                part = tl.where(cov[:, None], tl.sum(xv * gv, axis=2), 0.0)
+                if DW_IN_TILE:
+                    dw += tl.where((d_local == k)[None, None, :], part[:, :, None], 0.0)
+                else:
+                    dw += tl.where((kk == k)[:, None, None], part[None, :, :], 0.0)
         dx_mask = row_ok[:, None, None] & hd_ok[None, :, :]
         tl.store(dx_ptr + (t[:, None, None] * sdx_t + hd_dx[None, :, :]),
                  dx.to(dx_ptr.dtype.element_ty), mask=dx_mask)
@@ -193,7 +218,12 @@ def _nsa_compress_bwd_kernel(
     # Every (j, head) of this program's rows is written, zeros included, so the
     # reduction needs no zero-filled workspace.
     part_base = part_ptr + (chunk * d_tiles + pid_d) * block_size * num_heads
-    if DW_IN_TILE:
+    if COVER > 0:
+        j_all = kk[None, None, :] * stride + r[:, None, None]
+        part_ok = ((kk < covering)[None, None, :] & r_ok[:, None, None] & (j_all < block_size)
+                   & h_ok[None, :, None])
+        tl.store(part_base + (j_all * num_heads + h[None, :, None]), dw, mask=part_ok)
+    elif DW_IN_TILE:
         j_all = d_local[None, None, :] * stride + r[:, None, None]
         part_ok = ((d_local < covering)[None, None, :] & r_ok[:, None, None] & (j_all < block_size)
                    & h_ok[None, :, None])
@@ -316,6 +346,16 @@ def backward_workspace(num_chunks: int, num_heads: int, head_dim: int, block_siz
     return (num_chunks * triton.cdiv(head_dim, cfg.block_d), block_size, num_heads), acc
 
 
+def backward_meta(cfg: BackwardConfig, block_size: int, stride: int) -> dict:
+    """The compile-time arguments of the backward kernel (the sm_90 compile test builds the
+    same kernel from them)."""
+    covering = triton.cdiv(block_size, stride)
+    unrolled = covering <= cfg.max_unrolled_cover
+    return dict(ROWS=cfg.rows, BLOCK_H=cfg.block_h, BLOCK_D=cfg.block_d, K_PAD=next_pow2(covering),
+                COVER=covering if unrolled else 0, NUM_STAGES=cfg.num_stages if unrolled else 1,
+                DW_IN_TILE=covering <= cfg.block_d)
+
+
 def _backward(dout, x, weight, block_size, stride, cu_seqlens, num_blocks, cfg: BackwardConfig):
     num_tokens, num_heads, head_dim = x.shape
     device = x.device
@@ -344,8 +384,7 @@ def _backward(dout, x, weight, block_size, stride, cu_seqlens, num_blocks, cfg: 
         cfg.groups_per_chunk, covering,
         dout.stride(0), dout.stride(1), dout.stride(2), x.stride(0), x.stride(1), x.stride(2),
         weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1), dx.stride(2),
-        ROWS=cfg.rows, BLOCK_H=cfg.block_h, BLOCK_D=cfg.block_d, K_PAD=next_pow2(covering),
-        DW_IN_TILE=covering <= cfg.block_d, ACC=acc, num_warps=cfg.num_warps,
+        **backward_meta(cfg, block_size, stride), ACC=acc, num_warps=cfg.num_warps,
     )
     dweight = torch.empty((block_size, num_heads), dtype=x.dtype, device=device)
     width = block_size * num_heads

@@ -20,11 +20,32 @@ NUM_WARPS = 4
 # Forward tile (blocks x heads x head dim): 4096 float32 accumulators over 128 threads,
 # 64 registers per thread on sm_90.
 FWD_TILE_ELEMS = 4096
-# The backward holds more live tiles (x, the dx and dweight accumulators, a dOut row), so
-# its tiles are half as large: 2048 elements compile to 96 registers per thread on sm_90
-# (triton 3.9), which lets RESIDENT_PER_SM programs (20 warps) share an SM.
+# The backward holds more live tiles (x, the dx and dweight accumulators, the dOut rows),
+# so its tiles are half as large: 2048 elements.
 BWD_TILE_ELEMS = 2048
-RESIDENT_PER_SM = 5
+# The backward's group loop is software-pipelined when its covering blocks (ceil(l/s) of
+# them) are unrolled, which is done up to MAX_UNROLLED_COVER: past that the unrolled dOut
+# rows push the sm_90 compile over the register budget (ptxas keeps every block's row live:
+# 120-200 registers for 5-8 blocks even on 512-element tiles), and the kernel keeps a
+# run-time loop over the blocks, not pipelined. BWD_PIPELINE_STAGES[ceil(l/s)] is the
+# `num_stages` of the group loop (stages - 1 groups of x and dOut in flight per program,
+# in shared memory). More than 2 blocks use half tiles: 3 and 4 unrolled blocks then fit
+# the budget, and so does the run-time loop (96 registers and a spill under Triton 3.6 on
+# a full tile).
+# The stage counts are those whose sm_90 compiles fit the budget without spilling under
+# both Triton 3.6 and 3.9 (e.g. 1 block at 3 stages spills 8 bytes under 3.9; 2 blocks at
+# 4 stages need up to 117 registers).
+MAX_UNROLLED_COVER = 4
+BWD_PIPELINE_STAGES = {1: 4, 2: 3, 3: 4, 4: 3}
+# Registers per thread the backward may use (checked by the sm_90 compile test), and the
+# programs of NUM_WARPS warps that then fit an SM's 64K registers: 4. Pipelining replaces
+# occupancy as the way to keep loads in flight (each program has stages - 1 groups of x in
+# flight, 2 x 4 KB at l/s = 2: 32 KB per SM, above the ~18 KB that HBM bandwidth times
+# latency asks of an H100 SM), so the budget is 128 rather than the 96 of 5 programs: the
+# 2048-element pipelined tile compiles to 88-102 registers depending on the head dim and
+# the Triton version, too close to 96 to hold.
+BWD_MAX_REGISTERS = 128
+RESIDENT_PER_SM = 65536 // (BWD_MAX_REGISTERS * 32 * NUM_WARPS)
 # Widest slice of the head dim one program handles; wider heads are split over programs
 # (the forward has nothing to reduce over D; the backward's dweight partials gain one
 # partial row per slice).
@@ -80,6 +101,10 @@ class BackwardConfig:
     reduce_block_p: int  # partial rows summed per step by the dweight reduction
     reduce_block_w: int  # dweight elements per reduction program
     reduce_num_warps: int = NUM_WARPS
+    # ceil(l/s) up to this is unrolled in the kernel and its group loop pipelined over
+    # num_stages stages; 0 keeps the run-time loop over covering blocks for every l/s.
+    max_unrolled_cover: int = MAX_UNROLLED_COVER
+    num_stages: int = 3
 
 
 def forward_config(num_heads: int, head_dim: int, block_size: int, stride: int) -> ForwardConfig:
@@ -94,8 +119,10 @@ def forward_config(num_heads: int, head_dim: int, block_size: int, stride: int) 
 def backward_config(num_tokens: int, num_heads: int, head_dim: int, block_size: int,
                     stride: int, device: torch.device) -> BackwardConfig:
     block_d = min(next_pow2(head_dim), MAX_BLOCK_D)
-    rows = min(next_pow2(stride), max(1, BWD_TILE_ELEMS // block_d))
-    block_h = min(next_pow2(num_heads), max(1, BWD_TILE_ELEMS // (rows * block_d)))
+    covering = cdiv(block_size, stride)
+    tile = BWD_TILE_ELEMS if covering <= 2 else BWD_TILE_ELEMS // 2
+    rows = min(next_pow2(stride), max(1, tile // block_d))
+    block_h = min(next_pow2(num_heads), max(1, tile // (rows * block_d)))
     d_tiles = cdiv(head_dim, block_d)
     # At least one program per chunk even when N or D is 0: the launcher does not launch
     # an empty problem, but the configuration must still be defined for it.
@@ -110,4 +137,5 @@ def backward_config(num_tokens: int, num_heads: int, head_dim: int, block_size: 
     reduce_w = max(16, min(1024, REDUCE_TILE // reduce_p, next_pow2(block_size * num_heads)))
     return BackwardConfig(rows, block_h, block_d, groups_per_chunk, NUM_WARPS,
                           reduce_block_p=reduce_p, reduce_block_w=reduce_w,
-                          reduce_num_warps=8 if reduce_p * reduce_w >= REDUCE_TILE else NUM_WARPS)
+                          reduce_num_warps=8 if reduce_p * reduce_w >= REDUCE_TILE else NUM_WARPS,
+                          num_stages=BWD_PIPELINE_STAGES.get(covering, 1))
