@@ -23,10 +23,28 @@ def test_dry_run_lists_the_gpu_plan_within_its_budget(capsys):
     assert bench_all.GPU_BUDGET < 8 * 60
 
 
-def test_dry_run_on_cpu_is_the_quick_plan(capsys):
-    assert bench_all.main(["--dry-run", "--device", "cpu"]) == 0
+def test_dry_run_on_cpu_with_quick_is_the_interpreter_plan(capsys):
+    assert bench_all.main(["--dry-run", "--device", "cpu", "--quick"]) == 0
     out = capsys.readouterr().out
     assert all(p.name in out for p in bench_all.CPU_QUICK_PLAN) and "--interpret" in out
+
+
+def test_dry_run_on_cpu_is_the_cpu_comparison(capsys):
+    assert bench_all.main(["--dry-run", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    for part in bench_all.CPU_PLAN:
+        assert f"gradops bench {part.family} {' '.join(part.argv)}" in out
+    assert "--interpret" not in out and f"budget {bench_all.CPU_BUDGET:.0f} s" in out
+    assert sum(p.share for p in bench_all.CPU_PLAN) == bench_all.CPU_BUDGET
+    # the CPU shapes, both dtypes, the eager and compiled peers; the call cost
+    norm_part = next(p for p in bench_all.CPU_PLAN if p.name == "norm")
+    args = norm.prepare(norm.parse_args(list(norm_part.argv) + ["--device", "cpu"]), need_device=False)
+    assert {(m, n) for _, _, m, n in norm.cases(args)} == set(norm.CPU_SHAPES)
+    assert {d for _, d, _, _ in norm.cases(args)} == {"float32", "bfloat16"}
+    call = next(p for p in bench_all.CPU_PLAN if p.name == "norm-call")
+    args = norm.prepare(norm.parse_args(list(call.argv) + ["--device", "cpu"]), need_device=False)
+    assert {op for op, *_ in norm.cases(args)} == set(norm.CALL_OPS)
+    assert norm.impl_names(args) == [OURS, norm.CALL_PEER]
 
 
 # The CPU runs switch the Triton interpreter on for their process: not in a suite whose other
@@ -48,7 +66,8 @@ def test_quick_run_on_cpu_writes_one_folder_and_a_summary(tmp_path, capsys):
     assert summary["ok"] and set(summary["families"]) == {"norm", "nsa", "floyd"}
     for fam in summary["families"].values():
         assert fam["ours_measured"] > 0 and not fam["ours_failed"] and fam["peers"]
-        assert all(g["status"].startswith("not evaluated") for g in fam["goals"])  # GPU goals, CPU run
+        # GPU goals on a CPU run, and ours through the interpreter: no goal is read off these times
+        assert all(g["status"].startswith("not evaluated") or g["status"] == "not measured" for g in fam["goals"])
     assert "liger" in summary["peers_not_usable"]["norm"]  # GPU only, and named as such
     data = json.loads((tmp_path / "norm.json").read_text())
     assert data["meta"]["backend_ours"] == "triton"  # the interpreter
@@ -67,7 +86,7 @@ def test_without_triton_ours_is_the_reference_and_says_why(tmp_path):
 
 @cpu_suite_only
 def test_a_spent_budget_skips_and_fails(tmp_path, capsys):
-    rc = bench_all.main(["--device", "cpu", "--budget-seconds", "0", "--out", str(tmp_path)])
+    rc = bench_all.main(["--device", "cpu", "--quick", "--budget-seconds", "0", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 1 and "SKIPPED norm" in out and "result: FAILED" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -121,3 +140,107 @@ def test_goals_are_read_off_the_records():
     h200 = _run("NVIDIA H200", records)
     assert Goal("bw", ("rms_bwd",), "gbps", 2900.0).evaluate([h200])["status"].startswith("not evaluated")
     assert Goal("x", ("rms_bwd",), "hbm_fraction", 0.8, gpu=None).evaluate([h200])["status"] == "missed"  # /4800
+
+
+def test_the_cpu_comparison_skips_when_the_budget_is_spent(tmp_path, capsys):
+    rc = bench_all.main(["--device", "cpu", "--budget-seconds", "0", "--out", str(tmp_path), "--no-plot"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "the CPU comparison" in out and "SKIPPED norm" in out and "SKIPPED nsa" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [p["name"] for p in summary["plan"]] == [p.name for p in bench_all.CPU_PLAN]
+    assert summary["kernels_skipped_on_cpu"] is None  # the interpreter was never switched on
+
+
+def test_cpu_goals_are_evaluated_on_cpu_runs_only():
+    case = {"dtype": "float32", "M": 8192, "N": 4096}
+    records = [("rms_bwd", case, OURS, 2.0, None), ("rms_bwd", case, "torch autograd", 3.0, None),
+               ("rms_bwd", case, "eager formula", 2.5, None), ("rms_bwd", case, "torch.compile", 1.0, None)]
+    cpu = Run("t", "cpu")
+    cpu.meta["backend_ours"] = "reference"
+    for op, c, impl, ms, nbytes in records:
+        cpu.add(Record(op, c, impl, [ms], nbytes))
+    gpu = _run("NVIDIA H100 80GB HBM3", records)
+    goal = next(g for g in norm.GOALS if g.device == "cpu" and g.ops == ("rms_bwd",))
+    on_cpu = goal.evaluate([cpu])
+    # the worst of the eager peers (torch.compile is not one of them): 2.5 / 2.0
+    assert on_cpu["status"] == "met" and on_cpu["worst"] == pytest.approx(1.25) and on_cpu["cases"] == 1
+    assert on_cpu["worst_case"] == {"op": "rms_bwd", **case}
+    assert goal.evaluate([gpu])["status"] == "not evaluated (a CPU goal; this is a GPU run)"
+    other = {"dtype": "float32", "M": 1024, "N": 4096}  # not one of the CPU shapes
+    cpu2 = Run("t", "cpu")
+    cpu2.add(Record("rms_bwd", other, OURS, [1.0]))
+    cpu2.add(Record("rms_bwd", other, "torch autograd", [3.0]))
+    assert goal.evaluate([cpu2])["status"] == "not measured"
+    # the GPU goals stay off a CPU run; a goal on any device is read on both
+    assert norm.GOALS[0].evaluate([cpu])["status"] == "not evaluated (a GPU goal; this is a CPU run)"
+    anywhere = Goal("x", ("rms_bwd",), "speedup:torch autograd", 1.0, gpu=None, device="any")
+    assert anywhere.evaluate([cpu])["status"] == anywhere.evaluate([gpu])["status"] == "met"
+    # ours through the Triton interpreter is no timing: nothing is read off it
+    cpu.meta["backend_ours"] = "triton"
+    assert goal.evaluate([cpu])["status"].startswith("not evaluated (ours ran through the Triton interpreter")
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU comparison (without --quick): our CPU path against ATen, autograd and torch.compile
+# ---------------------------------------------------------------------------------------------
+def test_norm_on_cpu_defaults_to_the_cpu_shapes_and_the_call_cost():
+    args = norm.prepare(norm.parse_args(["--device", "cpu"]), need_device=False)
+    cases = norm.cases(args)
+    assert {op for op, *_ in cases} == set(norm.CPU_OPS)
+    assert {(m, n) for op, _, m, n in cases if op not in norm.CALL_OPS} == {(8192, 4096), (2048, 16384)}
+    assert {(m, n) for op, _, m, n in cases if op in norm.CALL_OPS} == {(8, 64), (64, 256)}
+    assert args.dtypes == ["float32", "bfloat16"] and args.peers == list(norm.PEERS)
+    assert "torch.compile" in norm.impl_names(args)
+    quick = norm.prepare(norm.parse_args(["--device", "cpu", "--quick"]), need_device=False)
+    assert max(m * n for *_, m, n in norm.cases(quick)) <= norm.QUICK_NUMEL  # --quick stays tiny
+    shapes = norm.parse_args(["--call-shapes", "2x8", "4X16"]).call_shapes
+    assert shapes == [(2, 8), (4, 16)]
+
+
+def test_norm_on_cpu_records_every_op_against_its_peers_with_ratios_and_goals(tmp_path):
+    rc = norm.main(["--device", "cpu", "--dtype", "fp32", "--widths", "64", "--numel", "256", "--call-shapes", "2x8",
+                    "--peers", "autograd", "aten", "--reps", "2", "--warmup", "1", "--max-seconds", "0.05",
+                    "--out", str(tmp_path), "--tag", "t", "--no-plot"])
+    assert rc == 0
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["meta"]["backend_ours"] == "reference"  # our CPU path
+    peers = {(r["op"], r["impl"]) for r in data["ratios"] if r["speedup_of_ours"] is not None}
+    assert {("rms_bwd", "torch autograd"), ("rms_bwd", "eager formula"), ("ln_bwd", "torch autograd"),
+            ("ln_bwd", "aten bwd"), ("rms_fwd", "torch eager"), ("ln_fwd", "torch eager"), ("ln_fwd", "aten fwd"),
+            ("ln_call", norm.CALL_PEER), ("rms_call", norm.CALL_PEER)} <= peers
+    call = [r for r in data["records"] if r["op"] == "ln_call"]
+    assert {r["case"]["M"] for r in call} == {2} and all(r["bytes"] is None for r in call)
+    goals = {g["goal"]: g for g in data["goals"]}
+    assert len(goals) == len(norm.GOALS)
+    call_goal = goals["nn.functional fwd+bwd on tiny tensors within 1.3x of torch.nn.functional"]
+    assert call_goal["status"] in ("met", "missed") and call_goal["cases"] == 2  # ln_call and rms_call
+    for g in goals.values():
+        if g["device"] == "cpu":
+            assert g["status"] == "not measured"  # no case at the CPU shapes
+        elif g["device"] == "cuda":
+            assert g["status"].startswith("not evaluated")
+
+
+def test_nsa_on_cpu_defaults_to_the_cpu_shape_without_the_reference_peer():
+    args = nsa.prepare(nsa.parse_args(["--device", "cpu"]), need_device=False)
+    assert {c[:5] for c in nsa.cases(args)} == {(16384, 8, 128, 32, 16)}
+    assert args.dtypes == ["float32", "bfloat16"] and not args.interpret
+    assert args.peers == ["autograd", "compile", "naive"]  # the reference is ours here
+    quick = nsa.prepare(nsa.parse_args(["--device", "cpu", "--quick"]), need_device=False)
+    assert "reference" in quick.peers and quick.interpret
+
+
+def test_nsa_on_cpu_records_autograd_of_the_same_formula_with_ratios_and_goals(tmp_path):
+    rc = nsa.main(["--device", "cpu", "--dtype", "fp32", "--tokens", "96", "--heads", "2", "--dims", "8",
+                   "--blocks", "8x4", "--seqlen", "40", "--peers", "autograd", "naive", "--reps", "2",
+                   "--warmup", "1", "--max-seconds", "0.05", "--out", str(tmp_path), "--tag", "t", "--no-plot"])
+    assert rc == 0
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["meta"]["backend_ours"] == "reference"
+    peers = {(r["op"], r["impl"]) for r in data["ratios"] if r["speedup_of_ours"] is not None}
+    assert peers == {("nsa_compress_grad", "autograd(reference)"), ("nsa_compress_grad", "naive unfold (autograd)"),
+                     ("nsa_compress", "naive unfold")}
+    (cpu_goal,) = [g for g in data["goals"] if g["device"] == "cpu"]
+    assert cpu_goal["status"] in ("met", "missed") and cpu_goal["cases"] == 2
+    (gpu_goal,) = [g for g in data["goals"] if g["device"] == "cuda"]
+    assert gpu_goal["status"].startswith("not evaluated")

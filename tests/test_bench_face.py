@@ -153,10 +153,13 @@ def test_selftest_takes_the_same_dtype_names(monkeypatch):
 
 
 def test_bench_all_dtype_keeps_only_those_cases(capsys):
+    assert bench_all.main(["--dry-run", "--device", "cpu", "--quick", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "--dtype bfloat16 leaves out floyd" in out  # the quick CPU plan's Floyd part is float32 only
+    assert "gradops bench norm --quick --interpret --dtype bfloat16 --widths" in out
     assert bench_all.main(["--dry-run", "--device", "cpu", "--dtype", "bf16"]) == 0
     out = capsys.readouterr().out
-    assert "--dtype bfloat16 leaves out floyd" in out  # the CPU plan's Floyd part is float32 only
-    assert "gradops bench norm --quick --interpret --dtype bfloat16 --widths" in out
+    assert "gradops bench norm --ops rms_bwd ln_bwd rms_fwd ln_fwd --dtype bfloat16 --widths" in out
     with pytest.raises(SystemExit, match="no part of the plan runs in float64"):
         bench_all.main(["--dry-run", "--device", "cpu", "--dtype", "float64"])
     part = bench_all.Part("p", "norm", ("--ops", "rms_bwd"), 1.0, "")

@@ -7,7 +7,12 @@ time budget, and writes one folder: each part's JSON and PNG, and ``summary.json
 each goal of docs/benchmarks.md: met, missed, not measured or not evaluated). Exits 1 when one of
 our measurements failed, a part crashed, or the budget left cases unmeasured.
 
-The plan is data (``GPU_PLAN`` and the two quick plans below): each part is a family's own
+On a CPU it runs the CPU comparison instead (``CPU_PLAN``: our CPU path against ATen,
+autograd and torch.compile at the CPU shapes of the norms and NSA, and the cost of a call),
+and with ``--quick`` the wiring check (``CPU_QUICK_PLAN``: tiny shapes, our kernels through
+the Triton interpreter).
+
+The plan is data (``GPU_PLAN``, ``CPU_PLAN`` and the two quick plans below): each part is a family's own
 command line, so ``gradops bench FAMILY ARGS`` reproduces any part alone. Each part has a
 share of the budget; part i stops starting measurements once the shares of parts 1..i are
 spent (time a part leaves over passes on; an overrun is taken from the parts after it).
@@ -53,9 +58,9 @@ GPU_PLAN = (
     Part("norm", "norm", ("--ops", *NORM_OPS, "--dtype", "bfloat16", "float32", "--widths", "1024", "4096", "16384",
                           "65536", "262144", "--peers", "autograd", "aten", "liger", "--check"), 105,
          "width sweep at M = min(32768, 128M/N), bfloat16 and float32, outputs checked against the reference"),
-    Part("norm-small", "norm", ("--ops", *NORM_OPS, "--dtype", "bfloat16", "--widths", "1024", "4096",
-                                "--numel", str(2**20), "--peers", "autograd", "aten", "liger"), 15,
-         "launch-bound shapes, M*N = 1M"),
+    Part("norm-small", "norm", ("--ops", *NORM_OPS, "ln_call", "rms_call", "--dtype", "bfloat16", "--widths",
+                                "1024", "4096", "--numel", str(2**20), "--peers", "autograd", "aten", "liger"), 15,
+         "launch-bound shapes, M*N = 1M, and the cost of an nn.functional call (fwd+bwd) on tiny tensors"),
     Part("norm-add", "norm", ("--ops", "add_rms_bwd", "add_rms_fwd", "--dtype", "bfloat16", "--widths", "4096",
                               "16384", "--peers", "autograd", "liger", "--check"), 15,
          "the residual add fused into RMSNorm (Llama's casting) against a separate add and norm, and Liger's"),
@@ -103,9 +108,28 @@ CPU_QUICK_PLAN = (
 )
 
 
+# The CPU comparison (docs/benchmarks.md, "On a CPU"): our CPU path (the reference backend)
+# against ATen, autograd and torch.compile at the CPU shapes; timings, not a wiring check.
+# Calls take 0.05-1 s on a 2-core machine and every torch.compile case compiles anew.
+CPU_BUDGET = 900.0
+CPU_PLAN = (
+    Part("norm", "norm", ("--ops", *NORM_OPS, "--dtype", "float32", "bfloat16", "--widths", "4096", "16384",
+                          "--numel", str(32 * 2**20), "--peers", "autograd", "aten", "compile"), 640,
+         "our CPU path at 8192 x 4096 and 2048 x 16384, float32 and bfloat16, against ATen, autograd and "
+         "torch.compile"),
+    Part("norm-call", "norm", ("--ops", "ln_call", "rms_call", "--dtype", "float32", "bfloat16",
+                               "--peers", "autograd"), 20,
+         "the cost of a call: nn.functional fwd+bwd on tiny tensors against torch.nn.functional"),
+    Part("nsa", "nsa", ("--tokens", "16384", "--heads", "8", "--dims", "128", "--blocks", "32x16",
+                        "--dtype", "float32", "bfloat16", "--peers", "autograd", "naive", "compile"), 240,
+         "our CPU path at T = 16K, N = 8, D = 128, against autograd of the same formula, the naive one "
+         "and torch.compile"),
+)
+
+
 def plan_for(device: str, quick: bool) -> Tuple[Tuple[Part, ...], float]:
     if device != "cuda":
-        return CPU_QUICK_PLAN, CPU_QUICK_BUDGET
+        return (CPU_QUICK_PLAN, CPU_QUICK_BUDGET) if quick else (CPU_PLAN, CPU_BUDGET)
     return (GPU_QUICK_PLAN, GPU_QUICK_BUDGET) if quick else (GPU_PLAN, GPU_BUDGET)
 
 
@@ -231,11 +255,11 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="gradops bench all", description=__doc__.split("\n\n")[0])
     harness.add_common_args(
         p, family=False, dtype_help="only the parts' cases in these dtypes (a part left with none is left out)",
-        quick_help="small shapes: a smoke run (on a CPU, always: tiny shapes through the Triton interpreter)",
+        quick_help="small shapes: a smoke run (on a CPU: tiny shapes, our kernels through the Triton interpreter)",
         out_help=(f"results folder (default: {harness.RESULTS_DIR}/<device>-<date>/ for a full run on a GPU, "
                   f"else {harness.scratch_dir()}/<device>-<date>/). The folder written is printed"),
         budget_help=(f"whole run's time budget (default {GPU_BUDGET:.0f} on a GPU, {GPU_QUICK_BUDGET:.0f} "
-                     f"with --quick, {CPU_QUICK_BUDGET:.0f} on a CPU)"))
+                     f"with --quick; on a CPU {CPU_BUDGET:.0f}, {CPU_QUICK_BUDGET:.0f} with --quick)"))
     p.add_argument("--only", nargs="+", default=None, metavar="PART", help="only these parts (by name)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its budget; run nothing")
     return p.parse_args(argv)
@@ -297,12 +321,17 @@ def main(argv=None) -> int:
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gradops bench all: --device cuda, but no CUDA device is visible")
-    if args.device != "cuda":
+    if args.device != "cuda" and any("--interpret" in p.argv for p in parts):
         use_interpreter_on_cpu("cpu")  # before anything imports triton
         kernels_skipped = harness.cpu_kernels_skipped()
         ours = ("our Triton kernels through the Triton interpreter" if kernels_skipped is None else
                 f"ours is the reference backend (our Triton kernels are skipped: {kernels_skipped})")
         print(f"gradops bench all on a CPU: tiny shapes, {ours}.", flush=True)
+        print(f"note: {harness.CPU_NOTE}", flush=True)
+    elif args.device != "cuda":
+        print("gradops bench all on a CPU: the CPU comparison, our CPU path (the reference backend) against "
+              "ATen, autograd and torch.compile at the CPU shapes (--quick: the wiring check through the "
+              "Triton interpreter instead).", flush=True)
         print(f"note: {harness.CPU_NOTE}", flush=True)
     meta = harness.device_info(args.device)
     folder = args.out or _default_folder(meta, committed=args.device == "cuda" and not args.quick)
@@ -323,7 +352,7 @@ def main(argv=None) -> int:
             pargs.deadline = start + spent_share
             run = module.run(pargs)
             runs[part.family].append(run)
-            files += harness.finish(run, pargs, part.name, module.PLOT)
+            files += harness.finish(run, pargs, part.name, module.PLOT, module.GOALS)
         except (Exception, SystemExit) as e:  # a part that crashes is a failure to report, not to hide
             crashed[part.name] = f"{type(e).__name__}: {e}"[:300]
             print(f"part {part.name} failed: {crashed[part.name]}", file=sys.stderr)

@@ -245,8 +245,12 @@ def _flush_l2(device: torch.device):
 
 
 def measure(fn: Callable[[], object], device: str, *, warmup: int = 3, reps: int = 20,
-            flush_l2: bool = True, max_seconds: float = 10.0) -> List[float]:
+            flush_l2: bool = True, max_seconds: float = 10.0, wall_clock: bool = False) -> List[float]:
     """Raw times of ``fn()`` in milliseconds, one per repetition, after ``warmup`` calls.
+
+    ``wall_clock``: on a GPU too, time each call on the host, from an idle device to its
+    work done (synchronised on both sides, no L2 flush): the cost of a call, which CUDA
+    events would hide behind work already queued.
 
     Bounded: the warm-up stops after ``max_seconds`` (at least one call, which holds any
     compilation), and so do the repetitions (at least three). One measurement therefore
@@ -258,7 +262,17 @@ def measure(fn: Callable[[], object], device: str, *, warmup: int = 3, reps: int
             break
         fn()
     times = []
-    if device.startswith("cuda"):
+    if device.startswith("cuda") and wall_clock:
+        torch.cuda.synchronize()
+        start_all = time.perf_counter()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+            if time.perf_counter() - start_all > max_seconds and len(times) >= 3:
+                break
+    elif device.startswith("cuda"):
         dev = torch.device(device)
         torch.cuda.synchronize()
         start_all = time.perf_counter()
@@ -348,6 +362,7 @@ class Run:
             self.meta["note"] = CPU_NOTE
         self.records: List[Record] = []
         self.deadline = deadline  # time.monotonic() after which no measurement starts
+        self.goals: List[dict] = []  # this run's goals, evaluated by finish()
 
     def add(self, record: Record) -> Record:
         self.records.append(record)
@@ -408,6 +423,34 @@ class Run:
                 f"{fmt(peak, '%9.1f'):>9} {fmt(row['speedup_of_ours'], '%6.2fx'):>7}")
         return "\n".join(lines)
 
+    def side_by_side(self) -> str:
+        """The same records pivoted: one line per (op, case), ours first, then every peer's
+        median and, in brackets, its time over ours (> 1: gradops is faster)."""
+        per_op: Dict[str, Dict[str, Dict[str, dict]]] = {}
+        for row in self.ratios():
+            key = ",".join(f"{k}={v}" for k, v in row["case"].items())
+            per_op.setdefault(row["op"], {}).setdefault(key, {})[row["impl"]] = row
+        lines = ["side by side: median ms, (a peer's time / ours: > 1, gradops is faster)"]
+        for op, per_case in per_op.items():
+            impls = [OURS] + list(dict.fromkeys(i for group in per_case.values() for i in group if i != OURS))
+            width = max(len(k) for k in per_case)
+            lines.append(f"{op:<14} {'':<{width}}" + "".join(f" {i[:26]:>26}" for i in impls))
+            for key, group in per_case.items():
+                cells = []
+                for impl in impls:
+                    r = group.get(impl)
+                    if r is None:
+                        cell = "-"
+                    elif r["error"]:
+                        cell = "skipped" if r["error"].startswith("skipped") else "error"
+                    else:
+                        cell = f"{r['median_ms']:.4g}"
+                        if r["speedup_of_ours"] is not None:
+                            cell += f" ({r['speedup_of_ours']:.2f}x)"
+                    cells.append(f" {cell:>26}")
+                lines.append(f"{'':<14} {key:<{width}}" + "".join(cells))
+        return "\n".join(lines)
+
     def result_stem(self, family: str) -> str:
         """``<family>-<device name>-<UTC time>``: the file name stem of this run's results."""
         device = str(self.meta.get("device_name") or self.device)
@@ -437,7 +480,7 @@ class Run:
         data = {"benchmark": self.name, "meta": self.meta,
                 "records": [asdict(r) | {"median_ms": r.median_ms, "gbps": r.gbps, "tflops": r.tflops}
                             for r in self.records],
-                "ratios": self.ratios()}
+                "ratios": self.ratios(), "goals": self.goals}
         with open(path, "w") as f:
             json.dump(data, f, indent=1, default=str)
         return path
@@ -492,10 +535,36 @@ class Run:
         return path
 
 
-def finish(run: Run, args, family: str, plot: dict) -> List[str]:
-    """Print the table, write the JSON (always) and the PNG where :func:`output_dir` says,
-    print each path written and, on a CPU, the caveat; return the paths written."""
+def goal_lines(results: Sequence[dict]) -> List[str]:
+    """The goals a run could be read against (met or missed), one line each, and a count of
+    the rest (set for another device, or no case of this run under them)."""
+    lines = []
+    for g in results:
+        if g["status"] in ("met", "missed"):
+            case = g.get("worst_case") or {}
+            where = ",".join(f"{k}={v}" for k, v in case.items())
+            lines.append(f"goal {g['status']:<6} {g['goal']} (worst {g['worst']:.3g} over {g['cases']} cases, "
+                         f"at {where}; {g['metric']} >= {g['minimum']:.3g})")
+    rest = len(results) - len(lines)
+    if rest:
+        lines.append(f"{rest} other goals not evaluated on this run (set for another device, or no case of the "
+                     "run falls under them): see the JSON's goals")
+    return lines
+
+
+def finish(run: Run, args, family: str, plot: dict, goals: Sequence["Goal"] = ()) -> List[str]:
+    """Print the table, the records side by side and the ``goals`` this run can be read
+    against; write the JSON (always, the goals' evaluation included) and the PNG where
+    :func:`output_dir` says, print each path written and, on a CPU, the caveat; return the
+    paths written."""
     print(run.table())
+    print()
+    print(run.side_by_side())
+    run.goals = [g.evaluate([run]) for g in goals]
+    lines = goal_lines(run.goals)
+    if lines:
+        print()
+        print("\n".join(lines))
     caveat = cpu_caveat(args)
     if caveat:
         print(caveat)
@@ -521,26 +590,43 @@ class Goal:
     """One goal of docs/benchmarks.md, checked on our records of ``ops`` whose case ``applies``.
 
     ``metric``: "gbps", "tflops", "hbm_fraction" (GB/s over the GPU's nominal HBM peak),
-    "speedup:<peer>" (the peer's median time over ours) or "speedup:fastest" (the fastest
-    peer's time over ours). Met when the worst value over those cases is >= ``minimum``.
+    "speedup:<peer>" (the peer's median time over ours), "speedup:<peer>|<peer>|..." (the
+    worst of those peers that were measured) or "speedup:fastest" (the fastest peer's time
+    over ours). Met when the worst value over those cases is >= ``minimum``.
+    ``device``: where the goal holds: "cuda" (a GPU goal, never evaluated on a CPU run),
+    "cpu" (a goal for our CPU path, evaluated on CPU runs only) or "any" (both).
     ``gpu``: the GPU an absolute goal is set for (evaluated on it alone); None for goals that
-    are relative to a peer or to the device's peak, evaluated on any GPU. Goals are GPU
-    goals: never evaluated on a CPU."""
+    are relative to a peer or to the device's peak, evaluated on any GPU."""
     text: str
     ops: Tuple[str, ...]
     metric: str
     minimum: float
     applies: Callable[[dict], bool] = lambda case: True
     gpu: Optional[str] = "H100"
+    device: str = "cuda"
+
+    def applies_to(self, meta: dict) -> Optional[str]:
+        """None when this goal is evaluated on a run with ``meta``, else why not."""
+        on_gpu = str(meta.get("device", "")).startswith("cuda")
+        name = str(meta.get("device_name") or "")
+        if self.device == "cuda" and not on_gpu:
+            return "not evaluated (a GPU goal; this is a CPU run)"
+        if self.device == "cpu" and on_gpu:
+            return "not evaluated (a CPU goal; this is a GPU run)"
+        if not on_gpu and meta.get("backend_ours") == "triton":
+            return "not evaluated (ours ran through the Triton interpreter: not a timing)"
+        if on_gpu and self.gpu is not None and self.gpu not in name:
+            return f"not evaluated (set for the {self.gpu}; this is {name})"
+        return None
 
     def evaluate(self, runs: Sequence[Run]) -> dict:
-        out = {"goal": self.text, "metric": self.metric, "minimum": self.minimum, "cases": 0, "worst": None}
+        out = {"goal": self.text, "metric": self.metric, "minimum": self.minimum, "device": self.device,
+               "cases": 0, "worst": None}
         meta = runs[0].meta if runs else {}
         name = str(meta.get("device_name") or "")
-        if not str(meta.get("device", "")).startswith("cuda"):
-            return out | {"status": "not evaluated (a GPU goal; this is a CPU run)"}
-        if self.gpu is not None and self.gpu not in name:
-            return out | {"status": f"not evaluated (set for the {self.gpu}; this is {name})"}
+        why = self.applies_to(meta)
+        if why is not None:
+            return out | {"status": why}
         peak = hbm_peak_gbps(name)
         if self.metric == "hbm_fraction" and peak is None:
             return out | {"status": f"not evaluated (no HBM peak known for {name})"}
@@ -564,12 +650,14 @@ class Goal:
                 elif self.metric == "speedup:fastest":
                     v = min((r["speedup_of_ours"] for r in peers), default=None)
                 elif self.metric.startswith("speedup:"):
-                    v = next((r["speedup_of_ours"] for r in peers if r["impl"] == self.metric[8:]), None)
+                    named = self.metric[len("speedup:"):].split("|")
+                    v = min((r["speedup_of_ours"] for r in peers if r["impl"] in named), default=None)
                 else:
                     raise ValueError(self.metric)
                 if v is not None:
-                    values.append(v)
+                    values.append((v, op, ours["case"]))
         if not values:
             return out | {"status": "not measured"}
-        worst = min(values)
-        return out | {"cases": len(values), "worst": worst, "status": "met" if worst >= self.minimum else "missed"}
+        worst, op, case = min(values, key=lambda t: t[0])
+        return out | {"cases": len(values), "worst": worst, "worst_case": {"op": op, **case},
+                      "status": "met" if worst >= self.minimum else "missed"}

@@ -6,12 +6,22 @@ process on the same inputs:
 * ``gradops``: the public API (``gradops.rms_norm_grad`` etc.) with ``backend="triton"`` on
   a GPU and ``backend="reference"`` on a CPU (our CPU path against PyTorch's);
 * ``torch autograd``: the backward of ``F.layer_norm`` / ``F.rms_norm`` through autograd
-  (backward only: the graph is built once, outside the timing);
+  (backward only: the graph is built once, outside the timing); for the forwards,
+  ``torch eager`` (``F.layer_norm`` / ``F.rms_norm``);
 * ``aten bwd``: the ATen backward alone (``native_layer_norm_backward``;
-  ``_fused_rms_norm_backward`` where this build has it, else the eager formula, named
-  ``eager formula``);
-* ``torch.compile``: the same backward formula compiled by Inductor;
+  ``_fused_rms_norm_backward`` where this build has a kernel for the device, else the eager
+  formula, named ``eager formula``); for the forwards, ``aten fwd``
+  (``native_layer_norm``, ``_fused_rms_norm``);
+* ``torch.compile``: the same formula compiled by Inductor;
 * ``liger``: Liger-Kernel's Triton kernels, when ``liger_kernel`` imports (GPU only).
+
+``ln_call`` / ``rms_call`` time the cost of a call on tiny tensors (``CALL_SHAPES``):
+forward and backward through autograd of ``gradops.nn.functional.layer_norm`` /
+``rms_norm`` (our default backend) against the same through ``torch.nn.functional``.
+
+On a CPU without ``--quick`` the defaults are the CPU comparison (docs/benchmarks.md): our
+CPU path at M x N = 8192 x 4096 and 2048 x 16384, float32 and bfloat16, forwards,
+backwards and the call cost, against ATen, autograd and torch.compile.
 
 ``add_rms_fwd`` / ``add_rms_bwd`` time the pre-norm residual add fused into RMSNorm (Llama's
 casting): ours through the ops layer (``residual`` / ``dresidual``), against torch's
@@ -37,13 +47,25 @@ from . import harness
 from .harness import DTYPES, OURS, Goal, Run
 
 FAMILY = "norm"
-OPS = ("rms_bwd", "ln_bwd", "rms_fwd", "ln_fwd", "add_rms_bwd", "add_rms_fwd")
+NORM_OPS = ("rms_bwd", "ln_bwd", "rms_fwd", "ln_fwd", "add_rms_bwd", "add_rms_fwd")
+CALL_OPS = ("ln_call", "rms_call")  # forward + backward through nn.functional: the cost of a call
+OPS = NORM_OPS + CALL_OPS
 PEERS = ("autograd", "aten", "compile", "liger")
 GPU_WIDTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 GPU_ROWS = 32768
 GPU_MAX_NUMEL = 128 * 2**20  # M*N capped at 128M elements (issue 4's sweep)
 QUICK_WIDTHS = (256, 1024, 4096)
 QUICK_NUMEL = 2**20
+# The CPU comparison (issue 12): M x N = 8192 x 4096 and 2048 x 16384, i.e. M*N = 32M at both widths.
+CPU_WIDTHS = (4096, 16384)
+CPU_NUMEL = 32 * 2**20
+CPU_SHAPES = ((8192, 4096), (2048, 16384))
+CPU_OPS = ("rms_bwd", "ln_bwd", "rms_fwd", "ln_fwd") + CALL_OPS
+CALL_SHAPES = ((8, 64), (64, 256))
+CALL_REPS_SCALE = 20  # the call cases take 20x --reps and --warmup
+# the peers our CPU path must not be slower than: ATen and autograd, eager (not torch.compile)
+EAGER_PEERS = ("torch autograd", "aten bwd", "eager formula", "torch eager", "aten fwd")
+CALL_PEER = "torch.nn.functional"
 EPS_LN, EPS_RMS = 1e-5, 1e-6
 PLOT = dict(x_key="N", metric="gbps", group_keys=("op", "dtype"), panels=True)
 
@@ -62,12 +84,23 @@ GOALS = (
          lambda c: _MN(c) >= 16 * 2**20 and 1024 <= c["N"] <= 65536, gpu=None),
     Goal("norm forwards >= 3.0 TB/s at M*N >= 16M", ("rms_fwd", "ln_fwd"), "gbps", 3000.0,
          lambda c: _MN(c) >= 16 * 2**20),
-    Goal("small shapes (M*N <= 1M) within 1.3x of the fastest peer", OPS, "speedup:fastest", 1 / 1.3,
+    Goal("small shapes (M*N <= 1M) within 1.3x of the fastest peer", NORM_OPS, "speedup:fastest", 1 / 1.3,
          lambda c: _MN(c) <= 2**20, gpu=None),
+    # on any device: the cost of a call is Python and dispatch, not the kernels
+    Goal("nn.functional fwd+bwd on tiny tensors within 1.3x of torch.nn.functional", CALL_OPS,
+         f"speedup:{CALL_PEER}", 1 / 1.3, gpu=None, device="any"),
+) + tuple(
+    # docs/benchmarks.md, "On a CPU": our CPU path is never slower than ATen / autograd eager
+    Goal(f"CPU: {what} never slower than ATen/autograd eager at 8192x4096 and 2048x16384", (op,),
+         "speedup:" + "|".join(EAGER_PEERS), 1.0, lambda c: (c["M"], c["N"]) in CPU_SHAPES, gpu=None, device="cpu")
+    for op, what in (("rms_bwd", "RMSNorm bwd"), ("ln_bwd", "LayerNorm bwd"), ("rms_fwd", "RMSNorm fwd"),
+                     ("ln_fwd", "LayerNorm fwd"))
 )
 
 
-def bytes_moved(op: str, m: int, n: int, dtype: torch.dtype, wdtype: torch.dtype) -> float:
+def bytes_moved(op: str, m: int, n: int, dtype: torch.dtype, wdtype: torch.dtype) -> Optional[float]:
+    if op in CALL_OPS:
+        return None  # bound by the cost of the call, not by memory: no GB/s
     e = torch.empty((), dtype=dtype).element_size()
     we = torch.empty((), dtype=wdtype).element_size()
     streams = 4.0 if op.startswith("add_") else (3.0 if op.endswith("_bwd") else 2.0)
@@ -119,6 +152,43 @@ def _autograd_backward(forward: Callable, inputs: List[torch.Tensor], dy: torch.
     leaves = [t.detach().requires_grad_(True) for t in inputs]
     out = forward(*leaves)
     return lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True)
+
+
+def _forward_backward(forward: Callable, inputs: List[torch.Tensor], dy: torch.Tensor) -> Callable:
+    """A training step's use of a norm: the forward call, then autograd's backward through it
+    (a new graph every call, as in training)."""
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    return lambda: torch.autograd.grad(forward(*leaves), leaves, dy)
+
+
+def _call_implementations(op: str, x, dy, w, b, backend: str, peers, device: str) -> Dict[str, Callable]:
+    from ..nn import functional as GF
+
+    n = x.shape[-1]
+    # what a user's call pays: the default backend, unless this run asked for another one
+    natural = "triton" if device.startswith("cuda") else "reference"
+    kw = {} if backend == natural else {"backend": backend}
+    impls: Dict[str, Callable] = {}
+    if op == "ln_call":
+        impls[OURS] = _forward_backward(lambda a, g, c: GF.layer_norm(a, (n,), g, c, EPS_LN, **kw), [x, w, b], dy)
+        if "autograd" in peers:
+            impls[CALL_PEER] = _forward_backward(lambda a, g, c: F.layer_norm(a, (n,), g, c, EPS_LN), [x, w, b], dy)
+    else:
+        impls[OURS] = _forward_backward(lambda a, g: GF.rms_norm(a, (n,), g, EPS_RMS, **kw), [x, w], dy)
+        if "autograd" in peers:
+            impls[CALL_PEER] = _forward_backward(lambda a, g: F.rms_norm(a, (n,), g, EPS_RMS), [x, w], dy)
+    return impls
+
+
+def _aten_rms_forward(x, w, n: int) -> Optional[Callable]:
+    fused = getattr(torch.ops.aten, "_fused_rms_norm", None)
+    if fused is None:
+        return None
+    try:
+        fused(x[:1], [n], w, EPS_RMS)
+    except Exception:  # no kernel for this device in this build
+        return None
+    return lambda: fused(x, [n], w, EPS_RMS)
 
 
 def _compiled(fn: Callable) -> Optional[Callable]:
@@ -203,10 +273,15 @@ def implementations(op: str, x, dy, w, b, backend: str, peers, device: str) -> D
     liger = _liger() if ("liger" in peers and device.startswith("cuda")) else None
     if op.startswith("add_"):
         return _add_rms_implementations(op, x, dy, w, backend, peers, liger)
+    if op in CALL_OPS:
+        return _call_implementations(op, x, dy, w, b, backend, peers, device)
     if op == "rms_fwd":
         impls[OURS] = lambda: gradops.rms_norm(x, w, EPS_RMS, backend=backend)
         if "autograd" in peers or "aten" in peers:
             impls["torch eager"] = lambda: F.rms_norm(x, (n,), w, EPS_RMS)
+        aten = _aten_rms_forward(x, w, n) if "aten" in peers else None
+        if aten:
+            impls["aten fwd"] = aten
         if "compile" in peers:
             fn = _compiled(lambda a, g: F.rms_norm(a, (n,), g, EPS_RMS))
             if fn:
@@ -217,6 +292,8 @@ def implementations(op: str, x, dy, w, b, backend: str, peers, device: str) -> D
         impls[OURS] = lambda: gradops.layer_norm(x, (n,), w, b, EPS_LN, backend=backend)
         if "autograd" in peers or "aten" in peers:
             impls["torch eager"] = lambda: F.layer_norm(x, (n,), w, b, EPS_LN)
+        if "aten" in peers:
+            impls["aten fwd"] = lambda: torch.ops.aten.native_layer_norm(x, [n], w, b, EPS_LN)
         if "compile" in peers:
             fn = _compiled(lambda a, g, c: F.layer_norm(a, (n,), g, c, EPS_LN))
             if fn:
@@ -288,25 +365,39 @@ def check_against_reference(ours: Callable, reference: Callable, dtype: torch.dt
     return worst
 
 
+def parse_shape(text: str) -> tuple:
+    try:
+        m, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: expected MxN, e.g. 8x64") from None
+    if m < 1 or n < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: M and N must be >= 1")
+    return m, n
+
+
 def cases(args) -> List[tuple]:
     """(op, dtype, M, N) for every case this run measures."""
     gpu = args.device.startswith("cuda")
-    widths = args.widths or (QUICK_WIDTHS if args.quick else (GPU_WIDTHS if gpu else QUICK_WIDTHS))
-    max_numel = args.numel or (QUICK_NUMEL if (args.quick or not gpu) else GPU_MAX_NUMEL)
+    full_cpu = not gpu and not args.quick
+    widths = args.widths or (QUICK_WIDTHS if args.quick else (GPU_WIDTHS if gpu else CPU_WIDTHS))
+    max_numel = args.numel or (QUICK_NUMEL if args.quick else (GPU_MAX_NUMEL if gpu else CPU_NUMEL))
     rows_cap = args.rows or (GPU_ROWS if gpu else 2**20)
-    cases = []
-    for op in args.ops:
-        for dt in args.dtypes:
-            for n in widths:
-                m = max(1, min(rows_cap, max_numel // n))
-                cases.append((op, dt, m, n))
-    return cases
+    shapes = [(max(1, min(rows_cap, max_numel // n)), n) for n in widths]
+    call_shapes = args.call_shapes or list(CALL_SHAPES)
+    ops = args.ops or (CPU_OPS if full_cpu else OPS)
+    return [(op, dt, m, n) for op in ops for dt in args.dtypes
+            for m, n in (call_shapes if op in CALL_OPS else shapes)]
 
 
 def impl_names(args) -> List[str]:
     """The implementations a case is measured with (at most; a peer may not apply to every op)."""
-    names = [OURS] + [{"autograd": "torch autograd", "aten": "aten bwd", "compile": "torch.compile",
-                       "liger": "liger"}[p] for p in args.peers]
+    ops = {op for op, _, _, _ in cases(args)}
+    names = [OURS]
+    if ops - set(CALL_OPS):
+        names += [{"autograd": "torch autograd", "aten": "aten bwd", "compile": "torch.compile",
+                   "liger": "liger"}[p] for p in args.peers]
+    if "autograd" in args.peers and ops & set(CALL_OPS):
+        names.append(CALL_PEER)
     if optional_peers(args.device)["liger"] is not None and "liger" in names:
         names.remove("liger")
     return names
@@ -341,8 +432,12 @@ def run(args) -> Run:
         except Exception as e:  # our own side failing is a result too
             result.add(harness.Record(op, case, OURS, [], nbytes, error=f"{type(e).__name__}: {e}"[:300]))
             continue
+        # a call on tiny tensors takes a fraction of a millisecond, and its time is noisy: many more
+        # repetitions (still bounded by --max-seconds), timed on the host (see harness.measure)
+        kw = dict(measure_kw, reps=CALL_REPS_SCALE * args.reps, warmup=CALL_REPS_SCALE * args.warmup,
+                  wall_clock=True) if op in CALL_OPS else measure_kw
         for name, fn in impls.items():
-            rec = result.time(op, case, name, fn, bytes=nbytes, **measure_kw)
+            rec = result.time(op, case, name, fn, bytes=nbytes, **kw)
             if args.check and name == OURS and not rec.error:
                 try:
                     rec.extra["rel_error_vs_reference"] = check_against_reference(
@@ -358,12 +453,17 @@ def run(args) -> Run:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="gradops bench norm", description=__doc__.split("\n\n")[0])
     harness.add_common_args(p, dtype_help="default: bfloat16 float32 on a GPU, float32 bfloat16 on a CPU")
-    p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    p.add_argument("--ops", nargs="+", choices=OPS, default=None,
+                   help=f"default: all; on a CPU without --quick {' '.join(CPU_OPS)}")
     p.add_argument("--widths", nargs="+", type=int, default=None,
-                   help=f"row widths N (default on a GPU: {' '.join(map(str, GPU_WIDTHS))})")
+                   help=f"row widths N (default on a GPU: {' '.join(map(str, GPU_WIDTHS))}; on a CPU: "
+                        f"{' '.join(map(str, CPU_WIDTHS))}; with --quick: {' '.join(map(str, QUICK_WIDTHS))})")
     p.add_argument("--rows", type=int, default=None, help=f"rows M at most (default {GPU_ROWS} on a GPU)")
     p.add_argument("--numel", type=int, default=None,
-                   help="M*N at most (default 128M on a GPU, 1M on a CPU or with --quick)")
+                   help="M*N at most (default 128M on a GPU, 32M on a CPU, 1M with --quick)")
+    p.add_argument("--call-shapes", nargs="+", type=parse_shape, default=None, metavar="MxN",
+                   help=f"shapes of {' and '.join(CALL_OPS)} (default: "
+                        f"{' '.join(f'{m}x{n}' for m, n in CALL_SHAPES)})")
     p.add_argument("--peers", nargs="*", choices=PEERS, default=None,
                    help="peers to time (default: all; --quick leaves out torch.compile)")
     p.add_argument("--backend", choices=("triton", "reference"), default=None,
@@ -378,8 +478,12 @@ def parse_args(argv):
 
 
 def prepare(args, need_device: bool = True):
-    return harness.prepare(args, reps=30, warmup=5, max_seconds=5.0, quick_reps=5, need_device=need_device,
-                           gpu_dtypes=("bfloat16", "float32"), cpu_dtypes=("float32", "bfloat16"))
+    args.device = args.device or harness.default_device()
+    # a CPU call at the CPU shapes takes 0.1-1 s: fewer repetitions, each measurement within seconds
+    reps, warmup, max_seconds = (30, 5, 5.0) if args.device == "cuda" else (7, 2, 4.0)
+    return harness.prepare(args, reps=reps, warmup=warmup, max_seconds=max_seconds, quick_reps=5,
+                           need_device=need_device, gpu_dtypes=("bfloat16", "float32"),
+                           cpu_dtypes=("float32", "bfloat16"))
 
 
 def main(argv=None) -> int:
@@ -388,7 +492,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     harness.announce(args, FAMILY)
     result = run(args)
-    harness.finish(result, args, FAMILY, PLOT)
+    harness.finish(result, args, FAMILY, PLOT, GOALS)
     return result.exit_status()
 
 
