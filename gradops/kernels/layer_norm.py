@@ -29,53 +29,68 @@ from ._norm_common import as_rows, dx_target, load_input, row_stride, sum_partia
 # --------------------------------------------------------------------------- forward
 @triton.jit
 def _ln_fwd_fused_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps,
+                         tiles_per_program, num_programs,
                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, ACC: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # One tile of BLOCK_M whole rows per program: x is read once, y written once.
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # Persistent over tiles of BLOCK_M whole rows (p, p + P, ...): x is read once, y written
+    # once; weight and bias are loaded once per program, and the pipelined loop has the next
+    # tiles' x in flight while this one is reduced.
+    pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
-    rmask = rows < M
     cmask = cols < N
-    mask = rmask[:, None] & cmask[None, :]
-    rows64 = rows.to(tl.int64)
-    x = load_input(X, R, rows64[:, None] * stride_x + cols[None, :], rows64[:, None] * stride_r + cols[None, :],
-                   mask, HAS_RES, ACC)
-    if HAS_RES:
-        tl.store(H + rows64[:, None] * stride_h + cols[None, :], x, mask=mask)
-    x = x.to(ACC)
-    mean = tl.sum(x, axis=1) / N
-    xc = tl.where(mask, x - mean[:, None], 0.0)
-    # corrected two-pass: adding the mean deviation removes the first sum's rounding, so a
-    # constant row gets its value back exactly and centres to exact zeros (variance 0)
-    mean = mean + tl.sum(xc, axis=1) / N
-    xc = tl.where(mask, x - mean[:, None], 0.0)
-    var = tl.sum(xc * xc, axis=1) / N  # two-pass (in registers): no cancellation
-    rstd = 1.0 / tl.sqrt(var + eps)
-    y = xc * rstd[:, None]
     if HAS_W:
-        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(ACC)[None, :]
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
     if HAS_B:
-        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(ACC)[None, :]
-    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(Mean + rows, mean.to(Mean.dtype.element_ty), mask=rmask)
-    tl.store(Rstd + rows, rstd.to(Rstd.dtype.element_ty), mask=rmask)
+        b = tl.load(B + cols, mask=cmask, other=0.0).to(ACC)
+    for i in tl.range(0, tiles_per_program, num_stages=NUM_STAGES):
+        rows = (pid + i * num_programs) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = load_input(X, R, rows64[:, None] * stride_x + cols[None, :],
+                       rows64[:, None] * stride_r + cols[None, :], mask, HAS_RES, ACC)
+        if HAS_RES:
+            tl.store(H + rows64[:, None] * stride_h + cols[None, :], x, mask=mask)
+        x = x.to(ACC)
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        # corrected two-pass: adding the mean deviation removes the first sum's rounding, so a
+        # constant row gets its value back exactly and centres to exact zeros (variance 0)
+        mean = mean + tl.sum(xc, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        var = tl.sum(xc * xc, axis=1) / N  # two-pass (in registers): no cancellation
+        rstd = 1.0 / tl.sqrt(var + eps)
+        y = xc * rstd[:, None]
+        if HAS_W:
+            y = y * w[None, :]
+        if HAS_B:
+            y = y + b[None, :]
+        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Mean + rows, mean.to(Mean.dtype.element_ty), mask=rmask)
+        tl.store(Rstd + rows, rstd.to(Rstd.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
 def _ln_fwd_wide_kernel(X, R, H, Y, W, B, Mean, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps,
                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, ACC: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
-    # One row per program, too wide for registers. Pass 1 merges exact per-block mean and
-    # sum of squared deviations (Chan et al.'s pairwise update, as accurate as two-pass; a
-    # constant row merges blocks of one exact mean and zero deviations: variance 0) and
-    # writes h; pass 2 re-reads the row, which the program has just touched (L2), and writes
-    # y (h is recomputed from x and the residual: reading it back would need a barrier).
+                        BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # One row per program, too wide for registers. Pass 1 merges exact per-block sums of
+    # squared deviations (Chan et al.'s pairwise update, as accurate as two-pass; a constant
+    # row merges blocks of one exact mean and zero deviations: variance 0) and writes h;
+    # pass 2 re-reads the row, which the program has just touched (L2), and writes y (h is
+    # recomputed from x and the residual: reading it back would need a barrier).
+    # The mean itself is not taken from the running merge, whose N / BLOCK_N rounded
+    # updates each cost an ulp of the mean: it is the first block's mean (the shift) plus
+    # the sum of every element's deviation from it, which are exact differences of the size
+    # of the spread, not of the mean, so a large offset costs no more than one rounding.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     count = tl.zeros([1], dtype=ACC)
     mean = tl.zeros([1], dtype=ACC)
     m2 = tl.zeros([1], dtype=ACC)
-    for c0 in range(0, N, BLOCK_N):
+    shift = tl.zeros([1], dtype=ACC)
+    dev = tl.zeros([BLOCK_N], dtype=ACC)
+    for c0 in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
         cols = c0 + offs
         cmask = cols < N
         x = load_input(X, R, row * stride_x + cols, row * stride_r + cols, cmask, HAS_RES, ACC)
@@ -88,15 +103,18 @@ def _ln_fwd_wide_kernel(X, R, H, Y, W, B, Mean, Rstd, N, stride_x, stride_r, str
         mean_b = mean_b + tl.sum(d, axis=0) / n_b  # corrected, as the fused kernel's mean
         d = tl.where(cmask, x - mean_b, 0.0)
         m2_b = tl.sum(d * d, axis=0)
+        shift = tl.where(c0 == 0, mean_b, shift)
+        dev += tl.where(cmask, x - shift, 0.0)
         total = count + n_b
         delta = mean_b - mean
         mean = mean + delta * (n_b / total)
         m2 = m2 + m2_b + delta * delta * (count * n_b / total)
         count = total
+    mean = shift + tl.sum(dev, axis=0) / N
     var = m2 / N
     rstd = 1.0 / tl.sqrt(var + eps)
     y_row = Y + row * stride_y
-    for c0 in range(0, N, BLOCK_N):
+    for c0 in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
         cols = c0 + offs
         cmask = cols < N
         x = load_input(X, R, row * stride_x + cols, row * stride_r + cols, cmask, HAS_RES, ACC).to(ACC)
@@ -132,16 +150,17 @@ def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
     h = h_out if has_res else x  # the ops layer passes a fresh contiguous h_out
     strides = (row_stride(x), row_stride(r), row_stride(h), row_stride(y))
     common = dict(HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=has_res, ACC=tl_acc(x.dtype))
-    if norm_config.is_fused(n, x.device):
-        cfg = norm_config.fused_config(m, n, x.device, persistent=False)
+    shape = dict(elem_bytes=x.element_size(), streams=2 if has_res else 1)
+    if norm_config.is_fused(n, x.device, "fwd"):
+        cfg = norm_config.fused_config(m, n, x.device, kind="fwd", **shape)
         _ln_fwd_fused_kernel[(cfg.grid,)](
-            x, r, h, y, w, b, mean, rstd, m, n, *strides, eps,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **common)
+            x, r, h, y, w, b, mean, rstd, m, n, *strides, eps, cfg.tiles_per_program, cfg.grid,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **common)
     else:
-        cfg = norm_config.split_config(m, n, x.device)
+        cfg = norm_config.split_config(m, n, x.device, **shape)
         _ln_fwd_wide_kernel[(m,)](
             x, r, h, y, w, b, mean, rstd, n, *strides, eps,
-            BLOCK_N=cfg.block_n, num_warps=cfg.row_num_warps, **common)
+            BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.row_num_warps, **common)
     return y, mean, rstd
 
 
@@ -152,7 +171,7 @@ def _ln_bwd_fused_kernel(DY, X, W, Mean, Rstd, DRES, DX, DW_P, DB_P,
                          num_programs, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr, WANT_DX: tl.constexpr,
                          WANT_DW: tl.constexpr,
                          WANT_DB: tl.constexpr, ACC: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     # Persistent: program p takes row tiles p, p + P, p + 2P, ... Each element of x and dy
     # is read once; dx is written once; dw/db accumulate in registers across all the
     # program's tiles and leave as one float partial row per program (DW_P[p, :]).
@@ -163,8 +182,10 @@ def _ln_bwd_fused_kernel(DY, X, W, Mean, Rstd, DRES, DX, DW_P, DB_P,
         w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
     acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
     acc_db = tl.zeros([BLOCK_N], dtype=ACC)
-    # (a plain trip count, not range(pid, num_tiles, step): Triton 3.6's interpreter needs it)
-    for i in range(0, tiles_per_program):
+    # (a plain trip count, not range(pid, num_tiles, step): Triton 3.6's interpreter needs it;
+    # num_stages makes the compiler prefetch the next tiles' loads with cp.async into shared
+    # memory while this tile is reduced)
+    for i in tl.range(0, tiles_per_program, num_stages=NUM_STAGES):
         rows = (pid + i * num_programs) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
         rmask = rows < M
         mask = rmask[:, None] & cmask[None, :]
@@ -198,17 +219,20 @@ def _ln_bwd_fused_kernel(DY, X, W, Mean, Rstd, DRES, DX, DW_P, DB_P,
 
 
 @triton.jit
-def _ln_bwd_row_sums_kernel(DY, X, W, Mean, Rstd, C1, C2, N, stride_dy, stride_x,
-                            HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Wide rows, step 1: the two row reductions dx needs, c1 = mean(xhat*g), c2 = mean(g).
+def _ln_bwd_row_sums_kernel(DY, X, W, Mean, Rstd, C1, C2, N, stride_dy, stride_x, segment_blocks, num_segments,
+                            HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr,
+                            NUM_STAGES: tl.constexpr):
+    # Wide rows, step 1: program (row, segment) stores the sums dx needs, of xhat*g and of g,
+    # over its segment of segment_blocks column blocks in C1/C2[row, segment].
     row = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1)
     offs = tl.arange(0, BLOCK_N)
     mean = tl.load(Mean + row).to(ACC)
     rstd = tl.load(Rstd + row).to(ACC)
     s1 = tl.zeros([BLOCK_N], dtype=ACC)
     s2 = tl.zeros([BLOCK_N], dtype=ACC)
-    for c0 in range(0, N, BLOCK_N):
-        cols = c0 + offs
+    for j in tl.range(0, segment_blocks, num_stages=NUM_STAGES):
+        cols = (seg * segment_blocks + j) * BLOCK_N + offs
         cmask = cols < N
         dy = tl.load(DY + row * stride_dy + cols, mask=cmask, other=0.0).to(ACC)
         x = tl.load(X + row * stride_x + cols, mask=cmask, other=0.0).to(ACC)
@@ -219,29 +243,38 @@ def _ln_bwd_row_sums_kernel(DY, X, W, Mean, Rstd, C1, C2, N, stride_dy, stride_x
             g = dy
         s1 += xhat * g
         s2 += g
-    tl.store(C1 + row, tl.sum(s1, axis=0) / N)
-    tl.store(C2 + row, tl.sum(s2, axis=0) / N)
+    tl.store(C1 + row * num_segments + seg, tl.sum(s1, axis=0))
+    tl.store(C2 + row * num_segments + seg, tl.sum(s2, axis=0))
 
 
 @triton.jit
 def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DRES, DX, DW_P, DB_P,
                         M, N, stride_dy, stride_x, stride_dres, stride_dx, stride_p, tiles_per_group,
-                        num_row_groups, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr, WANT_DX: tl.constexpr,
+                        num_row_groups, num_segments, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr, WANT_DX: tl.constexpr,
                         WANT_DW: tl.constexpr,
-                        WANT_DB: tl.constexpr, ACC: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        WANT_DB: tl.constexpr, ACCUMULATE: tl.constexpr, SEGMENTS: tl.constexpr, ACC: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     # Wide rows, step 2: program (column block, row group) owns BLOCK_N columns of every
     # num_row_groups-th row tile. With the row reductions known it writes dx for its tiles
-    # and keeps dw/db for its columns in registers: one partial row per row group.
+    # and keeps dw/db for its columns in registers: one partial row per row group, which
+    # later chunks of rows (ACCUMULATE) add to in the same fixed order.
     cb = tl.program_id(0)
     rg = tl.program_id(1)
     cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
-    acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
-    acc_db = tl.zeros([BLOCK_N], dtype=ACC)
-    for i in range(0, tiles_per_group):
+    if ACCUMULATE:
+        acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
+        acc_db = tl.zeros([BLOCK_N], dtype=ACC)
+        if WANT_DW:
+            acc_dw = tl.load(DW_P + rg.to(tl.int64) * stride_p + cols, mask=cmask, other=0.0)
+        if WANT_DB:
+            acc_db = tl.load(DB_P + rg.to(tl.int64) * stride_p + cols, mask=cmask, other=0.0)
+    else:
+        acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
+        acc_db = tl.zeros([BLOCK_N], dtype=ACC)
+    for i in tl.range(0, tiles_per_group, num_stages=NUM_STAGES):
         rows = (rg + i * num_row_groups) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
         rmask = rows < M
         mask = rmask[:, None] & cmask[None, :]
@@ -252,8 +285,12 @@ def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DRES, DX, DW_P, DB_P,
         rstd = tl.load(Rstd + rows, mask=rmask, other=0.0).to(ACC)
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         if WANT_DX:
-            c1 = tl.load(C1 + rows, mask=rmask, other=0.0)
-            c2 = tl.load(C2 + rows, mask=rmask, other=0.0)
+            # the row-sums kernel's segments, as a tile (a loop here would stop the pipelining)
+            segs = tl.arange(0, SEGMENTS)
+            c_offs = rows64[:, None] * num_segments + segs[None, :]
+            c_mask = rmask[:, None] & (segs < num_segments)[None, :]
+            c1 = tl.sum(tl.load(C1 + c_offs, mask=c_mask, other=0.0), axis=1) / N
+            c2 = tl.sum(tl.load(C2 + c_offs, mask=c_mask, other=0.0), axis=1) / N
             if HAS_W:
                 g = dy * w[None, :]
             else:
@@ -273,10 +310,14 @@ def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DRES, DX, DW_P, DB_P,
         tl.store(DB_P + rg.to(tl.int64) * stride_p + cols, acc_db, mask=cmask)
 
 
-def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dres=None):
+def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dres=None, grad_dtype=None):
+    """``grad_dtype``: the dtype dw and db are returned in (the accumulator dtype when None,
+    as the reference returns them); the reduction kernel rounds into it as it writes, so a
+    caller that wants the weight's dtype needs no conversion pass of its own."""
     want_dx, want_dw, want_db = (bool(v) for v in output_mask)
     m, n = x.shape
     acc = stat_dtype(x.dtype)
+    out_dtype = grad_dtype or acc
     device = x.device
     dx = dw = db = None
     if m == 0 or n == 0:
@@ -285,9 +326,9 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
             if dres is not None:
                 dx.copy_(dres)  # an empty row's norm gradient is empty; h's own gradient remains
         if want_dw:
-            dw = torch.zeros(n, dtype=acc, device=device)
+            dw = torch.zeros(n, dtype=out_dtype, device=device)
         if want_db:
-            db = torch.zeros(n, dtype=acc, device=device)
+            db = torch.zeros(n, dtype=out_dtype, device=device)
         return dx, dw, db
     if not (want_dx or want_dw or want_db):
         return None, None, None
@@ -300,12 +341,15 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
     dres_rows = as_rows(dres) if has_dres else x_rows
     flags = dict(HAS_W=weight is not None, HAS_DRES=has_dres, WANT_DX=want_dx, WANT_DW=want_dw, WANT_DB=want_db,
                  ACC=tl_acc(x.dtype))
+    strides = (row_stride(dy_rows), row_stride(x_rows), row_stride(dres_rows), row_stride(dx_buf))
+    shape = dict(elem_bytes=x.element_size(), streams=3 if has_dres else 2)
 
-    if norm_config.is_fused(n, device):
-        cfg = norm_config.fused_config(m, n, device, persistent=True)
+    fused = norm_config.is_fused(n, device)
+    if fused:
+        cfg = norm_config.fused_config(m, n, device, **shape)
         partial_rows = cfg.grid
     else:
-        cfg = norm_config.split_config(m, n, device)
+        cfg = norm_config.split_config(m, n, device, **shape)
         partial_rows = cfg.row_groups
     # dw and db partials side by side in one buffer, summed by one reduction launch.
     n_partials = int(want_dw) + int(want_db)
@@ -314,33 +358,40 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
     db_p = partial[:, n:] if want_dw else partial
     stride_p = partial.stride(0)
 
-    if norm_config.is_fused(n, device):
+    if fused:
         _ln_bwd_fused_kernel[(cfg.grid,)](
             dy_rows, x_rows, w, mean, rstd, dres_rows, dx_buf, dw_p, db_p,
-            m, n, row_stride(dy_rows), row_stride(x_rows), row_stride(dres_rows), row_stride(dx_buf),
-            stride_p, cfg.tiles_per_program, cfg.grid,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+            m, n, *strides, stride_p, cfg.tiles_per_program, cfg.grid,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **flags)
     else:
-        c1 = c2 = mean  # unused unless dx is wanted
+        segs = cfg.row_segments
+        c1 = c2 = mean[:, None]  # unused unless dx is wanted
         if want_dx:
-            c1 = torch.empty(m, dtype=acc, device=device)
-            c2 = torch.empty(m, dtype=acc, device=device)
-            _ln_bwd_row_sums_kernel[(m,)](
-                dy_rows, x_rows, w, mean, rstd, c1, c2, n, row_stride(dy_rows), row_stride(x_rows),
-                HAS_W=weight is not None, ACC=flags["ACC"], BLOCK_N=cfg.block_n,
-                num_warps=cfg.row_num_warps)
-        _ln_bwd_cols_kernel[(cfg.col_blocks, cfg.row_groups)](
-            dy_rows, x_rows, w, mean, rstd, c1, c2, dres_rows, dx_buf, dw_p, db_p,
-            m, n, row_stride(dy_rows), row_stride(x_rows), row_stride(dres_rows), row_stride(dx_buf),
-            stride_p, cfg.tiles_per_group, cfg.row_groups,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+            c1 = torch.empty((m, segs), dtype=acc, device=device)
+            c2 = torch.empty((m, segs), dtype=acc, device=device)
+        # Chunks of rows small enough that the column-tiled kernel finds the x and dy the
+        # row-sums kernel has just read still in L2.
+        for r0 in range(0, m, cfg.chunk_rows):
+            r1 = min(m, r0 + cfg.chunk_rows)
+            rows = slice(r0, r1)
+            if want_dx:
+                _ln_bwd_row_sums_kernel[(r1 - r0, segs)](
+                    dy_rows[rows], x_rows[rows], w, mean[rows], rstd[rows], c1[rows], c2[rows], n,
+                    strides[0], strides[1], cfg.segment_blocks, segs, HAS_W=weight is not None, ACC=flags["ACC"], BLOCK_N=cfg.block_n,
+                    NUM_STAGES=cfg.num_stages, num_warps=cfg.row_num_warps)
+            _ln_bwd_cols_kernel[(cfg.col_blocks, cfg.row_groups)](
+                dy_rows[rows], x_rows[rows], w, mean[rows], rstd[rows], c1[rows], c2[rows], dres_rows[rows],
+                dx_buf[rows], dw_p, db_p, r1 - r0, n, *strides, stride_p, cfg.tiles_per_group, cfg.row_groups,
+                segs, ACCUMULATE=r0 > 0, SEGMENTS=norm_config.next_pow2(segs), BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+                **cfg.launch(), **flags)
 
     if want_dx:
         dx = dx_out.copy_(dx_buf) if copy_back else dx_buf
     if n_partials == 2:
-        dw, db = sum_partial_rows(partial, acc, parts=2)
+        dw, db = sum_partial_rows(partial, out_dtype, parts=2)
     elif n_partials:
-        sums = sum_partial_rows(partial, acc)
+        sums = sum_partial_rows(partial, out_dtype)
         dw, db = (sums, None) if want_dw else (None, sums)
     return dx, dw, db
 
@@ -392,7 +443,7 @@ def _ln_grad_fused_kernel(DY, X, Var, Mean, Gamma, PDX, RES, M, H,
 
 @triton.jit
 def _ln_grad_row_sums_kernel(DY, X, Mean, Gamma, S, H, stride_dy, stride_x,
-                             ACC: tl.constexpr, BLOCK_N: tl.constexpr):
+                             ACC: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     # Wide rows: S[row] = (sum(x1*x2), sum(x1), sum(x2)).
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
@@ -400,7 +451,7 @@ def _ln_grad_row_sums_kernel(DY, X, Mean, Gamma, S, H, stride_dy, stride_x,
     s12 = tl.zeros([BLOCK_N], dtype=ACC)
     s1 = tl.zeros([BLOCK_N], dtype=ACC)
     s2 = tl.zeros([BLOCK_N], dtype=ACC)
-    for c0 in range(0, H, BLOCK_N):
+    for c0 in tl.range(0, H, BLOCK_N, num_stages=NUM_STAGES):
         cols = c0 + offs
         cmask = cols < H
         dy = tl.load(DY + row * stride_dy + cols, mask=cmask, other=0.0).to(ACC)
@@ -480,7 +531,7 @@ def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source):
         sums = torch.empty((r, 3), dtype=stat_dtype(x.dtype), device=device)
         _ln_grad_row_sums_kernel[(r,)](
             dy_rows, x_rows, mean, gamma, sums, h, row_stride(dy_rows), row_stride(x_rows),
-            ACC=acc, BLOCK_N=cfg.block_n, num_warps=cfg.row_num_warps)
+            ACC=acc, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.row_num_warps)
         _ln_grad_cols_kernel[(cfg.row_tiles, cfg.col_blocks)](
             dy_rows, x_rows, variance, mean, gamma, sums, pd_x, res, r, h,
             row_stride(dy_rows), row_stride(x_rows), row_stride(pd_x), row_stride(res), eps,
@@ -497,7 +548,7 @@ def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source):
 def _ln_grad_beta_kernel(RES, DY, PG_P, PB_P, M, N, stride_res, stride_dy, stride_p,
                          tiles_per_group, num_row_groups,
                          REUSE: tl.constexpr, ACC: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     # Column sums only: program (column block, row group) accumulates its columns over its
     # row tiles in registers and writes one partial row.
     cb = tl.program_id(0)
@@ -506,7 +557,7 @@ def _ln_grad_beta_kernel(RES, DY, PG_P, PB_P, M, N, stride_res, stride_dy, strid
     cmask = cols < N
     acc_g = tl.zeros([BLOCK_N], dtype=ACC)
     acc_b = tl.zeros([BLOCK_N], dtype=ACC)
-    for i in range(0, tiles_per_group):
+    for i in tl.range(0, tiles_per_group, num_stages=NUM_STAGES):
         rows = (rg + i * num_row_groups) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
         mask = (rows < M)[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
@@ -529,12 +580,13 @@ def layer_norm_grad_beta(res_for_gamma, dy, reuse_source):
         return torch.zeros(h, dtype=dy.dtype, device=device), torch.zeros(h, dtype=dy.dtype, device=device)
     res_rows, res_copied = _writable_rows(res_for_gamma)
     dy_rows = as_rows(dy)
-    cfg = norm_config.split_config(r, h, device)
+    cfg = norm_config.split_config(r, h, device, elem_bytes=dy.element_size(), chunked=False)
     partial = torch.empty((cfg.row_groups, 2 * h), dtype=acc, device=device)
     _ln_grad_beta_kernel[(cfg.col_blocks, cfg.row_groups)](
         res_rows, dy_rows, partial, partial[:, h:], r, h, row_stride(res_rows), row_stride(dy_rows),
         partial.stride(0), cfg.tiles_per_group, cfg.row_groups,
-        REUSE=bool(reuse_source), ACC=tl_acc(dy.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+        REUSE=bool(reuse_source), ACC=tl_acc(dy.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        NUM_STAGES=cfg.num_stages, **cfg.launch())
     if reuse_source and res_copied:
         res_for_gamma.copy_(res_rows)
     return sum_partial_rows(partial, dy.dtype, parts=2)

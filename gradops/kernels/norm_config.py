@@ -1,22 +1,31 @@
 """Launch parameters of the norm kernels (LayerNorm, RMSNorm), chosen from the shape.
 
-This is the one place that decides block widths, rows per tile, warps and grid sizes for
-``gradops.kernels.layer_norm`` and ``gradops.kernels.rms_norm``; the kernels themselves
-contain no tuning constants.
+This is the one place that decides block widths, rows per tile, warps, grid sizes, software
+pipeline depth and register caps for ``gradops.kernels.layer_norm`` and
+``gradops.kernels.rms_norm``; the kernels themselves contain no tuning constants.
 
-Two regimes, split at ``max_fused_n(device)``:
+Two regimes per direction, split at ``max_fused_n(device, kind)``:
 
 * **fused rows** (N <= max_fused_n): a tile of ``block_m`` whole rows lives in registers,
-  so each element of x and dy is read from memory exactly once. The backward runs on a
-  *persistent* grid (a small multiple of the SM count); every program loops over many row
-  tiles and keeps its dgamma/dbeta partial sums in registers, writing one float32 partial
-  row at the end.
+  so each element is read from memory exactly once. Both directions run on a *persistent*
+  grid (programs per SM chosen from the register budget of the tile's width); every
+  program loops over row tiles, and the loop is software pipelined (``num_stages``): the
+  next tiles' loads are in flight, through shared memory (cp.async), while the current
+  tile is reduced. The backward keeps its dgamma/dbeta partial sums in registers and
+  writes one float32 partial row per program.
 * **split rows** (N > max_fused_n): a row does not fit in registers without spilling, so
-  the work is split by columns: a row-statistics kernel, then a 2-D grid of
-  (row group x column block) tiles. See docs/kernels-norm.md for the byte cost.
+  the work is split: the forward takes one row per program in two passes (the second from
+  L2), the backward a row-statistics kernel and a 2-D grid of (row group x column block)
+  tiles, run over chunks of rows small enough for the second kernel to find its rows in L2.
+  See docs/kernels-norm.md for the byte cost.
 
 On the CPU (Triton interpreter) every program runs sequentially in Python, so the limits
 are chosen small: the point there is correctness, not speed.
+
+Every GPU figure below comes from ahead-of-time sm_90 compiles (ptxas register and spill
+reports, Triton's shared-memory size; tests/test_kernels_norm.py checks them), not from a
+GPU run: the budgets are what the compiles fit in, the choices between them still need
+measuring (docs/kernels-norm.md, "On a GPU").
 """
 from __future__ import annotations
 
@@ -25,19 +34,39 @@ from functools import lru_cache
 
 import torch
 
-# Widest row kept whole in registers on a GPU: one row is one register tile (below).
+# Widest row the backward keeps whole in registers. x and dy of a 16384-wide row need 32
+# warps (1024 threads, at most 64 registers each): ptxas spills 108-196 bytes there, so the
+# limit stays at 8192 (16 warps, ~115 registers, no spills).
 GPU_MAX_FUSED_N = 8192
-# Elements per register tile on a GPU. A tile of 8192 elements over 16 warps is 16 values
-# per thread per live tensor: ptxas (sm_90) gives the LayerNorm backward 128 registers and
-# no spills at 8192 x 1 and narrower-row shapes alike, and 16384 spills. 8192 bf16 values
-# of x and dy are 32 KB of loads in flight per SM, about what Little's law asks for
-# (3.35 TB/s x ~0.7 us / 132 SMs ~ 18 KB).
-GPU_TILE_ELEMS = 8192
-# Persistent backward programs per SM: at 128 registers x 512 threads one program fills an
-# SM's 64K registers, so a second one could only run after the first (a wasted partial row).
-GPU_PROGRAMS_PER_SM = 1
+# The forward holds one tensor (x) per row, plus weight and bias loaded once per persistent
+# program: 16384 over 32 warps compiles to 64 registers and no spills with a 3-stage
+# pipeline; 32768 spills (36-232 bytes) even unpipelined, so wider rows take two passes.
+GPU_MAX_FUSED_FWD_N = 16384
+# Elements per register tile of the narrow-row kernels: 4096 over 8 warps is 16 values per
+# thread per tensor. Wider rows take one row per tile (warps grow with the row, up to 32).
+GPU_TILE_ELEMS = 4096
+GPU_MAX_WARPS = 32
+# Register budget per thread: ptxas is capped here (``maxnreg``) and the programs per SM
+# follow from it (65536 registers per SM). The backward at 8 warps fits in 128 (2 programs
+# per SM, one's reductions overlapping the other's loads); the forward in 64.
+REGS_PER_SM = 65536
+GPU_BWD_MAX_REGS = 128
+GPU_FWD_MAX_REGS = 64
+# The LayerNorm forward with the fused residual spills 4-8 bytes at 64 with Triton 3.6
+# (none at 72); at 32 warps the cap stays 64, where it fits.
+GPU_FWD_RES_MAX_REGS = 72
+GPU_MAX_PROGRAMS_PER_SM = 4
+# Shared memory the pipelined loads may take per SM (sm_90: 228 KB, 227 KB per block),
+# leaving room for reduction scratch; split between the programs of an SM.
+GPU_SMEM_BUDGET = 200 * 1024
+# Deepest software pipeline: stages - 1 tiles in flight ahead of the one being reduced.
+GPU_MAX_STAGES = 3
 # Column block of the split-row kernels and of the partial-sum reduction.
 GPU_SPLIT_BLOCK_N = 2048
+# The split backward runs its two kernels over chunks of rows whose x and dy take at most
+# this fraction of L2, so the second kernel re-reads them from L2 rather than HBM.
+GPU_L2_FRACTION = 0.375
+GPU_L2_BYTES_FALLBACK = 50 * 1024 * 1024  # H100 SXM
 
 # The interpreter runs programs one after another; small limits keep tests quick while
 # still taking every code path (the tests lower ``max_fused_n`` further to force the split
@@ -46,6 +75,7 @@ CPU_MAX_FUSED_N = 1024
 CPU_TILE_ELEMS = 1024
 CPU_PROGRAMS = 3
 CPU_SPLIT_BLOCK_N = 64
+CPU_SPLIT_CHUNK_ROWS = 32  # several chunks at the tests' row counts
 
 # Tests may set this to force the split-row path at small widths (None = the default).
 MAX_FUSED_N_OVERRIDE = None
@@ -59,27 +89,47 @@ def _on_gpu(device: torch.device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@lru_cache(maxsize=None)
+def _l2_bytes(index: int) -> int:
+    return int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0)) or GPU_L2_BYTES_FALLBACK
 
 
 def sm_count(device: torch.device) -> int:
     device = torch.device(device)
     if device.type != "cuda":
         return CPU_PROGRAMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(_index(device))
 
 
-def max_fused_n(device: torch.device) -> int:
+def max_fused_n(device: torch.device, kind: str = "bwd") -> int:
+    """Widest row kept whole in registers: ``kind`` "bwd" (x and dy) or "fwd" (x only)."""
     if MAX_FUSED_N_OVERRIDE is not None:
         return int(MAX_FUSED_N_OVERRIDE)
-    return GPU_MAX_FUSED_N if _on_gpu(device) else CPU_MAX_FUSED_N
+    if not _on_gpu(device):
+        return CPU_MAX_FUSED_N
+    return GPU_MAX_FUSED_FWD_N if kind == "fwd" else GPU_MAX_FUSED_N
 
 
 def _warps_for(tile_elems: int) -> int:
-    # ~16 elements per thread per tensor: 4 warps for 2K elements, 16 for 8K.
-    return max(1, min(16, next_pow2(tile_elems) // 512))
+    # ~16 elements per thread per tensor: 8 warps for 4K elements, 16 for 8K, 32 beyond.
+    return max(1, min(GPU_MAX_WARPS, next_pow2(tile_elems) // 512))
+
+
+def _stages(tile_elems: int, elem_bytes: int, streams: int, programs_per_sm: int) -> int:
+    """Pipeline depth whose buffers (stages - 1 tiles of every streamed tensor) fit the
+    shared-memory budget of one program."""
+    stage_bytes = max(1, tile_elems * elem_bytes * streams)
+    fit = 1 + (GPU_SMEM_BUDGET // programs_per_sm) // stage_bytes
+    return max(1, min(GPU_MAX_STAGES, fit))
 
 
 @dataclass(frozen=True)
@@ -89,8 +139,17 @@ class FusedConfig:
     block_n: int
     num_warps: int
     num_tiles: int
-    grid: int  # programs; the backward's persistent grid, or one program per tile
+    grid: int  # persistent programs
     tiles_per_program: int  # loop trip count of a persistent program (last ones mask the tail)
+    num_stages: int = 1  # software pipeline depth of the tile loop
+    maxnreg: int | None = None  # ptxas register cap (None on the CPU)
+
+    def launch(self) -> dict:
+        """Launch options: warps, and the register cap the programs-per-SM count assumes."""
+        opts = dict(num_warps=self.num_warps)
+        if self.maxnreg is not None:
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
 
 @dataclass(frozen=True)
@@ -104,6 +163,17 @@ class SplitConfig:
     row_tiles: int      # tiles of block_m rows
     tiles_per_group: int  # loop trip count of a row group (the last ones mask the tail)
     row_num_warps: int  # warps of the one-row-per-program kernels (row statistics)
+    num_stages: int = 1
+    maxnreg: int | None = None
+    chunk_rows: int = 0  # rows per launch pair of the split backward (a multiple of block_m)
+    row_segments: int = 1  # programs per row of the row-sums kernel (column segments)
+    segment_blocks: int = 1  # column blocks per segment
+
+    def launch(self) -> dict:
+        opts = dict(num_warps=self.num_warps)
+        if self.maxnreg is not None:
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
 
 @dataclass(frozen=True)
@@ -114,43 +184,89 @@ class ReduceConfig:
     grid: int
 
 
-def is_fused(n: int, device) -> bool:
-    return n <= max_fused_n(device)
+def is_fused(n: int, device, kind: str = "bwd") -> bool:
+    return n <= max_fused_n(device, kind)
 
 
-def fused_config(m: int, n: int, device, *, persistent: bool) -> FusedConfig:
+def fused_config(m: int, n: int, device, *, persistent: bool = True, kind: str = "bwd",
+                 elem_bytes: int = 2, streams: int = 2) -> FusedConfig:
+    """``kind``: "bwd" (the norm backward: x and dy held), "fwd" (x held). ``streams``: the
+    row-sized tensors the tile loop loads (their bytes fill the pipeline's buffers).
+    ``persistent=False``: one program per tile, no loop (the AscendC kernels)."""
     gpu = _on_gpu(device)
     block_n = max(16, next_pow2(n))
     tile = GPU_TILE_ELEMS if gpu else CPU_TILE_ELEMS
     # Narrow rows are stacked so that every tile carries about `tile` elements; never more
     # rows than there are (the tail tile is masked).
     block_m = max(1, min(tile // block_n, next_pow2(max(m, 1)), 128))
-    num_warps = _warps_for(block_m * block_n) if gpu else 1
     num_tiles = -(-m // block_m)
-    if persistent:
-        programs = sm_count(device) * (GPU_PROGRAMS_PER_SM if gpu else 1)
-        grid = max(1, min(num_tiles, programs))
+    if not gpu:
+        grid = max(1, min(num_tiles, CPU_PROGRAMS)) if persistent else max(1, num_tiles)
+        return FusedConfig(block_m, block_n, 1, num_tiles, grid, -(-num_tiles // grid))
+    num_warps = _warps_for(block_m * block_n)
+    if not persistent:
+        return FusedConfig(block_m, block_n, num_warps, num_tiles, max(1, num_tiles), 1)
+    if elem_bytes > 4:
+        # float64 (no speed goal): twice the registers per value would spill under the caps
+        # below, so it keeps the compiler's own register choice, one program per SM and a
+        # plain loop
+        regs, stages, per_sm = None, 1, 1
     else:
-        grid = max(1, num_tiles)
-    return FusedConfig(block_m, block_n, num_warps, num_tiles, grid, -(-num_tiles // grid))
+        regs = GPU_BWD_MAX_REGS
+        if kind == "fwd":
+            regs = GPU_FWD_RES_MAX_REGS if streams > 1 else GPU_FWD_MAX_REGS
+        regs = min(regs, REGS_PER_SM // (32 * num_warps))  # one program must fit
+        per_sm = max(1, min(GPU_MAX_PROGRAMS_PER_SM, REGS_PER_SM // (regs * 32 * num_warps)))
+        stages = _stages(block_m * block_n, elem_bytes, streams, per_sm)
+    grid = max(1, min(num_tiles, sm_count(device) * per_sm))
+    return FusedConfig(block_m, block_n, num_warps, num_tiles, grid, -(-num_tiles // grid), stages, regs)
 
 
-def split_config(m: int, n: int, device) -> SplitConfig:
+def split_config(m: int, n: int, device, *, elem_bytes: int = 2, streams: int = 2,
+                 chunked: bool = True) -> SplitConfig:
+    """``chunked``: the column-tiled grid covers ``chunk_rows`` rows per launch (the split
+    backward); else all ``m`` rows in one launch."""
     gpu = _on_gpu(device)
     block_n = GPU_SPLIT_BLOCK_N if gpu else CPU_SPLIT_BLOCK_N
     block_n = min(block_n, max(16, next_pow2(n)))
     tile = GPU_TILE_ELEMS if gpu else CPU_TILE_ELEMS
     block_m = max(1, min(tile // block_n, next_pow2(max(m, 1))))
-    num_warps = _warps_for(block_m * block_n) if gpu else 1
     col_blocks = -(-n // block_n)
-    # Enough (row group x column block) programs to fill every SM a few times over, but no
-    # more row groups than row tiles: each row group writes one float32 partial row.
-    target = sm_count(device) * 4
-    row_tiles = -(-m // block_m)
+    if gpu:
+        num_warps = _warps_for(block_m * block_n)
+        per_sm = max(1, min(GPU_MAX_PROGRAMS_PER_SM, REGS_PER_SM // (GPU_BWD_MAX_REGS * 32 * num_warps)))
+        stages = _stages(block_m * block_n, elem_bytes, streams, per_sm)
+        maxnreg = GPU_BWD_MAX_REGS
+        if elem_bytes > 4:  # float64: as in fused_config
+            per_sm, stages, maxnreg = 1, 1, None
+        # x and dy of a chunk take at most GPU_L2_FRACTION of L2
+        row_bytes = max(1, n * elem_bytes * streams)
+        chunk = int(_l2_bytes(_index(torch.device(device))) * GPU_L2_FRACTION) // row_bytes
+        target = sm_count(device) * per_sm  # one wave of column-tiled programs per chunk
+    else:
+        num_warps, per_sm, stages, maxnreg = 1, 1, 1, None
+        chunk = CPU_SPLIT_CHUNK_ROWS
+        target = sm_count(device) * 4
+    chunk_rows = max(block_m, chunk // block_m * block_m) if chunked else max(m, block_m)
+    rows = min(max(m, 1), chunk_rows)  # the column-tiled grid covers one chunk
+    # Enough (row group x column block) programs to fill every SM, but no more row groups
+    # than row tiles: each row group writes (accumulates) one float32 partial row.
+    row_tiles = -(-rows // block_m)
     row_groups = max(1, min(row_tiles, -(-target // col_blocks)))
-    row_num_warps = _warps_for(block_n) if gpu else 1
-    return SplitConfig(block_n, block_m, num_warps, col_blocks, row_groups, row_tiles,
-                       -(-row_tiles // row_groups), row_num_warps)
+    # one-row-per-program kernels: 8 values per thread per tensor (at 16, 4 warps for 2048
+    # columns, Triton 3.6 spills 8 bytes in the LayerNorm forward with the residual)
+    row_num_warps = min(GPU_MAX_WARPS, 2 * _warps_for(block_n)) if gpu else 1
+    # The row-sums kernel splits each row into column segments (their sums are added in a
+    # fixed order by the column-tiled kernel) so that a chunk of few wide rows still puts
+    # programs on every SM: one program per row would leave most SMs idle at 64K columns.
+    # (on the CPU two segments per row, to take that path in the tests)
+    row_programs = sm_count(device) * 2 * GPU_MAX_PROGRAMS_PER_SM if gpu else 2 * rows
+    segments = max(1, min(col_blocks, -(-row_programs // rows)))
+    segment_blocks = -(-col_blocks // segments)
+    segments = -(-col_blocks // segment_blocks)
+    return SplitConfig(block_n, block_m, num_warps, col_blocks, row_groups, -(-m // block_m),
+                       -(-row_tiles // row_groups), row_num_warps, stages, maxnreg, chunk_rows,
+                       segments, segment_blocks)
 
 
 def reduce_config(rows: int, n: int, device) -> ReduceConfig:

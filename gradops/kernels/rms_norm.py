@@ -26,40 +26,48 @@ from ._norm_common import as_rows, dx_target, load_input, row_stride, sum_partia
 # --------------------------------------------------------------------------- forward
 @triton.jit
 def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps, offset,
+                          tiles_per_program, num_programs,
                           HAS_W: tl.constexpr, HAS_RES: tl.constexpr, ROUND_XHAT: tl.constexpr,
-                          ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+                          ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          NUM_STAGES: tl.constexpr):
+    # Persistent over row tiles p, p + P, ...: gamma is loaded once per program, and the
+    # pipelined loop has the next tiles' x (and residual) in flight while this one reduces.
+    pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
-    rmask = rows < M
     cmask = cols < N
-    mask = rmask[:, None] & cmask[None, :]
-    rows64 = rows.to(tl.int64)
-    x = load_input(X, R, rows64[:, None] * stride_x + cols[None, :], rows64[:, None] * stride_r + cols[None, :],
-                   mask, HAS_RES, ACC)
-    if HAS_RES:
-        tl.store(H + rows64[:, None] * stride_h + cols[None, :], x, mask=mask)
-    x = x.to(ACC)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
-    y = x * rstd[:, None]
-    if ROUND_XHAT:
-        y = y.to(Y.dtype.element_ty).to(ACC)
     if HAS_W:
-        y = y * (tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + offset)[None, :]
-    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(Rstd + rows, rstd.to(Rstd.dtype.element_ty), mask=rmask)
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + offset
+    for i in tl.range(0, tiles_per_program, num_stages=NUM_STAGES):
+        rows = (pid + i * num_programs) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = load_input(X, R, rows64[:, None] * stride_x + cols[None, :], rows64[:, None] * stride_r + cols[None, :],
+                       mask, HAS_RES, ACC)
+        if HAS_RES:
+            tl.store(H + rows64[:, None] * stride_h + cols[None, :], x, mask=mask)
+        x = x.to(ACC)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+        y = x * rstd[:, None]
+        if ROUND_XHAT:
+            y = y.to(Y.dtype.element_ty).to(ACC)
+        if HAS_W:
+            y = y * w[None, :]
+        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Rstd + rows, rstd.to(Rstd.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
 def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps, offset,
                          HAS_W: tl.constexpr, HAS_RES: tl.constexpr, ROUND_XHAT: tl.constexpr,
-                         ACC: tl.constexpr, BLOCK_N: tl.constexpr):
+                         ACC: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     # One row per program: pass 1 sums squares (and writes h), pass 2 re-reads the row (just
     # touched by this program, so mostly from L2; h is recomputed from x and the residual
     # rather than read back, which would need a barrier) and writes y.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     ss = tl.zeros([BLOCK_N], dtype=ACC)
-    for c0 in range(0, N, BLOCK_N):
+    for c0 in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
         cols = c0 + offs
         cmask = cols < N
         h = load_input(X, R, row * stride_x + cols, row * stride_r + cols, cmask, HAS_RES, ACC)
@@ -69,7 +77,7 @@ def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, s
         ss += h * h
     rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / N + eps)
     y_row = Y + row * stride_y
-    for c0 in range(0, N, BLOCK_N):
+    for c0 in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
         cols = c0 + offs
         cmask = cols < N
         y = load_input(X, R, row * stride_x + cols, row * stride_r + cols, cmask, HAS_RES, ACC).to(ACC) * rstd
@@ -107,16 +115,17 @@ def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=N
     h = h_out if has_res else x  # the ops layer passes a fresh contiguous h_out
     common = dict(HAS_W=gamma is not None, HAS_RES=has_res, ROUND_XHAT=bool(round_xhat), ACC=tl_acc(x.dtype))
     strides = (row_stride(x), row_stride(r), row_stride(h), row_stride(y))
-    if norm_config.is_fused(n, x.device):
-        cfg = norm_config.fused_config(m, n, x.device, persistent=False)
+    shape = dict(elem_bytes=x.element_size(), streams=2 if has_res else 1)
+    if norm_config.is_fused(n, x.device, "fwd"):
+        cfg = norm_config.fused_config(m, n, x.device, kind="fwd", **shape)
         _rms_fwd_fused_kernel[(cfg.grid,)](
-            x, r, h, y, w, rstd, m, n, *strides, eps, offset,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **common)
+            x, r, h, y, w, rstd, m, n, *strides, eps, offset, cfg.tiles_per_program, cfg.grid,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **common)
     else:
-        cfg = norm_config.split_config(m, n, x.device)
+        cfg = norm_config.split_config(m, n, x.device, **shape)
         _rms_fwd_wide_kernel[(m,)](
             x, r, h, y, w, rstd, n, *strides, eps, offset,
-            BLOCK_N=cfg.block_n, num_warps=cfg.row_num_warps, **common)
+            BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.row_num_warps, **common)
     return y, rstd
 
 
@@ -126,7 +135,7 @@ def _rms_bwd_fused_kernel(DY, X, W, Rstd, DRES, DX, DW_P, M, N,
                           stride_dy, stride_x, stride_dres, stride_dx, stride_p, offset,
                           tiles_per_program, num_programs, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr,
                           ROUND_XHAT: tl.constexpr, ACC: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     # Persistent: program p takes row tiles p, p + P, ...; x and dy are read once, dx is
     # written once, dgamma accumulates in registers and leaves as partial row DW_P[p, :].
     pid = tl.program_id(0)
@@ -135,8 +144,10 @@ def _rms_bwd_fused_kernel(DY, X, W, Rstd, DRES, DX, DW_P, M, N,
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + offset
     acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
-    # (a plain trip count, not range(pid, num_tiles, step): Triton 3.6's interpreter needs it)
-    for i in range(0, tiles_per_program):
+    # (a plain trip count, not range(pid, num_tiles, step): Triton 3.6's interpreter needs it;
+    # num_stages makes the compiler prefetch the next tiles' loads with cp.async into shared
+    # memory while this tile is reduced)
+    for i in tl.range(0, tiles_per_program, num_stages=NUM_STAGES):
         rows = (pid + i * num_programs) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
         rmask = rows < M
         mask = rmask[:, None] & cmask[None, :]
@@ -162,39 +173,46 @@ def _rms_bwd_fused_kernel(DY, X, W, Rstd, DRES, DX, DW_P, M, N,
 
 
 @triton.jit
-def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset,
-                             HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Wide rows, step 1: c = mean(dy * gamma * x) per row.
+def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset, segment_blocks, num_segments,
+                             HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr,
+                             NUM_STAGES: tl.constexpr):
+    # Wide rows, step 1: program (row, segment) stores sum(dy * gamma * x) over its segment
+    # of segment_blocks column blocks in C[row, segment].
     row = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1)
     offs = tl.arange(0, BLOCK_N)
     s = tl.zeros([BLOCK_N], dtype=ACC)
-    for c0 in range(0, N, BLOCK_N):
-        cols = c0 + offs
+    for j in tl.range(0, segment_blocks, num_stages=NUM_STAGES):
+        cols = (seg * segment_blocks + j) * BLOCK_N + offs
         cmask = cols < N
         dy = tl.load(DY + row * stride_dy + cols, mask=cmask, other=0.0).to(ACC)
         x = tl.load(X + row * stride_x + cols, mask=cmask, other=0.0).to(ACC)
         if HAS_W:
             dy = dy * (tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + offset)
         s += dy * x
-    tl.store(C + row, tl.sum(s, axis=0) / N)
+    tl.store(C + row * num_segments + seg, tl.sum(s, axis=0))
 
 
 @triton.jit
 def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DRES, DX, DW_P, M, N,
                          stride_dy, stride_x, stride_dres, stride_dx, stride_p, offset,
-                         tiles_per_group, num_row_groups, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr,
-                         ROUND_XHAT: tl.constexpr, ACC: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         tiles_per_group, num_row_groups, num_segments, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr,
+                         ROUND_XHAT: tl.constexpr, ACCUMULATE: tl.constexpr, SEGMENTS: tl.constexpr, ACC: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     # Wide rows, step 2: program (column block, row group) writes dx for its tiles and keeps
-    # dgamma for its columns in registers: one partial row per row group.
+    # dgamma for its columns in registers: one partial row per row group, which later
+    # chunks of rows (ACCUMULATE) add to in the same fixed order.
     cb = tl.program_id(0)
     rg = tl.program_id(1)
     cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + offset
-    acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
-    for i in range(0, tiles_per_group):
+    if ACCUMULATE:
+        acc_dw = tl.load(DW_P + rg.to(tl.int64) * stride_p + cols, mask=cmask, other=0.0)
+    else:
+        acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
+    for i in tl.range(0, tiles_per_group, num_stages=NUM_STAGES):
         rows = (rg + i * num_row_groups) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
         rmask = rows < M
         mask = rmask[:, None] & cmask[None, :]
@@ -202,7 +220,10 @@ def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DRES, DX, DW_P, M, N,
         dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
         rstd = tl.load(Rstd + rows, mask=rmask, other=0.0).to(ACC)
-        c = tl.load(C + rows, mask=rmask, other=0.0)
+        # the row-sums kernel's segments, as a tile (a loop here would stop the pipelining)
+        segs = tl.arange(0, SEGMENTS)
+        c = tl.sum(tl.load(C + rows64[:, None] * num_segments + segs[None, :],
+                           mask=rmask[:, None] & (segs < num_segments)[None, :], other=0.0), axis=1) / N
         if HAS_W:
             g = dy * w[None, :]
         else:
@@ -235,25 +256,34 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False,
     dx_buf, copy_back = dx_target(dx_out, x)
     flags = dict(HAS_W=gamma is not None, HAS_DRES=dres is not None, ROUND_XHAT=bool(round_xhat),
                  ACC=tl_acc(x.dtype))
+    shape = dict(elem_bytes=x.element_size(), streams=3 if dres is not None else 2)
+    strides = (row_stride(dy_rows), row_stride(x_rows), row_stride(dres_rows), row_stride(dx_buf))
     if norm_config.is_fused(n, device):
-        cfg = norm_config.fused_config(m, n, device, persistent=True)
+        cfg = norm_config.fused_config(m, n, device, **shape)
         partial = torch.empty((cfg.grid, n), dtype=acc, device=device)
         _rms_bwd_fused_kernel[(cfg.grid,)](
-            dy_rows, x_rows, w, rstd, dres_rows, dx_buf, partial, m, n,
-            row_stride(dy_rows), row_stride(x_rows), row_stride(dres_rows), row_stride(dx_buf),
+            dy_rows, x_rows, w, rstd, dres_rows, dx_buf, partial, m, n, *strides,
             partial.stride(0), offset, cfg.tiles_per_program, cfg.grid,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **flags)
     else:
-        cfg = norm_config.split_config(m, n, device)
-        c = torch.empty(m, dtype=acc, device=device)
-        _rms_bwd_row_sums_kernel[(m,)](
-            dy_rows, x_rows, w, c, n, row_stride(dy_rows), row_stride(x_rows), offset,
-            HAS_W=flags["HAS_W"], ACC=flags["ACC"], BLOCK_N=cfg.block_n, num_warps=cfg.row_num_warps)
+        cfg = norm_config.split_config(m, n, device, **shape)
+        segs = cfg.row_segments
+        c = torch.empty((m, segs), dtype=acc, device=device)
         partial = torch.empty((cfg.row_groups, n), dtype=acc, device=device)
-        _rms_bwd_cols_kernel[(cfg.col_blocks, cfg.row_groups)](
-            dy_rows, x_rows, w, rstd, c, dres_rows, dx_buf, partial, m, n,
-            row_stride(dy_rows), row_stride(x_rows), row_stride(dres_rows), row_stride(dx_buf),
-            partial.stride(0), offset, cfg.tiles_per_group, cfg.row_groups,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+        # Chunks of rows small enough that the column-tiled kernel finds the x and dy the
+        # row-sums kernel has just read still in L2.
+        for r0 in range(0, m, cfg.chunk_rows):
+            r1 = min(m, r0 + cfg.chunk_rows)
+            rows = slice(r0, r1)
+            _rms_bwd_row_sums_kernel[(r1 - r0, segs)](
+                dy_rows[rows], x_rows[rows], w, c[rows], n, strides[0], strides[1], offset, cfg.segment_blocks, segs,
+                HAS_W=flags["HAS_W"], ACC=flags["ACC"], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+                num_warps=cfg.row_num_warps)
+            _rms_bwd_cols_kernel[(cfg.col_blocks, cfg.row_groups)](
+                dy_rows[rows], x_rows[rows], w, rstd[rows], c[rows], dres_rows[rows], dx_buf[rows], partial,
+                r1 - r0, n, *strides, partial.stride(0), offset, cfg.tiles_per_group, cfg.row_groups, segs,
+                ACCUMULATE=r0 > 0, SEGMENTS=norm_config.next_pow2(segs), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                NUM_STAGES=cfg.num_stages,
+                **cfg.launch(), **flags)
     dx = dx_out.copy_(dx_buf) if copy_back else dx_buf
     return dx, sum_partial_rows(partial, acc)
