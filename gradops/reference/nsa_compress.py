@@ -1,9 +1,11 @@
 """NSA key/value compression in plain PyTorch (OPERATORS.md section 4).
 
 Canonical arguments (docs/backends.md): ``x [T, N, D]``, ``weight [l, N]``, ``cu_seqlens`` a
-host list ``[0, e_0, ..., T]`` and ``num_blocks`` = C. The loops run over the l positions of
-a block (at most a few hundred), never over blocks or tokens, and each step touches
-``[C, N, D]`` elements, so memory stays O(inputs + outputs).
+host list ``[0, e_0, ..., T]`` and ``num_blocks`` = C. On a CPU (the CPU path) the blocks are
+taken in cache-sized chunks as strided views of x (see "The CPU path" below); elsewhere, and
+for packings of many short sequences, the loops run over the l positions of a block, never
+over blocks or tokens, each step touching ``[C, N, D]`` elements. Either way the workspace is
+O(inputs + outputs), plus ``l`` chunks (a few MiB) on the CPU path.
 
 The only data taken from the host is the packing; its block starts are built once per
 packing and device and cached (``packing_tables``), so that a call with a packing already
@@ -77,11 +79,114 @@ def _starts(cu_seqlens, block_size, stride, device) -> torch.Tensor:
     return packing_tables(_cached_block_starts, tuple(cu_seqlens), block_size, stride, device)
 
 
+# ---------------------------------------------------------------------------------------
+# The CPU path
+#
+# Within a sequence the blocks are evenly spaced, so position j of blocks c .. c+k-1 is a
+# strided slice of rows, ``x[start + j :: stride][:k]``: a view, with no gather copy and no
+# index table. The work is cut into chunks of k consecutive blocks of one sequence and, per
+# chunk, runs over j as elementwise ops (mul/addcmul_) on [k, N, D]. k is chosen so that one op
+# holds fewer elements than PyTorch's intra-op grain (32768), so every op runs on the calling
+# thread: the chunk stays in the core's cache across the l steps, and the many small ops never
+# wait at an OpenMP barrier (on a loaded machine such a wait costs a scheduler time slice per
+# op, which made parallel chunked ops 10-100x slower). It also makes the reduction order
+# independent of the thread count. Low-precision rows are widened into a chunk-sized float32
+# buffer, so the workspace stays O(chunk).
+#
+# Other devices (a GPU, the meta device) keep the gather loop below: a few large ops per
+# position, which is what a GPU wants, and whose tables are cached for CUDA graphs. So do CPU
+# packings of many short sequences, where chunks would be mostly empty (one op per block and
+# position); see _cpu_path and _chunks_fill.
+
+_CHUNK_ELEMS = 32767  # most elements of one [k, N, D] op: under at::internal::GRAIN_SIZE (32768)
+
+
+def _chunk_blocks(heads: int, dim: int) -> int:
+    return max(1, _CHUNK_ELEMS // max(1, heads * dim))
+
+
+@functools.lru_cache(maxsize=64)
+def _chunks(cu_seqlens: tuple, block_size: int, stride: int, per_chunk: int) -> tuple:
+    """``(first row, blocks, first output block)`` of every chunk, in batch order (host data)."""
+    chunks, c0 = [], 0
+    lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    for a, n in zip(cu_seqlens[:-1], blocks_per_sequence(lengths, block_size, stride)):
+        for k0 in range(0, n, per_chunk):
+            chunks.append((a + stride * k0, min(per_chunk, n - k0), c0 + k0))
+        c0 += n
+    return tuple(chunks)
+
+
+def _cpu_path(x, weight) -> bool:
+    # torch.compile would unroll every chunk and position into its graph, while it fuses the
+    # gather loop into one kernel. Autograd through the forward (a caller differentiating the
+    # formula) needs ops without out=, so it gets the gather loop too.
+    differentiated = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return x.device.type == "cpu" and not differentiated and not torch.compiler.is_compiling()
+
+
+def _chunks_fill(chunks, per_chunk: int, num_blocks: int) -> bool:
+    # Chunks at least half full on average; else (many sequences of a few blocks) the
+    # per-block op count of the chunked loop loses to the gather loop's l large ops.
+    return 2 * num_blocks >= len(chunks) * per_chunk
+
+
+def _rows(t, row: int, k: int, stride: int):
+    """Rows ``row, row + stride, ..., row + (k-1)*stride`` of ``t`` [T, N, D], as a view."""
+    st = t.stride()
+    return t.as_strided((k,) + tuple(t.shape[1:]), (stride * st[0], st[1], st[2]),
+                        t.storage_offset() + row * st[0])
+
+
+def _strided_forward(x, w, block_size, stride, chunks, per_chunk, num_blocks, acc):
+    out = torch.empty((num_blocks,) + tuple(x.shape[1:]), dtype=acc, device=x.device)
+    widen = x.dtype != acc
+    buf = torch.empty((per_chunk,) + tuple(x.shape[1:]), dtype=acc, device=x.device) if widen else None
+    for row0, k, c0 in chunks:
+        o = out[c0:c0 + k]
+        for j in range(block_size):
+            xj = _rows(x, row0 + j, k, stride)
+            if widen:
+                xj = buf[:k].copy_(xj)
+            if j == 0:
+                torch.mul(xj, w[0], out=o)
+            else:
+                o.addcmul_(xj, w[j])
+    return out.to(x.dtype)
+
+
+def _strided_backward(dout, x, w, block_size, stride, chunks, per_chunk, acc):
+    shape = tuple(x.shape[1:])
+    dx = torch.zeros(x.shape, dtype=acc, device=x.device)  # tokens no block covers stay 0
+    # dweight[j] summed over the blocks of a chunk slot first, then over slots and D at the
+    # end: each element accumulates in a fixed order, with no per-step reduction op
+    partial = torch.zeros((block_size, per_chunk) + shape, dtype=acc, device=x.device)
+    widen = x.dtype != acc
+    xbuf = torch.empty((per_chunk,) + shape, dtype=acc, device=x.device) if widen else None
+    dbuf = torch.empty((per_chunk,) + shape, dtype=acc, device=x.device) if dout.dtype != acc else None
+    for row0, k, c0 in chunks:
+        d = dout[c0:c0 + k]
+        if dbuf is not None:
+            d = dbuf[:k].copy_(d)
+        for j in range(block_size):
+            xj = _rows(x, row0 + j, k, stride)
+            if widen:
+                xj = xbuf[:k].copy_(xj)
+            _rows(dx, row0 + j, k, stride).addcmul_(d, w[j])
+            partial[j, :k].addcmul_(d, xj)
+    return dx.to(x.dtype), partial.sum(dim=(1, 3)).to(x.dtype)
+
+
 def nsa_compress(x, weight, block_size, stride, cu_seqlens, num_blocks):
     acc = stat_dtype(x.dtype)
+    w = weight.to(acc)
+    if _cpu_path(x, weight):
+        per_chunk = _chunk_blocks(x.shape[1], x.shape[2])
+        chunks = _chunks(tuple(cu_seqlens), block_size, stride, per_chunk)
+        if _chunks_fill(chunks, per_chunk, num_blocks):
+            return _strided_forward(x, w[:, :, None], block_size, stride, chunks, per_chunk, num_blocks, acc)
     starts = _starts(cu_seqlens, block_size, stride, x.device)
     out = torch.zeros((num_blocks,) + tuple(x.shape[1:]), dtype=acc, device=x.device)
-    w = weight.to(acc)
     for j in range(block_size):
         out += w[j][None, :, None] * x[starts + j].to(acc)
     return out.to(x.dtype)
@@ -89,9 +194,14 @@ def nsa_compress(x, weight, block_size, stride, cu_seqlens, num_blocks):
 
 def nsa_compress_grad(dout, x, weight, block_size, stride, cu_seqlens, num_blocks):
     acc = stat_dtype(x.dtype)
+    w = weight.to(acc)
+    if _cpu_path(x, weight):
+        per_chunk = _chunk_blocks(x.shape[1], x.shape[2])
+        chunks = _chunks(tuple(cu_seqlens), block_size, stride, per_chunk)
+        if _chunks_fill(chunks, per_chunk, num_blocks):
+            return _strided_backward(dout, x, w[:, :, None], block_size, stride, chunks, per_chunk, acc)
     starts = _starts(cu_seqlens, block_size, stride, x.device)
     doutf = dout.to(acc)
-    w = weight.to(acc)
     dx = torch.zeros(x.shape, dtype=acc, device=x.device)
     dweight = torch.zeros(weight.shape, dtype=acc, device=x.device)
     for j in range(block_size):
