@@ -55,6 +55,12 @@ def stat_dtypes(x_dtype: torch.dtype):
     return (torch.float32,) if x_dtype == torch.float32 else (torch.float32, x_dtype)
 
 
+def _grad_dtype(weight, x):
+    """The dtype of dweight and dbias: the weight's (float32 master weights get float32
+    gradients), or the accumulator's without a weight."""
+    return weight.dtype if weight is not None else stat_dtype(x.dtype)
+
+
 def _check_affine(op, name, t, x, normalized_shape):
     if t is None:
         return None
@@ -114,7 +120,6 @@ def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None
     output_mask = as_bool_triple(op, "output_mask", output_mask)
     check_dtype(op, "x", x, FLOAT_DTYPES)
     check_same_dtype(op, "dy", dy, "x", x)
-    acc = stat_dtype(x.dtype)
     for name, t in (("mean", mean), ("rstd", rstd)):
         if t.dtype not in stat_dtypes(x.dtype):
             invalid(op, f"{name} has dtype {dtype_name(t.dtype)} beside x of dtype {dtype_name(x.dtype)}, "
@@ -138,7 +143,7 @@ def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None
         check_overwritten(op, "dy", dy, [("x", x), ("mean", mean), ("rstd", rstd), ("weight", weight),
                                          ("dresidual", dresidual)])
     impl = implementation(op, FAMILY, backend, x.device)
-    grad_dtype = weight.dtype if weight is not None else acc
+    grad_dtype = _grad_dtype(weight, x)
 
     def run():
         return run_layer_norm_backward(impl, dy, x, normalized_shape, mean, rstd, weight, output_mask,
@@ -161,17 +166,18 @@ def run_layer_norm_backward(impl, dy, x, normalized_shape, mean, rstd, weight, o
     acc = stat_dtype(x.dtype)
     dy2 = dy.reshape(rows, cols)
     dx_out = in_place_rows(dy, dy2, in_place)
+    # dw and db in the weight's dtype, rounded once by the backend as it writes them
     dx, dw, db = impl.layer_norm_backward(
         dy2, x.reshape(rows, cols), mean.reshape(rows).to(acc), rstd.reshape(rows).to(acc),
         None if weight is None else weight.reshape(cols), output_mask, dx_out,
-        None if dresidual is None else dresidual.reshape(rows, cols))
+        None if dresidual is None else dresidual.reshape(rows, cols),
+        grad_dtype=_grad_dtype(weight, x))
     if dx is not None:
         dx = finish_dx(dx, dy, dx_out, in_place, x.shape)
-    grad_dtype = weight.dtype if weight is not None else acc
     if dw is not None:
-        dw = dw.to(grad_dtype).reshape(normalized_shape)
+        dw = dw.reshape(normalized_shape)
     if db is not None:
-        db = db.to(grad_dtype).reshape(normalized_shape)
+        db = db.reshape(normalized_shape)
     return dx, dw, db
 
 

@@ -15,36 +15,99 @@ import torch
 from ..ops._checks import stat_dtype
 
 
+# Elements in one row block. ATen runs an op with fewer elements than its grain size (32768)
+# on the calling thread; a larger op is a parallel region whose threads meet at a barrier,
+# and on a busy machine a preempted thread makes every barrier wait for a scheduler slice:
+# 128 blocks of 2^18 elements ran 10-20x slower than these, on 2 shared cores. A block's
+# float32 buffers (128 KiB each) stay in L2 from one op to the next, and being reused they
+# cost no page faults (a fresh 128 MiB buffer's first write costs ~5x a write into one).
+BLOCK_ELEMENTS = 32767
+
+
+def row_block(x: torch.Tensor) -> int:
+    """Rows per block: all of them off the CPU (CUDA, meta) or when they fit in one block."""
+    m, n = x.shape
+    if x.device.type != "cpu" or m * n <= BLOCK_ELEMENTS:
+        return max(m, 1)
+    return max(1, BLOCK_ELEMENTS // n)
+
+
+def _scale(gamma, offset, acc):
+    if gamma is None:
+        return None
+    g = gamma.to(acc)
+    return g + offset if offset else g
+
+
 def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=None):
-    if residual is not None:
-        x = torch.add(x, residual, out=h_out)
     acc = stat_dtype(x.dtype)
-    xf = x.to(acc)
-    rstd = torch.rsqrt(xf.square().mean(dim=1) + eps)
-    y = xf * rstd[:, None]
-    if round_xhat:
-        y = y.to(x.dtype).to(acc)
-    if gamma is not None:
-        y = y * (gamma.to(acc) + offset)
-    return y.to(x.dtype), rstd
+    m, n = x.shape
+    half = x.dtype != acc
+    g = _scale(gamma, offset, acc)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(m, dtype=acc, device=x.device)
+    rows = row_block(x)
+    k = min(rows, m)
+    xf = torch.empty((k, n), dtype=acc, device=x.device) if half else None
+    t = torch.empty((k, n), dtype=acc, device=x.device)
+    rounded = torch.empty((k, n), dtype=x.dtype, device=x.device) if half and round_xhat else None
+    # Row blocks whose float32 buffers stay in cache, reused from block to block
+    for s in range(0, m, rows):
+        e = min(s + rows, m)
+        # residual: normalise h = x + residual (in x's dtype, as torch adds), written to h_out
+        xb = x[s:e] if residual is None else torch.add(x[s:e], residual[s:e], out=h_out[s:e])
+        if half:
+            xb = xf[: e - s].copy_(xb)
+        tb = t[: e - s]
+        r = torch.rsqrt(torch.mul(xb, xb, out=tb).mean(dim=1).add_(eps), out=rstd[s:e])[:, None]
+        if g is None and not half:
+            torch.mul(xb, r, out=y[s:e])
+            continue
+        xhat = torch.mul(xb, r, out=tb)
+        if rounded is not None:
+            xhat.copy_(rounded[: e - s].copy_(xhat))
+        if half:
+            y[s:e] = xhat.mul_(g) if g is not None else xhat
+        else:
+            torch.mul(xhat, g, out=y[s:e])
+    return y, rstd
 
 
 def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False, dres=None):
     acc = stat_dtype(x.dtype)
-    dyf, xf = dy.to(acc), x.to(acc)
-    rstd = rstd.to(acc)[:, None]
-    n = x.shape[1]
-    xhat = xf * rstd
-    # dgamma first (with in_place, dx_out is dy's own memory), against the x-hat the forward
-    # multiplied by gamma: rounded to x's dtype in round_xhat mode
-    scaled = xhat.to(x.dtype).to(acc) if round_xhat else xhat
-    dgamma = (dyf * scaled).sum(dim=0)
-    g = dyf * (gamma.to(acc) + offset) if gamma is not None else dyf.clone()
-    if n:
-        # dx = rstd * g - rstd^3 * x * mean_n(g * x) = rstd * (g - xhat * mean_n(g * xhat)), in place
-        c = (g * xhat).mean(dim=1, keepdim=True)
-        g.sub_(xhat.mul_(c)).mul_(rstd)
-    if dres is not None:
-        g.add_(dres.to(acc))
-    dx = dx_out.copy_(g) if dx_out is not None else g.to(x.dtype)
-    return dx, dgamma
+    m, n = x.shape
+    half = x.dtype != acc
+    g = _scale(gamma, offset, acc)
+    dx = dx_out if dx_out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    rows = row_block(x)
+    blocks = range(0, m, rows)
+    dgammas = torch.empty((len(blocks), n), dtype=acc, device=x.device)
+    k = min(rows, m)
+    xhat, t, u = (torch.empty((k, n), dtype=acc, device=x.device) for _ in range(3))
+    dyf = torch.empty((k, n), dtype=acc, device=x.device) if half else None
+    rounded = torch.empty((k, n), dtype=x.dtype, device=x.device) if half and round_xhat else None
+    # Row blocks, as in rms_norm; dgamma's per-block sums are summed in one cascade, and dx
+    # lands in dx_out (dy's memory, in_place) only after the block's dgamma was taken
+    for i, s in enumerate(blocks):
+        e = min(s + rows, m)
+        r = rstd[s:e, None]
+        xb = x[s:e] if not half else xhat[: e - s].copy_(x[s:e])
+        xh = torch.mul(xb, r, out=xhat[: e - s])
+        dyb = dy[s:e] if not half else dyf[: e - s].copy_(dy[s:e])
+        tb, ub = t[: e - s], u[: e - s]
+        # dgamma against the x-hat the forward multiplied by gamma: rounded to x's dtype in
+        # round_xhat mode
+        scaled = xh if rounded is None else tb.copy_(rounded[: e - s].copy_(xh))
+        torch.sum(torch.mul(dyb, scaled, out=tb), dim=0, out=dgammas[i])
+        gb = torch.mul(dyb, g, out=ub) if g is not None else dyb
+        # dx = rstd * g - rstd^3 * x * mean_n(g * x) = rstd * (g - xhat * mean_n(g * xhat))
+        c = torch.mul(gb, xh, out=tb).mean(dim=1, keepdim=True)
+        d = torch.addcmul(gb, xh, c, value=-1, out=tb)
+        if half or dres is not None:
+            d.mul_(r)
+            if dres is not None:
+                d += dres[s:e]
+            dx[s:e] = d
+        else:
+            torch.mul(d, r, out=dx[s:e])
+    return dx, dgammas.sum(dim=0)
