@@ -1,11 +1,11 @@
 """The reference backend's CPU path (docs/backends.md, "The CPU path"): LayerNorm's forward
-through ATen's kernel (half precision as float32), its backward through ATen's kernel on
-x-hat, and RMSNorm in row blocks with reused buffers.
+through ATen's kernel (half precision as float32 row blocks), its backward through ATen's
+kernel on centred row blocks, and RMSNorm in row blocks with reused buffers.
 
 Every variant against float64 oracles: autograd through the formulas with each variant's
 rounding points, and ATen in float64 (gradops.oracles). Each test runs with the rows in one
-block and, forced by a small ``BLOCK_ELEMENTS``, in several RMSNorm blocks with a ragged
-last one.
+block and, forced by a small ``BLOCK_ELEMENTS``, in several row blocks with a ragged last
+one.
 """
 import pytest
 import torch
@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gradops import oracles
 from gradops.ops.layer_norm import prepare_layer_norm, prepare_layer_norm_backward
 from gradops.ops.rms_norm import prepare_rms_norm, prepare_rms_norm_grad
-from gradops.reference import rms_norm as ref_rms
+from gradops.reference import _rows
 
 from helpers import assert_close
 
@@ -35,9 +35,9 @@ def acc_of(dtype):
 
 @pytest.fixture(params=["one-block", "blocks"])
 def blocks(request, monkeypatch):
-    """The number of row blocks RMSNorm's CPU path takes (M = 7 rows: 4 blocks, the last of 1 row)."""
+    """The number of row blocks the CPU path takes (M = 7 rows: 4 blocks, the last of 1 row)."""
     if request.param == "blocks":
-        monkeypatch.setattr(ref_rms, "BLOCK_ELEMENTS", 2 * N)
+        monkeypatch.setattr(_rows, "BLOCK_ELEMENTS", 2 * N)
         return 4
     return 1
 
@@ -98,12 +98,14 @@ def strided(t):
 
 
 # ------------------------------------------------------------------ LayerNorm forward
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("affine", ["none", "weight", "both", "float32"])
+def dtype_affine(affines):
+    """(dtype, affine) pairs: float32 master weights ("float32") only beside half activations."""
+    return [(d, a) for d in DTYPES for a in affines if a != "float32" or d in HALF]
+
+
+@pytest.mark.parametrize("dtype,affine", dtype_affine(["none", "weight", "both", "float32"]), ids=str)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 def test_layer_norm_forward(blocks, dtype, affine, with_residual):
-    if affine == "float32" and dtype not in HALF:
-        pytest.skip("float32 master weights go beside half activations")
     pdt = torch.float32 if affine == "float32" else dtype
     x, residual = rand((M, N), dtype, 2.0, 0.5), rand((M, N), dtype) if with_residual else None
     x[2] = x[2, 0]  # a constant row (of h too)
@@ -128,7 +130,8 @@ def test_layer_norm_forward(blocks, dtype, affine, with_residual):
     assert mean[2].item() == h[2, 0].item()
     want_row = torch.zeros(N, dtype=dtype) if b is None else b.to(dtype)
     assert torch.equal(y[2], want_row)
-    assert ops.names.count("native_layer_norm") == 1  # ATen's kernel
+    # ATen's kernel: float32/float64 rows at once, half rows in float32 blocks
+    assert ops.names.count("native_layer_norm") == (blocks if dtype in HALF else 1)
 
 
 def test_layer_norm_forward_empty_rows_and_no_rows(blocks):
@@ -166,13 +169,10 @@ def _ln_stats(h, dtype):
     return mean.to(acc_of(dtype)), rstd.to(acc_of(dtype))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("affine", ["none", "weight", "float32"])
+@pytest.mark.parametrize("dtype,affine", dtype_affine(["none", "weight", "float32"]), ids=str)
 @pytest.mark.parametrize("mask", [ALL, (True, False, False), (False, True, True), (False, False, True),
                                   (True, True, False)], ids=str)
 def test_layer_norm_backward(blocks, dtype, affine, mask):
-    if affine == "float32" and dtype not in HALF:
-        pytest.skip("float32 master weights go beside half activations")
     pdt = torch.float32 if affine == "float32" else dtype
     x, dy = rand((M, N), dtype, 2.0, 3.0), rand((M, N), dtype)
     x[4] = x[4, 0]  # a constant row
@@ -194,7 +194,7 @@ def test_layer_norm_backward(blocks, dtype, affine, mask):
         assert got.dtype == (dtype if name == "dx" else grad_dtype)
         assert_close(got, want, got.dtype, what=name)
         assert_close(got, want2, got.dtype, what=name + " vs ATen float64")
-    assert ops.names.count("native_layer_norm_backward") == 1  # ATen's kernel
+    assert ops.names.count("native_layer_norm_backward") == blocks  # ATen's kernel, once per row block
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

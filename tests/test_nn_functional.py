@@ -273,6 +273,55 @@ def test_gradients_skip_unneeded_outputs(backend, monkeypatch):
     assert b.grad is not None
 
 
+# ---------------------------------------------------------------- eager path and custom ops
+# Eager calls of the norms run an autograd.Function; whatever traces or transforms a call
+# gets the custom op (its fake implementation, its registrations).
+
+_NORMS = {
+    "layer_norm": lambda x, w: F.layer_norm(x, (8,), w, None),
+    "rms_norm": lambda x, w: F.rms_norm(x, (8,), w),
+    "fused_add_layer_norm": lambda x, w: F.fused_add_layer_norm(x, x * 0.5, (8,), w)[0],
+    "fused_add_rms_norm": lambda x, w: F.fused_add_rms_norm(x, x * 0.5, (8,), w)[0],
+}
+
+
+@pytest.mark.parametrize("name", list(_NORMS))
+def test_norm_outputs_can_be_modified_in_place(backend, name):
+    """As torch's: an output is a tensor of its own, not a view autograd forbids writing."""
+    x, w = leaves(torch.randn(3, 2, 8, dtype=f64), torch.randn(8, dtype=f64))
+    y = _NORMS[name](x, w)
+    want = torch.autograd.grad((y * 2).sum(), (x, w), retain_graph=True)
+    y.mul_(2)
+    got = torch.autograd.grad(y.sum(), (x, w))
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("name", list(_NORMS))
+def test_norms_on_meta_tensors_plan_shapes(name):
+    x = torch.empty(4, 8, device="meta", dtype=f64, requires_grad=True)
+    y = _NORMS[name](x, torch.empty(8, device="meta", dtype=f64))
+    assert y.device.type == "meta" and y.shape == (4, 8)
+
+
+@pytest.mark.parametrize("name", list(_NORMS))
+def test_vmap_over_the_norms(name):
+    x, w = torch.randn(3, 2, 8, dtype=f64), torch.randn(8, dtype=f64)
+    got = torch.func.vmap(lambda r: _NORMS[name](r, w))(x)
+    want = torch.stack([_NORMS[name](r, w) for r in x])
+    torch.testing.assert_close(got, want)
+
+
+def test_make_fx_records_the_custom_ops():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, w = torch.randn(2, 8), torch.randn(8)
+    for name, fn in _NORMS.items():
+        graph = make_fx(fn)(x, w).graph
+        ops = {str(n.target) for n in graph.nodes if n.op == "call_function"}
+        assert f"gradops.{name.replace('fused_add_', '')}.default" in ops, (name, ops)
+
+
 # ---------------------------------------------------------------- errors
 
 def test_errors_carry_cann_status_and_name_the_parameter(backend):

@@ -55,8 +55,11 @@ _NOT_COMPUTED = (0,)
 
 def _fresh(t: Tensor) -> Tensor:
     # The fake implementations promise contiguous outputs; keep the real ones to that promise
-    # (a no-op for the backends, which return contiguous tensors).
-    return t.contiguous()
+    # (a no-op for the backends, which return contiguous tensors). A reshaped result is a
+    # view of the backend's [rows, cols] tensor; detached (no copy) it is a tensor of its own,
+    # which autograd lets the caller modify in place, as torch's own outputs.
+    t = t.contiguous()
+    return t.detach() if t._base is not None else t
 
 
 def _empty_like_spec(spec, like: Tensor) -> Tensor:
@@ -74,13 +77,18 @@ def _autocast_off(device_type: str):
     return _no_autocast(device_type) if torch.is_autocast_enabled(device_type) else contextlib.nullcontext()
 
 
-def _eager() -> bool:
+def _eager(x: Tensor) -> bool:
     """Whether a norm call takes the eager path (a ``torch.autograd.Function``) rather than its
-    custom op. The custom ops exist for torch.compile and torch.export, which need an opaque,
-    fake-implementable op; run eagerly, their dispatch (the autograd, autocast and dynamo
-    wrappers of ``torch.library``) costs several times what a small norm computes. Both
-    paths validate with the same ``prepare_*`` and run the same backend code."""
-    return not torch.compiler.is_compiling()
+    custom op. The custom ops exist for whatever traces or transforms the call: torch.compile
+    and torch.export, make_fx and fake or meta tensors (a dispatch mode, a tensor subclass, the
+    meta device: they need the op's fake implementation, not the backend's code), vmap and
+    the other torch.func transforms. Run eagerly on real tensors, the ops' dispatch (the
+    autograd, autocast and dynamo wrappers of ``torch.library``) costs several times what a
+    small norm computes. Both paths validate with the same ``prepare_*`` and run the same
+    backend code."""
+    return (type(x) in (Tensor, torch.nn.Parameter) and x.device.type in ("cpu", "cuda")
+            and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._are_functorch_transforms_active())
 
 
 def _double_backward_error(name: str, alternative: str):
@@ -235,7 +243,12 @@ def _layer_norm_setup(ctx, inputs, output):
     ctx.backend = backend
 
 
-def _layer_norm_backward(ctx, dy, _dmean, _drstd, dh):
+def _layer_norm_grads(ctx, dy, dh, impl=None):
+    """The gradients of the inputs (x, residual, normalized_shape, weight, bias, eps, backend)
+    of both LayerNorm paths. ``dh``: h's gradient from its other uses (None: unused, or no
+    residual). ``impl``: the eager path's backend module, run directly (the forward validated
+    every input, and autograd gives dy and dh its outputs' metadata); else, and always with
+    create_graph, the backward op runs, whose autograd node refuses a second backward."""
     x, weight, bias, mean, rstd = ctx.saved_tensors
     need_x, need_res, _, need_w, need_b = ctx.needs_input_grad[:5]
     need_input = bool(need_x or (ctx.has_residual and need_res))
@@ -244,13 +257,21 @@ def _layer_norm_backward(ctx, dy, _dmean, _drstd, dh):
         return None, None, None, None, None, None, None
     if dy is None:
         dy = torch.zeros_like(x)
-    dres = dh if ctx.has_residual else None  # h's gradient from its other uses (None: unused)
-    dx, dw, db = torch.ops.gradops.layer_norm_backward(dy, dres, x, ctx.normalized_shape, mean, rstd, weight,
-                                                       bias, mask, ctx.backend)
+    if impl is not None and not torch.is_grad_enabled():
+        with _autocast_off(x.device.type):
+            dx, dw, db = _ln_ops.run_layer_norm_backward(impl, dy, x, ctx.normalized_shape, mean, rstd, weight,
+                                                         mask, dresidual=dh)
+    else:
+        dx, dw, db = torch.ops.gradops.layer_norm_backward(dy, dh, x, ctx.normalized_shape, mean, rstd, weight,
+                                                           bias, mask, ctx.backend)
     dx = dx if mask[0] else None
     # bias is accepted by the backward operator only for its shape check; db = sum(dy) needs no bias
     return (dx, dx if ctx.has_residual else None, None, dw if mask[1] else None, db if mask[2] else None,
             None, None)
+
+
+def _layer_norm_backward(ctx, dy, _dmean, _drstd, dh):
+    return _layer_norm_grads(ctx, dy, dh if ctx.has_residual else None)
 
 
 torch.library.register_autograd("gradops::layer_norm", _layer_norm_backward, setup_context=_layer_norm_setup)
@@ -266,7 +287,7 @@ class _LayerNormFunction(torch.autograd.Function):
     def forward(ctx, x, residual, normalized_shape, weight, bias, eps, backend):
         p = _prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
         with _autocast_off(x.device.type):
-            out = p.run()
+            out = [_fresh(t) for t in p.run()]
         y, mean, rstd = out[:3]
         ctx.has_residual = residual is not None
         ctx.save_for_backward(out[3] if ctx.has_residual else x, weight, bias, mean, rstd)
@@ -278,30 +299,12 @@ class _LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh=None):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        need_x, need_res, _, need_w, need_b = ctx.needs_input_grad[:5]
-        mask = [bool(need_x or (ctx.has_residual and need_res)), bool(need_w and weight is not None),
-                bool(need_b and bias is not None)]
-        if not any(mask):
-            return None, None, None, None, None, None, None
-        if dy is None:
-            dy = torch.zeros_like(x)
-        if torch.is_grad_enabled():  # create_graph: the op's autograd node refuses a second backward
-            dx, dw, db = torch.ops.gradops.layer_norm_backward(dy, dh, x, ctx.normalized_shape, mean, rstd, weight,
-                                                               bias, mask, ctx.backend)
-        else:
-            # the forward validated every input; autograd gives dy and dh its outputs' metadata
-            with torch.no_grad(), _autocast_off(x.device.type):
-                dx, dw, db = _ln_ops.run_layer_norm_backward(ctx.impl, dy, x, ctx.normalized_shape, mean, rstd,
-                                                             weight, mask, dresidual=dh)
-        dx = dx if mask[0] else None
-        return (dx, dx if ctx.has_residual else None, None, dw if mask[1] else None, db if mask[2] else None,
-                None, None)
+        return _layer_norm_grads(ctx, dy, dh, ctx.impl)
 
 
 def _layer_norm_call(x, residual, normalized_shape, weight, bias, eps, backend):
     """(y, h): the eager Function or, under torch.compile, the custom op (h None without a residual)."""
-    if _eager():
+    if _eager(x):
         out = _LayerNormFunction.apply(x, residual, normalized_shape, weight, bias, eps, backend)
         return out if residual is not None else (out, None)
     y, _, _, h = torch.ops.gradops.layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
@@ -393,18 +396,29 @@ def _rms_norm_setup(ctx, inputs, output):
     ctx.backend = backend
 
 
-def _rms_norm_backward(ctx, dy, _drstd, dh):
+def _rms_norm_grads(ctx, dy, dh, impl=None):
+    """The gradients of the inputs (x, residual, gamma, eps, offset, casting_mode, backend) of
+    both RMSNorm paths; ``dh`` and ``impl`` as in ``_layer_norm_grads``."""
     x, gamma, rstd = ctx.saved_tensors
     need_x, need_res, need_gamma = ctx.needs_input_grad[:3]
     if not (need_x or need_gamma or (ctx.has_residual and need_res)):
         return None, None, None, None, None, None, None
     if dy is None:
         dy = torch.zeros_like(x)
-    dres = dh if ctx.has_residual else None  # h's gradient from its other uses (None: unused)
-    dx, dgamma = torch.ops.gradops.rms_norm_backward(dy, dres, x, rstd, gamma, ctx.offset, ctx.casting_mode,
-                                                     ctx.backend)
+    if impl is not None and not torch.is_grad_enabled():
+        with _autocast_off(x.device.type):
+            dx, dgamma = _rms_ops.run_rms_norm_grad(
+                impl, dy, x, rstd, gamma, offset=ctx.offset,
+                round_xhat=_rms_ops.check_casting_mode("rms_norm_grad", ctx.casting_mode), dresidual=dh)
+    else:
+        dx, dgamma = torch.ops.gradops.rms_norm_backward(dy, dh, x, rstd, gamma, ctx.offset, ctx.casting_mode,
+                                                         ctx.backend)
     # the operator accumulates dgamma in float32; the parameter's gradient has its own dtype
     return dx, dx if ctx.has_residual else None, dgamma.to(gamma.dtype), None, None, None, None
+
+
+def _rms_norm_backward(ctx, dy, _drstd, dh):
+    return _rms_norm_grads(ctx, dy, dh if ctx.has_residual else None)
 
 
 torch.library.register_autograd("gradops::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
@@ -420,37 +434,22 @@ class _RmsNormFunction(torch.autograd.Function):
     def forward(ctx, x, residual, gamma, eps, offset, casting_mode, backend):
         p = _prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)
         with _autocast_off(x.device.type):
-            out = p.run()
+            out = [_fresh(t) for t in p.run()]
         ctx.has_residual = residual is not None
         ctx.save_for_backward(out[2] if ctx.has_residual else x, gamma, out[1])
-        ctx.args = (offset, casting_mode, backend)
+        ctx.offset, ctx.casting_mode, ctx.backend = offset, casting_mode, backend
         ctx.impl = p.backend
-        ctx.set_materialize_grads(False)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros to add)
         return (out[0], out[2]) if ctx.has_residual else out[0]
 
     @staticmethod
     def backward(ctx, dy, dh=None):
-        x, gamma, rstd = ctx.saved_tensors
-        need_x, need_res, need_gamma = ctx.needs_input_grad[:3]
-        if not (need_x or need_gamma or (ctx.has_residual and need_res)):
-            return None, None, None, None, None, None, None
-        if dy is None:
-            dy = torch.zeros_like(x)
-        offset, casting_mode, backend = ctx.args
-        if torch.is_grad_enabled():  # create_graph: the op's autograd node refuses a second backward
-            dx, dgamma = torch.ops.gradops.rms_norm_backward(dy, dh, x, rstd, gamma, offset, casting_mode, backend)
-        else:
-            # the forward validated every input; autograd gives dy and dh its outputs' metadata
-            with torch.no_grad(), _autocast_off(x.device.type):
-                dx, dgamma = _rms_ops.run_rms_norm_grad(ctx.impl, dy, x, rstd, gamma, offset=offset,
-                                                        round_xhat=_rms_ops.check_casting_mode("rms_norm_grad", casting_mode),
-                                                        dresidual=dh)
-        return dx, dx if ctx.has_residual else None, dgamma.to(gamma.dtype), None, None, None, None
+        return _rms_norm_grads(ctx, dy, dh, ctx.impl)
 
 
 def _rms_norm_call(x, residual, gamma, eps, offset, casting_mode, backend):
     """(y, h): the eager Function or, under torch.compile, the custom op (h None without a residual)."""
-    if _eager():
+    if _eager(x):
         out = _RmsNormFunction.apply(x, residual, gamma, eps, offset, casting_mode, backend)
         return out if residual is not None else (out, None)
     y, _, h = torch.ops.gradops.rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)

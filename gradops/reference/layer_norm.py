@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..ops._checks import stat_dtype
+from ._rows import row_block
 
 
 def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
@@ -16,16 +17,27 @@ def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
     if residual is not None:
         x = torch.add(x, residual, out=h_out)
     acc = stat_dtype(x.dtype)
-    n = x.shape[1]
+    m, n = x.shape
     w = None if weight is None else weight.to(acc)
     b = None if bias is None else bias.to(acc)
     # ATen's float32/float64 kernel: Welford's mean (exact for a constant row, which is then
     # centred to exact zeros), the biased variance, y = (x * rstd - mean * rstd) * w + b; an
-    # empty row gets mean 0 and rstd NaN. Half rows go through it as float32 copies, y
-    # rounded once: ATen's half kernel fuses x * rstd - mean * rstd into one multiply-add,
-    # which leaves constant rows off zero.
-    y, mean, rstd = torch.native_layer_norm(x.to(acc), [n], w, b, eps)
-    return y.to(x.dtype), mean.view(-1), rstd.view(-1)
+    # empty row gets mean 0 and rstd NaN.
+    if x.dtype == acc:
+        y, mean, rstd = torch.native_layer_norm(x, [n], w, b, eps)
+        return y, mean.view(m), rstd.view(m)
+    # Half rows go through it as float32 copies of row blocks, y rounded once: ATen's half
+    # kernel fuses x * rstd - mean * rstd into one multiply-add, which leaves constant rows
+    # off zero.
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    mean = torch.empty((m, 1), dtype=acc, device=x.device)
+    rstd = torch.empty_like(mean)
+    rows = row_block(x)
+    xf = torch.empty((min(rows, m), n), dtype=acc, device=x.device)
+    for s in range(0, m, rows):
+        e = min(s + rows, m)
+        y[s:e], mean[s:e], rstd[s:e] = torch.native_layer_norm(xf[: e - s].copy_(x[s:e]), [n], w, b, eps)
+    return y, mean.view(m), rstd.view(m)
 
 
 def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dres=None, grad_dtype=None):
@@ -41,21 +53,43 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
     b = (w if w is not None else torch.empty(n, dtype=acc, device=x.device)) if want_db else None
     # ATen's kernel computes dx = a * dy * w + b * x + c, which cancels on rows whose mean is
     # large beside their deviation (a row of mean 1e3 and deviation 0.1 loses 1e-4 of dx in
-    # float32, a row of width 1 gets dx != 0). Given x-hat, mean 0 and rstd 1 it computes
-    # this module's formula, dx / rstd = g - mean_n(g) - xhat * mean_n(g * xhat), up to
-    # rounding. Half dy goes in as float32 too: ATen's half kernel sums dweight/dbias in half
-    # precision (5-11 % off at 8192 rows). dres is added in float32 and dx rounded once.
-    xhat = x - mean[:, None] if x.dtype == acc else x.to(acc).sub_(mean[:, None])
-    xhat.mul_(rstd[:, None])
-    ones = torch.ones(m, dtype=acc, device=x.device)
-    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-        dy.to(acc), xhat, [n], torch.zeros_like(ones), ones, w, b, output_mask)
+    # float32, a row of width 1 gets dx != 0). Given x-hat, a mean of 0 and an rstd of 1 it
+    # computes this module's formula, dx / rstd = g - mean_n(g) - xhat * mean_n(g * xhat), up
+    # to rounding (exactly 0 at width 1), and dx is scaled by rstd after. Half dy goes in as float32 too: ATen's half kernel sums dweight/dbias in
+    # half precision (5-11 % off at 8192 rows). In row blocks (see _rows); dres is added in
+    # float32, dx rounded once, and with in_place dx lands in dx_out (dy's memory) after ATen
+    # has read the block's dy. The blocks' dweight/dbias are summed in one cascade, so their
+    # rounding grows with the block, not with M.
+    rows = row_block(x)
+    starts = range(0, m, rows)
+    k = min(rows, m)
+    dx = None
     if want_dx:
-        dx.mul_(rstd[:, None])
-        if dres is not None:
-            dx += dres
-        # with in_place, dx_out is dy's memory: ATen has read dy by now
-        dx = dx_out.copy_(dx) if dx_out is not None else dx.to(x.dtype)
+        dx = dx_out if dx_out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    dws = torch.empty((len(starts), n), dtype=acc, device=x.device) if want_dw else None
+    dbs = torch.empty((len(starts), n), dtype=acc, device=x.device) if want_db else None
+    xhat = torch.empty((k, n), dtype=acc, device=x.device)
+    dyf = torch.empty((k, n), dtype=acc, device=x.device) if dy.dtype != acc else None
+    zeros = torch.zeros(k, dtype=acc, device=x.device)
+    ones = torch.ones(k, dtype=acc, device=x.device)
+    for i, s in enumerate(starts):
+        e = min(s + rows, m)
+        r = rstd[s:e, None]
+        xh = torch.sub(x[s:e], mean[s:e, None], out=xhat[: e - s]).mul_(r)
+        dyb = dy[s:e] if dyf is None else dyf[: e - s].copy_(dy[s:e])
+        dxb, dwb, dbb = torch.ops.aten.native_layer_norm_backward(
+            dyb, xh, [n], zeros[: e - s], ones[: e - s], w, b, output_mask)
+        if want_dx:
+            dxb.mul_(r)
+            if dres is not None:
+                dxb += dres[s:e]
+            dx[s:e] = dxb
+        if want_dw:
+            dws[i] = dwb
+        if want_db:
+            dbs[i] = dbb
+    dw = None if dws is None else dws.sum(dim=0)
+    db = None if dbs is None else dbs.sum(dim=0)
     if grad_dtype is not None:
         dw = None if dw is None else dw.to(grad_dtype)
         db = None if db is None else db.to(grad_dtype)

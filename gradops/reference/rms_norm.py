@@ -13,23 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..ops._checks import stat_dtype
-
-
-# Elements in one row block. ATen runs an op with fewer elements than its grain size (32768)
-# on the calling thread; a larger op is a parallel region whose threads meet at a barrier,
-# and on a busy machine a preempted thread makes every barrier wait for a scheduler slice:
-# 128 blocks of 2^18 elements ran 10-20x slower than these, on 2 shared cores. A block's
-# float32 buffers (128 KiB each) stay in L2 from one op to the next, and being reused they
-# cost no page faults (a fresh 128 MiB buffer's first write costs ~5x a write into one).
-BLOCK_ELEMENTS = 32767
-
-
-def row_block(x: torch.Tensor) -> int:
-    """Rows per block: all of them off the CPU (CUDA, meta) or when they fit in one block."""
-    m, n = x.shape
-    if x.device.type != "cpu" or m * n <= BLOCK_ELEMENTS:
-        return max(m, 1)
-    return max(1, BLOCK_ELEMENTS // n)
+from ._rows import row_block
 
 
 def _scale(gamma, offset, acc):
