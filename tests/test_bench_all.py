@@ -137,6 +137,16 @@ def test_goals_are_read_off_the_records():
     assert ratio["status"] == "met" and ratio["worst"] == pytest.approx(3.0)
     assert Goal("x", ("ln_bwd",), "gbps", 1.0).evaluate([h100])["status"] == "not measured"
     assert Goal("x", ("rms_bwd",), "hbm_fraction", 0.8, gpu=None).evaluate([h100])["status"] == "met"  # 3000/3350
+    # a case the goal covers that gave no value (ours failed there, or no named peer ran) keeps
+    # it from reading "met" on the cases that did
+    other = {"dtype": "bf16", "M": 32768, "N": 8192}
+    partial = _run("NVIDIA H100 80GB HBM3", records + [("rms_bwd", other, "torch.compile", 1.0, None)])
+    partial.add(Record("rms_bwd", other, OURS, [], None, error="RuntimeError: boom"))
+    got = Goal("2x", ("rms_bwd",), "speedup:torch.compile", 2.0, gpu=None).evaluate([partial])
+    assert got["status"] == "incomplete" and got["cases"] == 1 and got["unevaluated"] == 1
+    no_peer = _run("NVIDIA H100 80GB HBM3", records + [("rms_bwd", other, OURS, 0.3, None)])
+    got = Goal("2x", ("rms_bwd",), "speedup:torch.compile", 2.0, gpu=None).evaluate([no_peer])
+    assert got["status"] == "incomplete" and got["unevaluated"] == 1
     h200 = _run("NVIDIA H200", records)
     assert Goal("bw", ("rms_bwd",), "gbps", 2900.0).evaluate([h200])["status"].startswith("not evaluated")
     assert Goal("x", ("rms_bwd",), "hbm_fraction", 0.8, gpu=None).evaluate([h200])["status"] == "missed"  # /4800

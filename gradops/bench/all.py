@@ -230,8 +230,9 @@ def summary_text(summary: dict) -> str:
     lines += ["", "goals (docs/benchmarks.md)"]
     for family, fam in summary["families"].items():
         for g in fam["goals"]:
-            worst = "" if g["worst"] is None else f" (worst {g['worst']:.3g} over {g['cases']} cases)"
-            lines.append(f"{family:<7} {g['status']:<10} {g['goal']}{worst}" if g["status"] in ("met", "missed")
+            missing = f", {g['unevaluated']} more gave no value" if g.get("unevaluated") else ""
+            worst = "" if g["worst"] is None else f" (worst {g['worst']:.3g} over {g['cases']} cases{missing})"
+            lines.append(f"{family:<7} {g['status']:<10} {g['goal']}{worst}" if g["status"] in harness.EVALUATED
                          else f"{family:<7} {'-':<10} {g['goal']}: {g['status']}")
     lines.append("")
     for family, peers in summary["peers_not_usable"].items():

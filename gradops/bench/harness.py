@@ -535,15 +535,20 @@ class Run:
         return path
 
 
+# The statuses of a goal read against a run's numbers (the others say why it was not)
+EVALUATED = ("met", "missed", "incomplete")
+
+
 def goal_lines(results: Sequence[dict]) -> List[str]:
-    """The goals a run could be read against (met or missed), one line each, and a count of
+    """The goals a run could be read against (met, missed or incomplete), one line each, and a count of
     the rest (set for another device, or no case of this run under them)."""
     lines = []
     for g in results:
-        if g["status"] in ("met", "missed"):
+        if g["status"] in EVALUATED:
             case = g.get("worst_case") or {}
             where = ",".join(f"{k}={v}" for k, v in case.items())
-            lines.append(f"goal {g['status']:<6} {g['goal']} (worst {g['worst']:.3g} over {g['cases']} cases, "
+            missing = f", {g['unevaluated']} more gave no value" if g.get("unevaluated") else ""
+            lines.append(f"goal {g['status']:<6} {g['goal']} (worst {g['worst']:.3g} over {g['cases']} cases{missing}, "
                          f"at {where}; {g['metric']} >= {g['minimum']:.3g})")
     rest = len(results) - len(lines)
     if rest:
@@ -631,14 +636,18 @@ class Goal:
         if self.metric == "hbm_fraction" and peak is None:
             return out | {"status": f"not evaluated (no HBM peak known for {name})"}
         values = []
+        unevaluated = 0  # cases the goal covers that gave no value (ours or every named peer failed or was skipped)
         for run in runs:
             rows = run.ratios()
             by_case: Dict[tuple, List[dict]] = {}
             for row in rows:
                 by_case.setdefault((row["op"], json.dumps(row["case"], sort_keys=True)), []).append(row)
             for (op, _), group in by_case.items():
+                if op not in self.ops or not self.applies(group[0]["case"]):
+                    continue
                 ours = next((r for r in group if r["impl"] == OURS), None)
-                if op not in self.ops or ours is None or ours["error"] or not self.applies(ours["case"]):
+                if ours is None or ours["error"]:
+                    unevaluated += 1
                     continue
                 peers = [r for r in group if r["impl"] != OURS and r["speedup_of_ours"] is not None]
                 if self.metric == "gbps":
@@ -656,8 +665,12 @@ class Goal:
                     raise ValueError(self.metric)
                 if v is not None:
                     values.append((v, op, ours["case"]))
+                else:
+                    unevaluated += 1
+        out["unevaluated"] = unevaluated
         if not values:
             return out | {"status": "not measured"}
         worst, op, case = min(values, key=lambda t: t[0])
-        return out | {"cases": len(values), "worst": worst, "worst_case": {"op": op, **case},
-                      "status": "met" if worst >= self.minimum else "missed"}
+        # "incomplete": met where measured, but not shown for every case the goal covers
+        status = "missed" if worst < self.minimum else "incomplete" if unevaluated else "met"
+        return out | {"cases": len(values), "worst": worst, "worst_case": {"op": op, **case}, "status": status}

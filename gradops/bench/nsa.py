@@ -45,7 +45,7 @@ GOALS = (Goal("NSA compress bwd >= 80 % of peak HBM bandwidth", ("nsa_compress_g
               gpu=None),
          # docs/benchmarks.md, "On a CPU": the CPU path at least as fast as autograd on the same formula
          # (the forward against the naive formula's: the reference's forward formula is ours there)
-         Goal("CPU: NSA compress fwd and bwd at least as fast as autograd on the same formula", OPS,
+         Goal("CPU: NSA compress bwd at least as fast as autograd on the same formula, fwd as the naive unfold formula", OPS,
               "speedup:autograd(reference)|naive unfold (autograd)|naive unfold", 1.0, gpu=None, device="cpu"))
 
 
