@@ -55,45 +55,58 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
     # large beside their deviation (a row of mean 1e3 and deviation 0.1 loses 1e-4 of dx in
     # float32, a row of width 1 gets dx != 0). Given x-hat, a mean of 0 and an rstd of 1 it
     # computes this module's formula, dx / rstd = g - mean_n(g) - xhat * mean_n(g * xhat), up
-    # to rounding (exactly 0 at width 1), and dx is scaled by rstd after. Half dy goes in as float32 too: ATen's half kernel sums dweight/dbias in
-    # half precision (5-11 % off at 8192 rows). In row blocks (see _rows); dres is added in
-    # float32, dx rounded once, and with in_place dx lands in dx_out (dy's memory) after ATen
-    # has read the block's dy. The blocks' dweight/dbias are summed in one cascade, so their
-    # rounding grows with the block, not with M.
+    # to rounding (exactly 0 at width 1), and dx is scaled by rstd after. Half dy goes in as
+    # float32 too: ATen's half kernel sums dweight/dbias in half precision (5-11 % off at 8192
+    # rows). In row blocks (see _rows); dres is added in float32, dx rounded once, and with
+    # in_place dx lands in dx_out (dy's memory) after ATen has read the block's dy. The
+    # blocks' dweight/dbias are summed in one cascade, so their rounding grows with the
+    # block, not with M.
     rows = row_block(x)
-    starts = range(0, m, rows)
-    k = min(rows, m)
-    dx = None
-    if want_dx:
-        dx = dx_out if dx_out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
-    dws = torch.empty((len(starts), n), dtype=acc, device=x.device) if want_dw else None
-    dbs = torch.empty((len(starts), n), dtype=acc, device=x.device) if want_db else None
-    xhat = torch.empty((k, n), dtype=acc, device=x.device)
-    dyf = torch.empty((k, n), dtype=acc, device=x.device) if dy.dtype != acc else None
-    zeros = torch.zeros(k, dtype=acc, device=x.device)
-    ones = torch.ones(k, dtype=acc, device=x.device)
-    for i, s in enumerate(starts):
-        e = min(s + rows, m)
-        r = rstd[s:e, None]
-        xh = torch.sub(x[s:e], mean[s:e, None], out=xhat[: e - s]).mul_(r)
-        dyb = dy[s:e] if dyf is None else dyf[: e - s].copy_(dy[s:e])
-        dxb, dwb, dbb = torch.ops.aten.native_layer_norm_backward(
-            dyb, xh, [n], zeros[: e - s], ones[: e - s], w, b, output_mask)
+    if rows >= m:  # one block: fresh results, no buffers to set up (the cost of a small call)
+        dx, dw, db = _grad_rows(dy.to(acc), x, mean[:, None], rstd[:, None], w, b, output_mask)
         if want_dx:
-            dxb.mul_(r)
             if dres is not None:
-                dxb += dres[s:e]
-            dx[s:e] = dxb
-        if want_dw:
-            dws[i] = dwb
-        if want_db:
-            dbs[i] = dbb
-    dw = None if dws is None else dws.sum(dim=0)
-    db = None if dbs is None else dbs.sum(dim=0)
+                dx += dres
+            dx = dx_out.copy_(dx) if dx_out is not None else dx.to(x.dtype)
+    else:
+        starts = range(0, m, rows)
+        dx = None
+        if want_dx:
+            dx = dx_out if dx_out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+        dws = torch.empty((len(starts), n), dtype=acc, device=x.device) if want_dw else None
+        dbs = torch.empty((len(starts), n), dtype=acc, device=x.device) if want_db else None
+        xhat = torch.empty((rows, n), dtype=acc, device=x.device)
+        dyf = torch.empty((rows, n), dtype=acc, device=x.device) if dy.dtype != acc else None
+        for i, s in enumerate(starts):
+            e = min(s + rows, m)
+            dyb = dy[s:e] if dyf is None else dyf[: e - s].copy_(dy[s:e])
+            dxb, dwb, dbb = _grad_rows(dyb, x[s:e], mean[s:e, None], rstd[s:e, None], w, b, output_mask,
+                                       xhat[: e - s])
+            if want_dx:
+                if dres is not None:
+                    dxb += dres[s:e]
+                dx[s:e] = dxb
+            if want_dw:
+                dws[i] = dwb
+            if want_db:
+                dbs[i] = dbb
+        dw = None if dws is None else dws.sum(dim=0)
+        db = None if dbs is None else dbs.sum(dim=0)
     if grad_dtype is not None:
         dw = None if dw is None else dw.to(grad_dtype)
         db = None if db is None else db.to(grad_dtype)
     return dx, dw, db
+
+
+def _grad_rows(dyb, xb, mean, r, w, b, output_mask, xhat_out=None):
+    """dx (in acc, before dres and the final rounding), dweight and dbias of the rows ``xb``
+    with statistics ``mean``, ``r`` ``[rows, 1]``; dy ``dyb`` in acc; x-hat into ``xhat_out``
+    when given (the blocked path's reused buffer)."""
+    xh = torch.sub(xb, mean, out=xhat_out).mul_(r)
+    k = xh.shape[0]
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        dyb, xh, [xh.shape[1]], xh.new_zeros(k), xh.new_ones(k), w, b, output_mask)
+    return (None if dx is None else dx.mul_(r)), dw, db
 
 
 def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source, origin_h=None):

@@ -23,75 +23,79 @@ def _scale(gamma, offset, acc):
     return g + offset if offset else g
 
 
+def _forward_rows(xb, g, eps, round_dtype, rstd_out=None, scratch=None):
+    """y (in acc, before the final rounding) and rstd of the rows ``xb`` (acc): into
+    ``scratch`` and ``rstd_out`` when given (the blocked path's reused buffers)."""
+    rstd = torch.rsqrt(torch.mul(xb, xb, out=scratch).mean(dim=1).add_(eps), out=rstd_out)
+    y = torch.mul(xb, rstd[:, None], out=scratch)
+    if round_dtype is not None:  # Llama: x-hat rounded to x's dtype before the scale
+        y.copy_(y.to(round_dtype))
+    return y if g is None else y.mul_(g), rstd
+
+
+def _grad_rows(dyb, xb, r, g, round_dtype, scratch=(None, None, None)):
+    """dx (in acc, before dres and the final rounding) and dgamma's sum over the rows ``xb``
+    (acc) with rstd ``r [rows, 1]``; into the three ``scratch`` buffers when given."""
+    xh_out, t_out, u_out = scratch
+    xh = torch.mul(xb, r, out=xh_out)
+    # dgamma against the x-hat the forward multiplied by gamma: rounded in Llama's mode
+    scaled = xh if round_dtype is None else xh.to(round_dtype).to(xh.dtype)
+    dgamma = torch.mul(dyb, scaled, out=t_out).sum(dim=0)
+    gb = dyb if g is None else torch.mul(dyb, g, out=u_out)
+    # dx = rstd * g - rstd^3 * x * mean_n(g * x) = rstd * (g - xhat * mean_n(g * xhat))
+    c = torch.mul(gb, xh, out=t_out).mean(dim=1, keepdim=True)
+    return torch.addcmul(gb, xh, c, value=-1, out=t_out).mul_(r), dgamma
+
+
 def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=None):
+    # residual: normalise h = x + residual (in x's dtype, as torch adds), written to h_out
+    if residual is not None:
+        x = torch.add(x, residual, out=h_out)
     acc = stat_dtype(x.dtype)
     m, n = x.shape
-    half = x.dtype != acc
     g = _scale(gamma, offset, acc)
+    round_dtype = x.dtype if round_xhat and x.dtype != acc else None
+    rows = row_block(x)
+    if rows >= m:  # one block: fresh results, no buffers to set up (the cost of a small call)
+        y, rstd = _forward_rows(x.to(acc), g, eps, round_dtype)
+        return y.to(x.dtype), rstd
+    # Row blocks whose float32 buffers stay in cache, reused from block to block (see _rows)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     rstd = torch.empty(m, dtype=acc, device=x.device)
-    rows = row_block(x)
-    k = min(rows, m)
-    xf = torch.empty((k, n), dtype=acc, device=x.device) if half else None
-    t = torch.empty((k, n), dtype=acc, device=x.device)
-    rounded = torch.empty((k, n), dtype=x.dtype, device=x.device) if half and round_xhat else None
-    # Row blocks whose float32 buffers stay in cache, reused from block to block
+    xf = torch.empty((rows, n), dtype=acc, device=x.device) if x.dtype != acc else None
+    t = torch.empty((rows, n), dtype=acc, device=x.device)
     for s in range(0, m, rows):
         e = min(s + rows, m)
-        # residual: normalise h = x + residual (in x's dtype, as torch adds), written to h_out
-        xb = x[s:e] if residual is None else torch.add(x[s:e], residual[s:e], out=h_out[s:e])
-        if half:
-            xb = xf[: e - s].copy_(xb)
-        tb = t[: e - s]
-        r = torch.rsqrt(torch.mul(xb, xb, out=tb).mean(dim=1).add_(eps), out=rstd[s:e])[:, None]
-        if g is None and not half:
-            torch.mul(xb, r, out=y[s:e])
-            continue
-        xhat = torch.mul(xb, r, out=tb)
-        if rounded is not None:
-            xhat.copy_(rounded[: e - s].copy_(xhat))
-        if half:
-            y[s:e] = xhat.mul_(g) if g is not None else xhat
-        else:
-            torch.mul(xhat, g, out=y[s:e])
+        xb = x[s:e] if xf is None else xf[: e - s].copy_(x[s:e])
+        y[s:e] = _forward_rows(xb, g, eps, round_dtype, rstd[s:e], t[: e - s])[0]
     return y, rstd
 
 
 def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False, dres=None):
     acc = stat_dtype(x.dtype)
     m, n = x.shape
-    half = x.dtype != acc
     g = _scale(gamma, offset, acc)
-    dx = dx_out if dx_out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    round_dtype = x.dtype if round_xhat and x.dtype != acc else None
     rows = row_block(x)
-    blocks = range(0, m, rows)
-    dgammas = torch.empty((len(blocks), n), dtype=acc, device=x.device)
-    k = min(rows, m)
-    xhat, t, u = (torch.empty((k, n), dtype=acc, device=x.device) for _ in range(3))
-    dyf = torch.empty((k, n), dtype=acc, device=x.device) if half else None
-    rounded = torch.empty((k, n), dtype=x.dtype, device=x.device) if half and round_xhat else None
+    if rows >= m:  # one block: fresh results (dgamma before dx lands in dy's memory, in_place)
+        dxf, dgamma = _grad_rows(dy.to(acc), x.to(acc), rstd.to(acc)[:, None], g, round_dtype)
+        if dres is not None:
+            dxf += dres
+        return (dx_out.copy_(dxf) if dx_out is not None else dxf.to(x.dtype)), dgamma
     # Row blocks, as in rms_norm; dgamma's per-block sums are summed in one cascade, and dx
     # lands in dx_out (dy's memory, in_place) only after the block's dgamma was taken
-    for i, s in enumerate(blocks):
+    dx = dx_out if dx_out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    starts = range(0, m, rows)
+    dgammas = torch.empty((len(starts), n), dtype=acc, device=x.device)
+    scratch = tuple(torch.empty((rows, n), dtype=acc, device=x.device) for _ in range(3))
+    xf, dyf = ((torch.empty((rows, n), dtype=acc, device=x.device) for _ in range(2)) if x.dtype != acc
+               else (None, None))
+    for i, s in enumerate(starts):
         e = min(s + rows, m)
-        r = rstd[s:e, None]
-        xb = x[s:e] if not half else xhat[: e - s].copy_(x[s:e])
-        xh = torch.mul(xb, r, out=xhat[: e - s])
-        dyb = dy[s:e] if not half else dyf[: e - s].copy_(dy[s:e])
-        tb, ub = t[: e - s], u[: e - s]
-        # dgamma against the x-hat the forward multiplied by gamma: rounded to x's dtype in
-        # round_xhat mode
-        scaled = xh if rounded is None else tb.copy_(rounded[: e - s].copy_(xh))
-        torch.sum(torch.mul(dyb, scaled, out=tb), dim=0, out=dgammas[i])
-        gb = torch.mul(dyb, g, out=ub) if g is not None else dyb
-        # dx = rstd * g - rstd^3 * x * mean_n(g * x) = rstd * (g - xhat * mean_n(g * xhat))
-        c = torch.mul(gb, xh, out=tb).mean(dim=1, keepdim=True)
-        d = torch.addcmul(gb, xh, c, value=-1, out=tb)
-        if half or dres is not None:
-            d.mul_(r)
-            if dres is not None:
-                d += dres[s:e]
-            dx[s:e] = d
-        else:
-            torch.mul(d, r, out=dx[s:e])
+        xb = x[s:e] if xf is None else xf[: e - s].copy_(x[s:e])
+        dyb = dy[s:e] if dyf is None else dyf[: e - s].copy_(dy[s:e])
+        dxf, dgammas[i] = _grad_rows(dyb, xb, rstd[s:e, None], g, round_dtype, [b[: e - s] for b in scratch])
+        if dres is not None:
+            dxf += dres[s:e]
+        dx[s:e] = dxf
     return dx, dgammas.sum(dim=0)
