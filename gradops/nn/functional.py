@@ -302,13 +302,14 @@ class _LayerNormFunction(torch.autograd.Function):
         return _layer_norm_grads(ctx, dy, dh, ctx.impl)
 
 
-def _layer_norm_call(x, residual, normalized_shape, weight, bias, eps, backend):
-    """(y, h): the eager Function or, under torch.compile, the custom op (h None without a residual)."""
+def _norm_call(function, op, x, residual, *args):
+    """(y, h) of a norm, h None without a residual: its eager ``function`` or, where the call
+    is traced or transformed (see ``_eager``), its custom ``op`` (which returns h last)."""
     if _eager(x):
-        out = _LayerNormFunction.apply(x, residual, normalized_shape, weight, bias, eps, backend)
+        out = function.apply(x, residual, *args)
         return out if residual is not None else (out, None)
-    y, _, _, h = torch.ops.gradops.layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
-    return y, (h if residual is not None else None)
+    out = op(x, residual, *args)
+    return out[0], (out[-1] if residual is not None else None)
 
 
 def _normalized_shape(op: str, normalized_shape) -> List[int]:
@@ -327,7 +328,8 @@ def layer_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.
     """
     shape, eps, backend = _check_norm("layer_norm", input, None, normalized_shape, weight, bias, eps, backend,
                                       fused=False, shape_status=ACLNN_ERR_PARAM_INVALID)
-    return _layer_norm_call(input, None, shape, weight, bias, eps, backend)[0]
+    return _norm_call(_LayerNormFunction, torch.ops.gradops.layer_norm, input, None, shape, weight, bias, eps,
+                      backend)[0]
 
 
 def fused_add_layer_norm(input: Tensor, residual: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
@@ -339,7 +341,8 @@ def fused_add_layer_norm(input: Tensor, residual: Tensor, normalized_shape: Unio
     shape and dtype."""
     shape, eps, backend = _check_norm("fused_add_layer_norm", input, residual, normalized_shape, weight, bias,
                                       eps, backend, fused=True, shape_status=ACLNN_ERR_PARAM_INVALID)
-    return _layer_norm_call(input, residual, shape, weight, bias, eps, backend)
+    return _norm_call(_LayerNormFunction, torch.ops.gradops.layer_norm, input, residual, shape, weight, bias, eps,
+                      backend)
 
 
 # --------------------------------------------------------------------------------------------
@@ -447,15 +450,6 @@ class _RmsNormFunction(torch.autograd.Function):
         return _rms_norm_grads(ctx, dy, dh, ctx.impl)
 
 
-def _rms_norm_call(x, residual, gamma, eps, offset, casting_mode, backend):
-    """(y, h): the eager Function or, under torch.compile, the custom op (h None without a residual)."""
-    if _eager(x):
-        out = _RmsNormFunction.apply(x, residual, gamma, eps, offset, casting_mode, backend)
-        return out if residual is not None else (out, None)
-    y, _, h = torch.ops.gradops.rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)
-    return y, (h if residual is not None else None)
-
-
 def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, casting_mode, backend):
     """rms_norm and fused_add_rms_norm: (y, h), h None without a residual."""
     # RMSNorm's shape rules are tiling rules (561002)
@@ -496,7 +490,8 @@ def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, c
             # the other half type (fp16 beside bf16): "gemma" computes in float32 anyway, so
             # the exactly widened weight gives the same result in CANN's dtype table
             weight = weight.float()
-    return _rms_norm_call(input, residual, weight, float(eps), offset, casting_mode, backend)
+    return _norm_call(_RmsNormFunction, torch.ops.gradops.rms_norm, input, residual, weight, float(eps), offset,
+                      casting_mode, backend)
 
 
 def rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
