@@ -11,6 +11,7 @@ import torch
 from functorch.compile import make_boxed_func
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
+import torch._dynamo.testing  # noqa: F401  (CompileCounterWithBackend; not imported by torch itself)
 
 from helpers import autocast
 
