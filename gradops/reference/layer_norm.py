@@ -63,11 +63,9 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
     # block, not with M.
     rows = row_block(x)
     if rows >= m:  # one block: fresh results, no buffers to set up (the cost of a small call)
-        dx, dw, db = _grad_rows(dy.to(acc), x, mean[:, None], rstd[:, None], w, b, output_mask)
-        if want_dx:
-            if dres is not None:
-                dx += dres
-            dx = dx_out.copy_(dx) if dx_out is not None else dx.to(x.dtype)
+        dx, dw, db = _grad_rows(dy.to(acc), x, mean[:, None], rstd[:, None], w, b, output_mask, dres, dx_out)
+        if want_dx and dx_out is None:
+            dx = dx.to(x.dtype)
     else:
         starts = range(0, m, rows)
         dx = None
@@ -80,12 +78,9 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
         for i, s in enumerate(starts):
             e = min(s + rows, m)
             dyb = dy[s:e] if dyf is None else dyf[: e - s].copy_(dy[s:e])
-            dxb, dwb, dbb = _grad_rows(dyb, x[s:e], mean[s:e, None], rstd[s:e, None], w, b, output_mask,
-                                       xhat[: e - s])
-            if want_dx:
-                if dres is not None:
-                    dxb += dres[s:e]
-                dx[s:e] = dxb
+            _, dwb, dbb = _grad_rows(dyb, x[s:e], mean[s:e, None], rstd[s:e, None], w, b, output_mask,
+                                     None if dres is None else dres[s:e], None if dx is None else dx[s:e],
+                                     xhat[: e - s])
             if want_dw:
                 dws[i] = dwb
             if want_db:
@@ -98,15 +93,18 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
     return dx, dw, db
 
 
-def _grad_rows(dyb, xb, mean, r, w, b, output_mask, xhat_out=None):
-    """dx (in acc, before dres and the final rounding), dweight and dbias of the rows ``xb``
-    with statistics ``mean``, ``r`` ``[rows, 1]``; dy ``dyb`` in acc; x-hat into ``xhat_out``
-    when given (the blocked path's reused buffer)."""
+def _grad_rows(dyb, xb, mean, r, w, b, output_mask, dres=None, dx_out=None, xhat_out=None):
+    """dx (+ dres), dweight and dbias of the rows ``xb`` with statistics ``mean``, ``r``
+    ``[rows, 1]``; dy ``dyb`` in acc. dx is computed in acc and rounded once: into ``dx_out``
+    when given, else returned in acc. x-hat goes into ``xhat_out`` when given (the blocked
+    path's reused buffer)."""
     xh = torch.sub(xb, mean, out=xhat_out).mul_(r)
     k = xh.shape[0]
     dx, dw, db = torch.ops.aten.native_layer_norm_backward(
         dyb, xh, [xh.shape[1]], xh.new_zeros(k), xh.new_ones(k), w, b, output_mask)
-    return (None if dx is None else dx.mul_(r)), dw, db
+    if dx is not None:  # the rstd scale (and dres) in the pass that writes dx
+        dx = torch.mul(dx, r, out=dx_out) if dres is None else torch.addcmul(dres, dx, r, out=dx_out)
+    return dx, dw, db
 
 
 def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source, origin_h=None):

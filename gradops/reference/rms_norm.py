@@ -33,9 +33,10 @@ def _forward_rows(xb, g, eps, round_dtype, rstd_out=None, scratch=None):
     return y if g is None else y.mul_(g), rstd
 
 
-def _grad_rows(dyb, xb, r, g, round_dtype, scratch=(None, None, None)):
-    """dx (in acc, before dres and the final rounding) and dgamma's sum over the rows ``xb``
-    (acc) with rstd ``r [rows, 1]``; into the three ``scratch`` buffers when given."""
+def _grad_rows(dyb, xb, r, g, round_dtype, dres=None, dx_out=None, scratch=(None, None, None)):
+    """dx (+ dres) and dgamma's sum over the rows ``xb`` (acc) with rstd ``r [rows, 1]``. dx
+    is computed in acc and rounded once: into ``dx_out`` when given, else returned in acc.
+    Intermediates go into the three ``scratch`` buffers when given."""
     xh_out, t_out, u_out = scratch
     xh = torch.mul(xb, r, out=xh_out)
     # dgamma against the x-hat the forward multiplied by gamma: rounded in Llama's mode
@@ -44,7 +45,10 @@ def _grad_rows(dyb, xb, r, g, round_dtype, scratch=(None, None, None)):
     gb = dyb if g is None else torch.mul(dyb, g, out=u_out)
     # dx = rstd * g - rstd^3 * x * mean_n(g * x) = rstd * (g - xhat * mean_n(g * xhat))
     c = torch.mul(gb, xh, out=t_out).mean(dim=1, keepdim=True)
-    return torch.addcmul(gb, xh, c, value=-1, out=t_out).mul_(r), dgamma
+    d = torch.addcmul(gb, xh, c, value=-1, out=t_out)
+    # the rstd scale (and dres) in the pass that writes dx
+    dx = torch.mul(d, r, out=dx_out) if dres is None else torch.addcmul(dres, d, r, out=dx_out)
+    return dx, dgamma
 
 
 def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=None):
@@ -78,10 +82,8 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False,
     round_dtype = x.dtype if round_xhat and x.dtype != acc else None
     rows = row_block(x)
     if rows >= m:  # one block: fresh results (dgamma before dx lands in dy's memory, in_place)
-        dxf, dgamma = _grad_rows(dy.to(acc), x.to(acc), rstd.to(acc)[:, None], g, round_dtype)
-        if dres is not None:
-            dxf += dres
-        return (dx_out.copy_(dxf) if dx_out is not None else dxf.to(x.dtype)), dgamma
+        dx, dgamma = _grad_rows(dy.to(acc), x.to(acc), rstd.to(acc)[:, None], g, round_dtype, dres, dx_out)
+        return (dx if dx_out is not None else dx.to(x.dtype)), dgamma
     # Row blocks, as in rms_norm; dgamma's per-block sums are summed in one cascade, and dx
     # lands in dx_out (dy's memory, in_place) only after the block's dgamma was taken
     dx = dx_out if dx_out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -94,8 +96,6 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False,
         e = min(s + rows, m)
         xb = x[s:e] if xf is None else xf[: e - s].copy_(x[s:e])
         dyb = dy[s:e] if dyf is None else dyf[: e - s].copy_(dy[s:e])
-        dxf, dgammas[i] = _grad_rows(dyb, xb, rstd[s:e, None], g, round_dtype, [b[: e - s] for b in scratch])
-        if dres is not None:
-            dxf += dres[s:e]
-        dx[s:e] = dxf
+        _, dgammas[i] = _grad_rows(dyb, xb, rstd[s:e, None], g, round_dtype, None if dres is None else dres[s:e],
+                                   dx[s:e], [b[: e - s] for b in scratch])
     return dx, dgammas.sum(dim=0)
