@@ -22,18 +22,17 @@ def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
     b = None if bias is None else bias.to(acc)
     # ATen's float32/float64 kernel: Welford's mean (exact for a constant row, which is then
     # centred to exact zeros), the biased variance, y = (x * rstd - mean * rstd) * w + b; an
-    # empty row gets mean 0 and rstd NaN.
-    if x.dtype == acc:
-        y, mean, rstd = torch.native_layer_norm(x, [n], w, b, eps)
-        return y, mean.view(m), rstd.view(m)
-    # Half rows go through it as float32 copies of row blocks, y rounded once: ATen's half
-    # kernel fuses x * rstd - mean * rstd into one multiply-add, which leaves constant rows
-    # off zero.
+    # empty row gets mean 0 and rstd NaN. Half rows go through it as float32 copies (of row
+    # blocks, when they are many), y rounded once: ATen's half kernel fuses x * rstd - mean *
+    # rstd into one multiply-add, which leaves constant rows off zero.
+    rows = row_block(x)
+    if x.dtype == acc or rows >= m:
+        y, mean, rstd = torch.native_layer_norm(x.to(acc), [n], w, b, eps)
+        return y.to(x.dtype), mean.view(m), rstd.view(m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     mean = torch.empty((m, 1), dtype=acc, device=x.device)
     rstd = torch.empty_like(mean)
-    rows = row_block(x)
-    xf = torch.empty((min(rows, m), n), dtype=acc, device=x.device)
+    xf = torch.empty((rows, n), dtype=acc, device=x.device)
     for s in range(0, m, rows):
         e = min(s + rows, m)
         y[s:e], mean[s:e], rstd[s:e] = torch.native_layer_norm(xf[: e - s].copy_(x[s:e]), [n], w, b, eps)
