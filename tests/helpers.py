@@ -113,3 +113,19 @@ def run_sm90_compile(script: str, *args: str, timeout: int = 600, triton_version
         pytest.skip(f"this triton cannot cross-compile: {out.stderr[-300:]}")
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
+
+
+def nsa_problem(lengths, heads, dims, block_size, stride, dtype, device="cpu", generator=None):
+    """A packed NSA problem: (cumulative ends, x [T, heads, dims], weight [block_size, heads],
+    dout [C, heads, dims]), drawn from ``generator`` (torch's global one when None)."""
+    import itertools
+
+    from gradops import oracles
+
+    ends = list(itertools.accumulate(lengths))
+    t = ends[-1] if ends else 0
+    x = torch.randn(t, heads, dims, generator=generator, device=device).to(dtype)
+    weight = torch.randn(block_size, heads, generator=generator, device=device).to(dtype)
+    blocks = len(oracles.nsa_blocks(ends, block_size, stride))
+    dout = torch.randn(blocks, heads, dims, generator=generator, device=device).to(dtype)
+    return ends, x, weight, dout

@@ -18,6 +18,8 @@ from gradops import oracles
 from gradops.oracles import TOLERANCE, rel_error
 from gradops.reference import nsa_compress as reference_nsa
 
+from helpers import nsa_problem
+
 BACKEND = "reference"
 ALL_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -52,13 +54,7 @@ def covered_tokens(ends, block_size, stride):
 
 
 def random_problem(lengths, n, d, block_size, stride, dtype, device):
-    ends = cumulative(lengths)
-    t = ends[-1] if ends else 0
-    x = torch.randn(t, n, d, device=device).to(dtype)
-    weight = torch.randn(block_size, n, device=device).to(dtype)
-    blocks = len(oracles.nsa_blocks(ends, block_size, stride))
-    dout = torch.randn(blocks, n, d, device=device).to(dtype)
-    return ends, x, weight, dout
+    return nsa_problem(lengths, n, d, block_size, stride, dtype, device)
 
 
 # block/stride: stride < block (overlap), == block, block % stride != 0, stride > block (gaps), 1/1.

@@ -3,8 +3,6 @@ against the float64 oracles of ``gradops.oracles``: every tiling (overlap, l == 
 multiple of s, gaps l < s), varlen packings with sequences shorter than a block, C = 0, every
 dtype, non-contiguous x, chunks cut inside a sequence and chunks of one block. The chunk size is
 shrunk so that small problems take the chunked path (asserted), not the gather fallback."""
-import itertools
-
 import pytest
 import torch
 
@@ -12,6 +10,8 @@ import gradops
 from gradops import oracles
 from gradops.oracles import TOLERANCE, rel_error
 from gradops.reference import nsa_compress as reference_nsa
+
+from helpers import nsa_problem
 
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 TILINGS = [(1, 1), (3, 1), (4, 2), (5, 2), (3, 3), (6, 4), (7, 3), (2, 3), (3, 7), (8, 8)]
@@ -37,14 +37,8 @@ def chunk_blocks(monkeypatch, blocks, heads, dims):
 
 
 def problem(lengths, heads, dims, block_size, stride, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    ends = list(itertools.accumulate(lengths))
-    t = ends[-1] if ends else 0
-    x = torch.randn(t, heads, dims, generator=gen).to(dtype)
-    weight = torch.randn(block_size, heads, generator=gen).to(dtype)
-    blocks = len(oracles.nsa_blocks(ends, block_size, stride))
-    dout = torch.randn(blocks, heads, dims, generator=gen).to(dtype)
-    return ends, x, weight, dout
+    return nsa_problem(lengths, heads, dims, block_size, stride, dtype,
+                       generator=torch.Generator().manual_seed(seed))
 
 
 def check(x, weight, dout, block_size, stride, ends, dtype):
