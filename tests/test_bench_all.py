@@ -144,6 +144,13 @@ def test_goals_are_read_off_the_records():
     partial.add(Record("rms_bwd", other, OURS, [], None, error="RuntimeError: boom"))
     got = Goal("2x", ("rms_bwd",), "speedup:torch.compile", 2.0, gpu=None).evaluate([partial])
     assert got["status"] == "incomplete" and got["cases"] == 1 and got["unevaluated"] == 1
+    # a peer the goal reads that failed where another it reads ran: not "met" on the other alone
+    two = Goal("eager", ("rms_bwd",), "speedup:torch.compile|aten bwd", 2.0, gpu=None)
+    failed_peer = _run("NVIDIA H100 80GB HBM3", records)
+    failed_peer.add(Record("rms_bwd", case, "aten bwd", [], None, error="RuntimeError: boom"))
+    got = two.evaluate([failed_peer])
+    assert got["status"] == "incomplete" and got["worst"] == pytest.approx(3.0)
+    assert two.evaluate([h100])["status"] == "met"  # aten bwd did not run in that case: not read
     no_peer = _run("NVIDIA H100 80GB HBM3", records + [("rms_bwd", other, OURS, 0.3, None)])
     got = Goal("2x", ("rms_bwd",), "speedup:torch.compile", 2.0, gpu=None).evaluate([no_peer])
     assert got["status"] == "incomplete" and got["unevaluated"] == 1

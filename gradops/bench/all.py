@@ -4,7 +4,7 @@ Runs the norm, NSA and Floyd benchmarks in turn at their GPU shapes (bfloat16, a
 a goal or a second code path asks for it), against every peer that imports here, within one
 time budget, and writes one folder: each part's JSON and PNG, and ``summary.json`` /
 ``summary.txt`` (per family, the worst and median ratio of each peer's time to ours, and
-each goal of docs/benchmarks.md: met, missed, not measured or not evaluated). Exits 1 when one of
+each goal of docs/benchmarks.md: met, missed, incomplete, not measured or not evaluated). Exits 1 when one of
 our measurements failed, a part crashed, or the budget left cases unmeasured.
 
 On a CPU it runs the CPU comparison instead (``CPU_PLAN``: our CPU path against ATen,

@@ -596,8 +596,10 @@ class Goal:
 
     ``metric``: "gbps", "tflops", "hbm_fraction" (GB/s over the GPU's nominal HBM peak),
     "speedup:<peer>" (the peer's median time over ours), "speedup:<peer>|<peer>|..." (the
-    worst of those peers that were measured) or "speedup:fastest" (the fastest peer's time
-    over ours). Met when the worst value over those cases is >= ``minimum``.
+    worst of those peers that ran in a case) or "speedup:fastest" (the fastest peer's time
+    over ours). Met when the worst value over those cases is >= ``minimum`` and every case
+    gave its value (ours and every peer read that ran in it measured); "incomplete" when the
+    values there are met but a case, or a peer in one, failed or was skipped.
     ``device``: where the goal holds: "cuda" (a GPU goal, never evaluated on a CPU run),
     "cpu" (a goal for our CPU path, evaluated on CPU runs only) or "any" (both).
     ``gpu``: the GPU an absolute goal is set for (evaluated on it alone); None for goals that
@@ -649,7 +651,11 @@ class Goal:
                 if ours is None or ours["error"]:
                     unevaluated += 1
                     continue
-                peers = [r for r in group if r["impl"] != OURS and r["speedup_of_ours"] is not None]
+                compared = [r for r in group if r["impl"] != OURS]  # the peers the goal reads
+                if self.metric.startswith("speedup:") and self.metric != "speedup:fastest":
+                    named = self.metric[len("speedup:"):].split("|")
+                    compared = [r for r in compared if r["impl"] in named]
+                peers = [r for r in compared if r["speedup_of_ours"] is not None]
                 if self.metric == "gbps":
                     v = ours["gbps"]
                 elif self.metric == "tflops":
@@ -659,13 +665,13 @@ class Goal:
                 elif self.metric == "speedup:fastest":
                     v = min((r["speedup_of_ours"] for r in peers), default=None)
                 elif self.metric.startswith("speedup:"):
-                    named = self.metric[len("speedup:"):].split("|")
-                    v = min((r["speedup_of_ours"] for r in peers if r["impl"] in named), default=None)
+                    v = min((r["speedup_of_ours"] for r in peers), default=None)
                 else:
                     raise ValueError(self.metric)
                 if v is not None:
                     values.append((v, op, ours["case"]))
-                else:
+                # no value, or a peer the goal reads that ran in this case but failed or was skipped
+                if v is None or (self.metric.startswith("speedup:") and len(peers) < len(compared)):
                     unevaluated += 1
         out["unevaluated"] = unevaluated
         if not values:
