@@ -131,7 +131,16 @@ def _chunks_fill(chunks, per_chunk: int, num_blocks: int) -> bool:
     return 2 * num_blocks >= len(chunks) * per_chunk
 
 
-def _rows(t, row: int, k: int, stride: int):
+def _cpu_plan(x, weight, block_size, stride, cu_seqlens, num_blocks):
+    """``(chunks, per_chunk)`` when the call takes the CPU path, else None (the gather loop)."""
+    if not _cpu_path(x, weight):
+        return None
+    per_chunk = _chunk_blocks(x.shape[1], x.shape[2])
+    chunks = _chunks(tuple(cu_seqlens), block_size, stride, per_chunk)
+    return (chunks, per_chunk) if _chunks_fill(chunks, per_chunk, num_blocks) else None
+
+
+def _strided_rows(t, row: int, k: int, stride: int):
     """Rows ``row, row + stride, ..., row + (k-1)*stride`` of ``t`` [T, N, D], as a view."""
     st = t.stride()
     return t.as_strided((k,) + tuple(t.shape[1:]), (stride * st[0], st[1], st[2]),
@@ -145,7 +154,7 @@ def _strided_forward(x, w, block_size, stride, chunks, per_chunk, num_blocks, ac
     for row0, k, c0 in chunks:
         o = out[c0:c0 + k]
         for j in range(block_size):
-            xj = _rows(x, row0 + j, k, stride)
+            xj = _strided_rows(x, row0 + j, k, stride)
             if widen:
                 xj = buf[:k].copy_(xj)
             if j == 0:
@@ -169,10 +178,10 @@ def _strided_backward(dout, x, w, block_size, stride, chunks, per_chunk, acc):
         if dbuf is not None:
             d = dbuf[:k].copy_(d)
         for j in range(block_size):
-            xj = _rows(x, row0 + j, k, stride)
+            xj = _strided_rows(x, row0 + j, k, stride)
             if widen:
                 xj = xbuf[:k].copy_(xj)
-            _rows(dx, row0 + j, k, stride).addcmul_(d, w[j])
+            _strided_rows(dx, row0 + j, k, stride).addcmul_(d, w[j])
             partial[j, :k].addcmul_(d, xj)
     return dx.to(x.dtype), partial.sum(dim=(1, 3)).to(x.dtype)
 
@@ -180,11 +189,9 @@ def _strided_backward(dout, x, w, block_size, stride, chunks, per_chunk, acc):
 def nsa_compress(x, weight, block_size, stride, cu_seqlens, num_blocks):
     acc = stat_dtype(x.dtype)
     w = weight.to(acc)
-    if _cpu_path(x, weight):
-        per_chunk = _chunk_blocks(x.shape[1], x.shape[2])
-        chunks = _chunks(tuple(cu_seqlens), block_size, stride, per_chunk)
-        if _chunks_fill(chunks, per_chunk, num_blocks):
-            return _strided_forward(x, w[:, :, None], block_size, stride, chunks, per_chunk, num_blocks, acc)
+    plan = _cpu_plan(x, weight, block_size, stride, cu_seqlens, num_blocks)
+    if plan is not None:
+        return _strided_forward(x, w[:, :, None], block_size, stride, *plan, num_blocks, acc)
     starts = _starts(cu_seqlens, block_size, stride, x.device)
     out = torch.zeros((num_blocks,) + tuple(x.shape[1:]), dtype=acc, device=x.device)
     for j in range(block_size):
@@ -195,11 +202,9 @@ def nsa_compress(x, weight, block_size, stride, cu_seqlens, num_blocks):
 def nsa_compress_grad(dout, x, weight, block_size, stride, cu_seqlens, num_blocks):
     acc = stat_dtype(x.dtype)
     w = weight.to(acc)
-    if _cpu_path(x, weight):
-        per_chunk = _chunk_blocks(x.shape[1], x.shape[2])
-        chunks = _chunks(tuple(cu_seqlens), block_size, stride, per_chunk)
-        if _chunks_fill(chunks, per_chunk, num_blocks):
-            return _strided_backward(dout, x, w[:, :, None], block_size, stride, chunks, per_chunk, acc)
+    plan = _cpu_plan(x, weight, block_size, stride, cu_seqlens, num_blocks)
+    if plan is not None:
+        return _strided_backward(dout, x, w[:, :, None], block_size, stride, *plan, acc)
     starts = _starts(cu_seqlens, block_size, stride, x.device)
     doutf = dout.to(acc)
     dx = torch.zeros(x.shape, dtype=acc, device=x.device)
