@@ -59,7 +59,7 @@ QUICK_NUMEL = 2**20
 # The CPU comparison (issue 12): M x N = 8192 x 4096 and 2048 x 16384, i.e. M*N = 32M at both widths.
 CPU_WIDTHS = (4096, 16384)
 CPU_NUMEL = 32 * 2**20
-CPU_SHAPES = ((8192, 4096), (2048, 16384))
+CPU_SHAPES = tuple((CPU_NUMEL // n, n) for n in CPU_WIDTHS)
 CPU_OPS = ("rms_bwd", "ln_bwd", "rms_fwd", "ln_fwd") + CALL_OPS
 CALL_SHAPES = ((8, 64), (64, 256))
 CALL_REPS_SCALE = 20  # the call cases take 20x --reps and --warmup
@@ -161,13 +161,12 @@ def _forward_backward(forward: Callable, inputs: List[torch.Tensor], dy: torch.T
     return lambda: torch.autograd.grad(forward(*leaves), leaves, dy)
 
 
-def _call_implementations(op: str, x, dy, w, b, backend: str, peers, device: str) -> Dict[str, Callable]:
+def _call_implementations(op: str, x, dy, w, b, backend: str, peers) -> Dict[str, Callable]:
     from ..nn import functional as GF
 
     n = x.shape[-1]
-    # what a user's call pays: the default backend, unless this run asked for another one
-    natural = "triton" if device.startswith("cuda") else "reference"
-    kw = {} if backend == natural else {"backend": backend}
+    # the backend named as a user may name it: the call checks it as it checks the default
+    kw = {"backend": backend}
     impls: Dict[str, Callable] = {}
     if op == "ln_call":
         impls[OURS] = _forward_backward(lambda a, g, c: GF.layer_norm(a, (n,), g, c, EPS_LN, **kw), [x, w, b], dy)
@@ -274,7 +273,7 @@ def implementations(op: str, x, dy, w, b, backend: str, peers, device: str) -> D
     if op.startswith("add_"):
         return _add_rms_implementations(op, x, dy, w, backend, peers, liger)
     if op in CALL_OPS:
-        return _call_implementations(op, x, dy, w, b, backend, peers, device)
+        return _call_implementations(op, x, dy, w, b, backend, peers)
     if op == "rms_fwd":
         impls[OURS] = lambda: gradops.rms_norm(x, w, EPS_RMS, backend=backend)
         if "autograd" in peers or "aten" in peers:
