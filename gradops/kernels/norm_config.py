@@ -132,6 +132,11 @@ def _stages(tile_elems: int, elem_bytes: int, streams: int, programs_per_sm: int
     return max(1, min(GPU_MAX_STAGES, fit))
 
 
+def _launch(num_warps: int, maxnreg) -> dict:
+    """Launch options: warps, and the register cap the programs-per-SM count assumes."""
+    return dict(num_warps=num_warps) if maxnreg is None else dict(num_warps=num_warps, maxnreg=maxnreg)
+
+
 @dataclass(frozen=True)
 class FusedConfig:
     """Whole rows in registers: tiles of ``block_m`` x ``block_n`` (block_n >= N)."""
@@ -145,11 +150,7 @@ class FusedConfig:
     maxnreg: int | None = None  # ptxas register cap (None on the CPU)
 
     def launch(self) -> dict:
-        """Launch options: warps, and the register cap the programs-per-SM count assumes."""
-        opts = dict(num_warps=self.num_warps)
-        if self.maxnreg is not None:
-            opts["maxnreg"] = self.maxnreg
-        return opts
+        return _launch(self.num_warps, self.maxnreg)
 
 
 @dataclass(frozen=True)
@@ -170,10 +171,7 @@ class SplitConfig:
     segment_blocks: int = 1  # column blocks per segment
 
     def launch(self) -> dict:
-        opts = dict(num_warps=self.num_warps)
-        if self.maxnreg is not None:
-            opts["maxnreg"] = self.maxnreg
-        return opts
+        return _launch(self.num_warps, self.maxnreg)
 
 
 @dataclass(frozen=True)
