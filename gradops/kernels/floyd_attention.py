@@ -47,21 +47,15 @@ copy.
 from __future__ import annotations
 
 import re
-import struct
 
 import torch
 import triton
 import triton.language as tl
 
-from .floyd_config import floyd_config
+from . import floyd_chunked
+from ._floyd_common import _ACC, _NEG_FLT_MAX, _TL, FLT_MAX, _mask_arg, _scale_bits, _unpack_scale
+from .floyd_config import floyd_config, forced_strategy, strategy
 
-FLT_MAX = 3.4028234663852886e38  # the masked score is -FLT_MAX, as CANN writes it
-_NEG_FLT_MAX = tl.constexpr(-FLT_MAX)  # kernels may only read globals that are constexpr
-
-# Accumulation dtype per input dtype: float32, or float64 for float64 inputs.
-_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
-        torch.float64: torch.float64}
-_TL = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,14 +102,6 @@ def _store2(ptr, value, i0, i1, s0, s1, n0, n1):
 def _masked_out(mask_ptr, i0, i1, s0, s1, n0, n1):
     """True where the user's mask is set, for a [len(i0), len(i1)] tile of (n, k) (or (k, n))."""
     return _tile2(mask_ptr, i0, i1, s0, s1, n0, n1, 0) != 0
-
-
-@triton.jit
-def _unpack_scale(bits, ACC: tl.constexpr):
-    """The scale, from the IEEE-754 bits of the caller's float64 (see ``_scale_bits``): exact
-    for float64 kernels, rounded to nearest float32 for the others (as the reference's
-    float32 multiply rounds a Python float)."""
-    return bits.to(tl.int64).to(tl.float64, bitcast=True).to(ACC)
 
 
 @triton.jit
@@ -437,14 +423,6 @@ def _bwd_dkv_kernel(
 # ----------------------------------------------------------------------------------------------
 # Launchers (the backend functions of docs/backends.md)
 # ----------------------------------------------------------------------------------------------
-def _scale_bits(scale: float) -> int:
-    """``scale`` as the kernels take it: the IEEE-754 bits of the float64, as a signed int64
-    (``_unpack_scale`` bitcasts them back). A float kernel argument would be rounded to
-    float32 on the way in, wrong for float64 inputs; a device tensor (as before) costs a
-    synchronous host-to-device copy per call and cannot be captured in a CUDA graph."""
-    return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
-
-
 def _launch_args(q: torch.Tensor, scale: float):
     """(accumulation dtype, constexprs shared by every kernel, scale as ``_scale_bits``)."""
     acc = _ACC.get(q.dtype)
@@ -472,15 +450,6 @@ def _index_dtype(*tensors):
     return tl.int32
 
 
-def _mask_arg(mask, like: torch.Tensor):
-    """(pointer tensor, strides b/n/k, has_mask) for the kernels; bool is read as bytes."""
-    if mask is None:
-        return like, (0, 0, 0), False
-    if mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8)
-    return mask, (mask.stride(0), mask.stride(2), mask.stride(4)), True
-
-
 def _meta(cfg):
     return dict(BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
                 GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -501,21 +470,66 @@ def _triton_version() -> tuple:
 
 
 def unsupported(q) -> "str | None":
-    """Why these kernels cannot take a call on ``q`` (None when they can): past these head
-    dims a program's tiles exceed an H100's shared memory even at the smallest tile of
-    floyd_config's table; and Triton before 3.9 fails to compile the float64 kernels for a
-    GPU (its LLVM lowering of the batched float64 dots; docs/kernels-floyd.md, Limits)."""
+    """Why the Triton backend cannot take a call on ``q`` (None when it can). The chunked
+    strategy takes any head dim; the fused kernels, which run every float64 call (and any
+    call while ``floyd_config`` forces "fused"), not past these: beyond them a program's
+    tiles exceed an H100's shared memory even at the smallest tile of floyd_config's table.
+    Triton before 3.9 fails to compile the float64 kernels for a GPU (its LLVM lowering of
+    the batched float64 dots; docs/kernels-floyd.md, Limits)."""
     d = q.shape[-1]
+    fused_only = q.dtype == torch.float64 or forced_strategy() == "fused"
     limit = 128 if q.dtype == torch.float64 else 256
-    if d > limit:
-        return f"head dim D = {d} > {limit} for {str(q.dtype).replace('torch.', '')} inputs"
+    if fused_only and d > limit:
+        return f"head dim D = {d} > {limit} for {str(q.dtype).replace('torch.', '')} inputs in the fused kernels"
     if q.dtype == torch.float64 and q.device.type == "cuda" and _triton_version() < (3, 9):
         return f"float64 inputs on a GPU need triton >= 3.9 (installed: {triton.__version__})"
     return None
 
 
+def _chunked(q, k1) -> bool:
+    """Whether floyd_config's rule gives this call to the chunked strategy."""
+    B, H, N, M, D = q.shape
+    return strategy(B, H, N, M, k1.shape[3], D, q.element_size()) == "chunked"
+
+
 def floyd_attention(q, k1, v1, k2, v2, mask, scale):
-    """Forward: ``(out [B,H,N,M,D] q.dtype, softmax_max, softmax_sum [B,H,N,M] acc)``."""
+    """Forward: ``(out [B,H,N,M,D] q.dtype, softmax_max, softmax_sum [B,H,N,M] acc)``, by the
+    strategy floyd_config.strategy chooses."""
+    B, H, N, M, D = q.shape
+    K = k1.shape[3]
+    if B * H * N * M == 0 or K == 0:
+        acc = _ACC[q.dtype]
+        out = torch.zeros((B, H, N, M, D), dtype=q.dtype, device=q.device)
+        # gradops.ops refuses K = 0; a softmax over no pivot attends to nothing
+        softmax_max = torch.full((B, H, N, M), -FLT_MAX, dtype=acc, device=q.device)
+        softmax_sum = torch.zeros((B, H, N, M), dtype=acc, device=q.device)
+        return out, softmax_max, softmax_sum
+    if _chunked(q, k1):
+        return floyd_chunked.forward(q, k1, v1, k2, v2, mask, scale)
+    return _fused_forward(q, k1, v1, k2, v2, mask, scale)
+
+
+def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask, scale):
+    """Backward: ``(dq, dk1, dv1, dk2, dv2)`` in q.dtype, deterministic (no atomics), by the
+    strategy floyd_config.strategy chooses (the forward's, for the same shapes).
+
+    ``out`` (Y) is not read: Dr = sum_k P dP is computed from the recomputed P and dP in
+    the accumulation dtype (OPERATORS.md section 5, "Dr and precision")."""
+    B, H, N, M, D = q.shape
+    K = k1.shape[3]
+    if B * H * N * M * K == 0:  # every sum is over nothing
+        return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
+                torch.zeros((B, H, N, K, D), dtype=q.dtype, device=q.device),
+                torch.zeros((B, H, N, K, D), dtype=q.dtype, device=q.device),
+                torch.zeros((B, H, K, M, D), dtype=q.dtype, device=q.device),
+                torch.zeros((B, H, K, M, D), dtype=q.dtype, device=q.device))
+    if _chunked(q, k1):
+        return floyd_chunked.backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale)
+    return _fused_backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale)
+
+
+def _fused_forward(q, k1, v1, k2, v2, mask, scale):
+    """The fused forward kernel's launch (B*H*N*M*K > 0)."""
     acc, consts, scale_bits = _launch_args(q, scale)
     B, H, N, M, D = q.shape
     K = k1.shape[3]
@@ -523,13 +537,6 @@ def floyd_attention(q, k1, v1, k2, v2, mask, scale):
     out = torch.empty((B, H, N, M, D), dtype=q.dtype, device=dev)
     softmax_max = torch.empty((B, H, N, M), dtype=acc, device=dev)
     softmax_sum = torch.empty((B, H, N, M), dtype=acc, device=dev)
-    if B * H * N * M == 0:
-        return out, softmax_max, softmax_sum
-    if K == 0:  # gradops.ops refuses it; a softmax over no pivot attends to nothing
-        out.zero_()
-        softmax_max.fill_(-FLT_MAX)
-        softmax_sum.zero_()
-        return out, softmax_max, softmax_sum
     cfg = floyd_config("fwd", D, q.element_size())
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
     consts["IDX"] = _index_dtype(q, k1, v1, k2, v2, mask, out, softmax_max)
@@ -543,11 +550,9 @@ def floyd_attention(q, k1, v1, k2, v2, mask, scale):
     return out, softmax_max, softmax_sum
 
 
-def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask, scale):
-    """Backward: ``(dq, dk1, dv1, dk2, dv2)`` in q.dtype, deterministic (no atomics).
-
-    ``out`` (Y) is not read: Dr = sum_k P dP is computed from the recomputed P and dP in
-    the accumulation dtype (OPERATORS.md section 5, "Dr and precision")."""
+def _fused_backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale):
+    """The fused backward kernels' launches (B*H*N*M*K > 0): dQ (and Dr), then dK1/dV1 and
+    dK2/dV2."""
     acc, consts, scale_bits = _launch_args(q, scale)
     B, H, N, M, D = q.shape
     K = k1.shape[3]
@@ -557,10 +562,6 @@ def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, m
     dv1 = torch.empty((B, H, N, K, D), dtype=q.dtype, device=dev)
     dk2 = torch.empty((B, H, K, M, D), dtype=q.dtype, device=dev)
     dv2 = torch.empty((B, H, K, M, D), dtype=q.dtype, device=dev)
-    if B * H * N * M * K == 0:  # every sum is over nothing
-        for g in (dq, dk1, dv1, dk2, dv2):
-            g.zero_()
-        return dq, dk1, dv1, dk2, dv2
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
     dr = torch.empty((B, H, N, M), dtype=acc, device=dev)  # sum_k P dP, contiguous
     consts["IDX"] = _index_dtype(q, k1, v1, k2, v2, mask, dy, softmax_max, softmax_sum, dq, dk1, dk2)

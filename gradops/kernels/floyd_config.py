@@ -1,4 +1,13 @@
-"""Launch parameters of the Floyd attention kernels: the one place that chooses them.
+"""Launch parameters of the Floyd attention kernels, and which strategy runs a call: the one
+place that chooses them (docs/kernels-floyd.md, "Strategies").
+
+Two strategies implement the backend: ``"fused"`` (``floyd_attention.py``: flash-style
+kernels over 3-D tiles of the score cube, configured by :func:`floyd_config` below) and
+``"chunked"`` (``floyd_chunked.py``: the scores of a chunk of (n, m) rows built by batched
+tensor-core GEMMs, the softmax and dS in Triton row kernels, configured by
+:func:`chunk_plan` and :func:`row_config`). :func:`strategy` is the rule.
+
+The fused kernels' tiles:
 
 Every kernel works on a 3-D tile of the score cube ``S[n, m, k]`` (docs/kernels-floyd.md).
 Two sides of the tile are the program's output tile (``major`` x ``minor``) and stay in
@@ -32,9 +41,10 @@ GPU (none was available): tune them here, nowhere else.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, replace
-from typing import Dict, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import triton
 
@@ -119,3 +129,127 @@ def floyd_config(kernel: str, head_dim: int, element_size: int = 2) -> FloydConf
         sizes = dict(block_n=step, block_m=minor, block_k=major)
     cfg = FloydConfig(**sizes, block_d=block_d, num_warps=NUM_WARPS, num_stages=1, group=8)
     return replace(cfg, **_overrides(kernel))
+
+
+# ----------------------------------------------------------------------------------------------
+# The strategy rule
+# ----------------------------------------------------------------------------------------------
+STRATEGIES = ("fused", "chunked")
+# Manual override for benchmarks and tests: "fused" or "chunked" forces that strategy for
+# every call it can run (float64 always runs fused). Also read from GRADOPS_FLOYD_STRATEGY.
+STRATEGY: Optional[str] = None
+
+# The rule, from estimates (no GPU has measured either strategy; docs/kernels-floyd.md has
+# the arithmetic). Widths as in the tile table (block_d * element_size / 2).
+# - Past FUSED_MAX_WIDTH the fused kernels spill registers at every tile that fits shared
+#   memory (the sm_90 compile check): chunked at any size. Float32 at D = 32 (width 64)
+#   spills in the forward too, hence its own limit.
+FUSED_MAX_WIDTH = {2: 64, 4: 32}
+# - From CHUNKED_MIN_WIDTH on, the chunked GEMMs bring more FLOP per byte than the fused
+#   tiles (an estimated HBM bound of ~80 TFLOP/s backward at D = 64 against 25-40 for the fused
+#   kernels), once the problem is large enough that a chunk's ~10 launches are hidden behind
+#   its GEMMs: CHUNKED_MIN_WORK units of B*H*N*M*K*D (about 1 GFLOP forward).
+CHUNKED_MIN_WIDTH = 64
+CHUNKED_MIN_WORK = 1 << 27
+
+
+def forced_strategy() -> Optional[str]:
+    """The strategy STRATEGY or GRADOPS_FLOYD_STRATEGY forces, or None (the rule decides)."""
+    forced = os.environ.get("GRADOPS_FLOYD_STRATEGY") or None
+    forced = STRATEGY if STRATEGY is not None else forced
+    if forced is not None and forced not in STRATEGIES:
+        raise ValueError(f"unknown Floyd strategy {forced!r}; expected one of {STRATEGIES}")
+    return forced
+
+
+def strategy(b: int, h: int, n: int, m: int, k: int, d: int, element_size: int) -> str:
+    """"fused" or "chunked" for a call of this shape and element size (bytes per input
+    element). Float64 (element size 8) is always "fused": the chunked path's GEMMs and row
+    kernels are for the 16-bit and float32 inputs tensor cores and cuBLAS serve."""
+    if element_size == 8:
+        return "fused"
+    forced = forced_strategy()
+    if forced is not None:
+        return forced
+    width = padded_head_dim(d) * element_size // 2
+    if width > FUSED_MAX_WIDTH.get(element_size, 64):
+        return "chunked"
+    if width >= CHUNKED_MIN_WIDTH and b * h * n * m * k * d >= CHUNKED_MIN_WORK:
+        return "chunked"
+    return "fused"
+
+
+# ----------------------------------------------------------------------------------------------
+# The chunked strategy: chunk sizes and the row kernels' blocks
+# ----------------------------------------------------------------------------------------------
+# Workspace for one chunk's score-sized buffers (the backward's: S and dP, each as two
+# float32 halves, and P and dS in the input dtype, each in an n-major and an m-major copy).
+# Less when the device's free memory is short (``budget``).
+CHUNK_BUDGET_BYTES = 256 << 20
+
+
+def score_bytes(element_size: int) -> int:
+    """Workspace bytes per score of a chunk: 4 float32 buffers and 4 in the input dtype."""
+    return 16 + 4 * element_size
+
+
+def chunk_budget(free_bytes: Optional[int]) -> int:
+    """CHUNK_BUDGET_BYTES, or a quarter of ``free_bytes`` (the device's free memory) when that
+    is smaller: the fp32 accumulators and the allocator's rounding need the rest."""
+    if free_bytes is None:
+        return CHUNK_BUDGET_BYTES
+    return max(1, min(CHUNK_BUDGET_BYTES, free_bytes // 4))
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How the chunked strategy walks the score cube of one call: chunks of ``groups`` (b, h)
+    slices x ``block_n`` rows of n x ``block_m`` rows of m, with every pivot. ``groups`` > 1
+    only when whole slices fit (``block_n`` = N, ``block_m`` = M)."""
+
+    groups: int
+    block_n: int
+    block_m: int
+
+    def chunks(self, bh: int, n: int, m: int) -> Iterator[Tuple[int, int, int, int, List[Tuple[int, int]]]]:
+        """``(g0, g1, m0, m1, [(n0, n1), ...])``: slices, then m outer, n inner (the order
+        the chunked backward accumulates dK1/dV1 over m in)."""
+        n_ranges = [(n0, min(n, n0 + self.block_n)) for n0 in range(0, n, self.block_n)]
+        for g0 in range(0, bh, self.groups):
+            for m0 in range(0, m, self.block_m):
+                yield g0, min(bh, g0 + self.groups), m0, min(m, m0 + self.block_m), n_ranges
+
+
+def _round_down_16(x: int) -> int:
+    """Multiples of 16 keep the GEMMs' rows aligned to the tensor-core tiles."""
+    return x - x % 16 if x >= 32 else x
+
+
+def chunk_plan(bh: int, n: int, m: int, k: int, element_size: int, budget: Optional[int] = None) -> ChunkPlan:
+    """The chunks of a call: as many scores per chunk as ``budget`` bytes (default
+    CHUNK_BUDGET_BYTES) hold at ``score_bytes`` each, in (n, m) tiles as square as N and M
+    allow (the rows of the n-batched GEMMs are m and those of the m-batched ones n: a thin
+    chunk starves one of them). The plan depends on the shape and budget alone, so a forward
+    and its backward walk the same chunks and their GEMMs compute bitwise the same scores."""
+    budget = CHUNK_BUDGET_BYTES if budget is None else budget
+    pairs = max(1, budget // score_bytes(element_size) // max(1, k))  # (n, m) rows per chunk
+    if pairs >= n * m:
+        return ChunkPlan(max(1, min(bh, pairs // max(1, n * m))), n, m)
+    cm = min(m, max(1, _round_down_16(math.isqrt(pairs))))
+    cn = min(n, max(1, _round_down_16(pairs // cm)))
+    if cn == n:  # N is short: the rest of the budget goes to M
+        cm = min(m, max(1, _round_down_16(pairs // n)))
+    return ChunkPlan(1, cn, cm)
+
+
+ROW_WARPS = 4
+ROW_ELEMENTS = 4096  # scores a row-kernel program holds per step: 32 per thread at 4 warps
+
+
+def row_config(k: int, block_m: int) -> Dict[str, int]:
+    """Blocks of the chunked strategy's row kernels (softmax forward, dS backward): a
+    program takes BLOCK_R consecutive m rows of one (slice, n) and walks the pivots BLOCK_K
+    at a time, loading contiguous runs of the float32 score buffers."""
+    block_k = min(triton.next_power_of_2(max(1, k)), 1024)
+    block_r = max(1, min(triton.next_power_of_2(max(1, block_m)), ROW_ELEMENTS // block_k))
+    return dict(BLOCK_R=block_r, BLOCK_K=block_k, num_warps=ROW_WARPS)
