@@ -32,7 +32,11 @@ memory (an H100 SM has 227 KiB):
   plus 16-bit operands, so large ``block_d`` forces small output tiles (16 x 16 spills at
   ``block_d`` = 128; 8 x 8 pads the MMA rows to 16, which the tensor cores pay for);
 - the loop step is the contraction of the ``P @ V`` and ``dS @ K`` products, so >= 16;
-  steps of 32 spilled wherever 16 did not gain a tile size.
+  steps of 32 spilled wherever 16 did not gain a tile size, except the forward at width 16
+  (16-bit D <= 16), where 32 removes the 3 spill pairs that 16 left;
+- where the rule (``strategy`` below) still gives a width to the fused kernels (16-bit
+  D <= 64, float32 D <= 16), the kept tile is one without spills: hence dK1/dV1 at width 64
+  takes 8x8 (16x8 spilled 3 pairs), its mirror dK2/dV2 keeps 16x8 (no spills).
 
 Wider elements are looked up by their byte width: float32 at D = 64 uses the bf16 row of
 D = 128 (``width = block_d * element_size / 2``). The sizes are not tuned for speed on a
@@ -55,9 +59,10 @@ KERNELS = ("fwd", "bwd_dq", "bwd_dk1", "bwd_dk2")
 # (major, minor, step) per kernel and width = block_d * element_size / 2, from the
 # ahead-of-time compiles described above; widths past the table use its last entry.
 TABLE: Dict[str, Dict[int, Tuple[int, int, int]]] = {
-    "fwd": {32: (16, 16, 16), 64: (16, 16, 16), 128: (8, 8, 16), 256: (8, 4, 16), 512: (4, 4, 16)},
+    "fwd": {16: (16, 16, 32), 32: (16, 16, 16), 64: (16, 16, 16), 128: (8, 8, 16), 256: (8, 4, 16),
+            512: (4, 4, 16)},
     "bwd_dq": {32: (16, 16, 16), 64: (8, 8, 16), 128: (8, 8, 16), 256: (4, 4, 16), 512: (2, 2, 16)},
-    "bwd_dk1": {32: (16, 16, 16), 64: (16, 8, 16), 128: (8, 8, 16), 256: (4, 4, 16), 512: (2, 2, 16)},
+    "bwd_dk1": {32: (16, 16, 16), 64: (8, 8, 16), 128: (8, 8, 16), 256: (4, 4, 16), 512: (2, 2, 16)},
     "bwd_dk2": {32: (16, 16, 16), 64: (16, 8, 16), 128: (8, 8, 16), 256: (4, 4, 16), 512: (2, 2, 16)},
 }
 NUM_WARPS = 8  # 4 warps spilled in every kernel at every tile the table keeps
