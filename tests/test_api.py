@@ -65,7 +65,9 @@ def test_prepare_validates_without_running():
 def test_kernel_limits_route_auto_to_the_reference_and_refuse_explicit_triton(monkeypatch):
     if not _backend.has_triton_kernels("floyd_attention"):
         pytest.skip("triton is not installed")
-    q = rand((1, 1, 2, 2, 300))
+    # float64 runs on the fused kernels alone, which tile D <= 128 in float64 (the chunked
+    # strategy takes any head dim of the other dtypes)
+    q = rand((1, 1, 2, 2, 300), torch.float64)
     limit = lambda kernels: kernels.unsupported(q)  # noqa: E731
     monkeypatch.setattr(_backend, "_triton_usable_on", lambda device: True)  # as on a GPU
     impl = _backend.implementation("floyd_attention", "floyd_attention", "auto", torch.device("cuda"),

@@ -1,4 +1,9 @@
-"""Flash-style Triton kernels for Floyd ("pivotal") attention, forward and backward.
+"""Floyd ("pivotal") attention on the Triton backend: the backend functions, and the fused
+strategy's flash-style kernels, forward and backward.
+
+``floyd_attention`` / ``floyd_attention_grad`` below run each call by the strategy
+``floyd_config.strategy`` chooses: these fused kernels, or the chunked GEMM path of
+``floyd_chunked.py`` (docs/kernels-floyd.md, "Strategies").
 
 Shapes (OPERATORS.md section 5): Q ``[B,H,N,M,D]``, K1/V1 ``[B,H,N,K,D]``, K2/V2
 ``[B,H,K,M,D]``, mask ``[B,1,N,1,K]`` (True = masked out)::
