@@ -76,14 +76,16 @@ GPU_PLAN = (
                                 "--dtype", "bfloat16", "--peers", "compile"), 35,
          "torch.compile of the reference (one compilation per case)"),
     Part("floyd", "floyd", (*_shapes("1,8,512,512,512,32", "1,8,512,512,512,64", "1,8,512,512,512,128"),
-                            "--dtype", "bfloat16", "--impl", "gradops", "reference", "einsum", "floydnet"), 55,
-         "N = M = K = 512, D = 32/64/128, bfloat16"),
+                            "--dtype", "bfloat16", "--direction", "fwd", "--direction", "bwd",
+                            "--impl", "gradops", "gradops-fused", "gradops-chunked", "einsum", "floydnet"), 55,
+         "N = M = K = 512, D = 32/64/128, bfloat16: both strategies and the rule's choice"),
     Part("floyd-large", "floyd", (*_shapes("1,4,1024,1024,1024,128"), "--dtype", "bfloat16",
-                                  "--impl", "gradops", "einsum", "floydnet"), 25,
+                                  "--direction", "fwd", "--direction", "bwd",
+                                  "--impl", "gradops", "gradops-fused", "einsum", "floydnet"), 25,
          "N = M = K = 1024, D = 128 (the einsum peers may run out of memory: a result)"),
     Part("floyd-compile", "floyd", (*_shapes("1,8,512,512,512,128"), "--dtype", "bfloat16",
-                                    "--impl", "gradops", "compiled"), 40,
-         "torch.compile of the einsum formulation"),
+                                    "--direction", "fwd", "--direction", "bwd", "--impl", "gradops", "compiled"), 40,
+         "torch.compile of FloydNet's pivotal_attention (of the einsum formulation without floydnet)"),
 )
 
 # A smoke run on a GPU: a minute or two.
@@ -283,7 +285,7 @@ def print_plan(parts: Sequence[Part], budget: float, args) -> None:
     total = 0
     for part in parts:
         module, pargs = part_args(part, args, None)
-        per_case = 2 if part.family == "floyd" else 1  # floyd: forward and backward per case
+        per_case = len(pargs.direction or module.DIRECTIONS) if part.family == "floyd" else 1
         cases, impls = len(module.cases(pargs)) * per_case, module.impl_names(pargs)
         total += cases * len(impls)
         print(f"{part.name:<14} {cases:>5} {len(impls):>7} {cases * len(impls):>8} "

@@ -2,26 +2,49 @@
 
 Implementations measured side by side, same process, same inputs:
 
-- ``gradops``: the Triton kernels (backend="triton"; on CPU only with ``--interpret``, and
-  then only to see that it runs: interpreter timings mean nothing);
+- ``gradops``: our operators, ``gradops.floyd_attention`` and ``gradops.floyd_attention_grad``
+  (backend="triton"; on CPU only with ``--interpret``, and then only to see that it runs:
+  interpreter timings mean nothing), with the strategy ``floyd_config.strategy`` chooses for
+  the case: what a user gets. Each of its records names that choice (``extra.strategy``);
+- ``gradops-fused`` and ``gradops-chunked``: the same calls with ``floyd_config.STRATEGY``
+  forcing one strategy, set around every timed call (and the forward a backward is fed
+  from) and restored after it, so nothing leaks into the other implementations. Float64
+  always runs fused (``extra.strategy`` says what ran);
 - ``reference``: the chunked PyTorch reference (backend="reference"), bounded memory;
 - ``einsum``: FloydNet's formulation (two einsums for the scores, softmax, two einsums for
   the output) under autograd: it materialises the [B,H,N,M,K] scores, so it runs out of
   memory where the others do not (recorded as an error, not a crash);
 - ``floydnet``: FloydNet's own ``pivotal_attention`` (PyPI ``floydnet``) under autograd, when
-  it imports: the same formulation, from its authors;
-- ``compiled``: ``torch.compile`` of the einsum formulation (CUDA only).
+  it imports: the einsum users have;
+- ``compiled``: ``torch.compile`` (static shapes, compiled anew for each case) of FloydNet's
+  ``pivotal_attention`` when it imports, else of the einsum formulation (CUDA only; the
+  run's ``meta.compiled`` says which).
 
-Forward FLOP 8*B*H*N*M*K*D, backward 20*B*H*N*M*K*D (docs/benchmarks.md). The backward of
-``gradops``/``reference`` is the standalone grad operator fed with its forward's outputs;
-the backward of ``einsum``/``compiled`` is ``autograd.grad`` on a retained graph.
-Defaults: on CUDA bf16 and the shapes of issue 6 (N = M = K in 128..1024, D in 32, 64,
-128), a JSON file under benchmarks/results/; ``--quick`` runs a few tiny fp32 shapes on the
-CPU in well under a minute (reference against einsum; ``--interpret`` adds our kernels).
+Directions (``--direction``, default all three): ``fwd``, the forward (8*B*H*N*M*K*D FLOP);
+``bwd``, the backward alone (20*B*H*N*M*K*D): for ours the standalone grad operator fed with
+its forward's outputs, for the autograd peers ``autograd.grad`` on a retained graph;
+``fwdbwd``, a forward then its backward, as a training step runs them (28*B*H*N*M*K*D): ours
+calls the two operators, the peers build the graph and differentiate it. On a GPU every
+record holds the peak memory its call allocated beyond what was allocated before
+(``peak_bytes``), and each of ours ``extra.memory_bound_ratio``: (inputs + that peak) /
+(inputs + outputs + ``floyd_config.CHUNK_BUDGET_BYTES``), the issue's memory bound (<= 1.1),
+with the bytes of :func:`io_bytes`.
+
+Defaults: on CUDA bf16 and the grid of issue 11: H = 8, N = M = K in 128, 256, 512, 1024, D
+in 128, 64, 32 (measured in that order: the D = 128 goals first), with B = 4, 4, 2, 1 for
+those N: B in 1..4 shrinking as the cube grows (B*H*N*M*K*D from 2^31 at N = 128, D = 32 to
+2^40 at N = 1024, D = 128: 0.02 to 9 TFLOP forward, 0.06 to 31 forward+backward; at
+N = 1024 B = 1 is the floor); 3 warm-up calls and 20 repetitions, each of the two bounded by
+2 s, and a 600 s budget for that grid (``--budget-seconds`` changes it; measurements past it
+are recorded as skipped and the exit status is 1); a JSON file under benchmarks/results/.
+In each case ours come first and the reference, slowest at large N, last. ``--quick`` runs a few tiny fp32 shapes on the CPU in well
+under a minute (the reference against einsum; ``--interpret`` adds ours, all three, through
+the Triton interpreter). ``--compile-check`` compiles the kernels for an H100 without a GPU.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -29,21 +52,52 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import harness
-from .harness import DTYPES, OURS, Goal, Run, progress
+from .harness import DTYPES, OURS, Goal, Record, Run, progress
 
 FAMILY = "floyd"
-IMPLS = (OURS, "reference", "einsum", "floydnet", "compiled")
+FUSED, CHUNKED = f"{OURS}-fused", f"{OURS}-chunked"
+FORCED = {FUSED: "fused", CHUNKED: "chunked"}  # our variants with floyd_config.STRATEGY forced
+OUR_IMPLS = (OURS, FUSED, CHUNKED)
+# measured in this order in each case: the reference, slowest at large N, last
+IMPLS = (OURS, FUSED, CHUNKED, "einsum", "floydnet", "compiled", "reference")
+DIRECTIONS = ("fwd", "bwd", "fwdbwd")
+OPS = tuple(f"floyd_{d}" for d in DIRECTIONS)
 Shape = Tuple[int, int, int, int, int, int]  # B, H, N, M, K, D
 PLOT = dict(x_key="N", metric="tflops", group_keys=("op", "D", "dtype"))
-# The goals for Floyd attention (docs/benchmarks.md; H100). The memory goal, O(inputs), is measured
-# by tests/test_floyd_memory.py; the JSON holds each implementation's peak memory.
+GRID_H = 8
+GRID_B = {128: 4, 256: 4, 512: 2, 1024: 1}  # B per N = M = K of the default CUDA grid
+GRID_D = (128, 64, 32)  # D = 128 first: the goals' headline cases are measured first
+GRID_BUDGET_SECONDS = 600.0  # the default budget of a run of the default CUDA grid
+MEMORY_BOUND = 1.1
+# A peer's error that says it did not fit in memory (torch's OutOfMemoryError, or a compiler
+# wrapping it): the speedup goal holds "wherever that fits in memory"
+OUT_OF_MEMORY = ("out of memory", "OutOfMemoryError")
+
+
+def _bf16(c: dict) -> bool:
+    return c["dtype"] == "bfloat16"
+
+
+def _bf16_d128(c: dict) -> bool:
+    return c["dtype"] == "bfloat16" and c["D"] == 128
+
+
+# The goals for Floyd attention (docs/benchmarks.md; H100), read off the records of ``gradops``
+# (the rule's choice). The spec's, then issue 11's intermediate bars and its relative goals.
+# The memory goal O(inputs) is also measured on a CPU by tests/test_floyd_memory.py.
 GOALS = (
-    Goal("Floyd bwd >= 300 TFLOP/s bf16 at D = 128", ("floyd_bwd",), "tflops", 300.0,
-         lambda c: c["dtype"] == "bfloat16" and c["D"] == 128),
-    Goal("Floyd fwd >= 450 TFLOP/s bf16 at D = 128", ("floyd_fwd",), "tflops", 450.0,
-         lambda c: c["dtype"] == "bfloat16" and c["D"] == 128),
+    Goal("Floyd bwd >= 300 TFLOP/s bf16 at D = 128", ("floyd_bwd",), "tflops", 300.0, _bf16_d128),
+    Goal("Floyd fwd >= 450 TFLOP/s bf16 at D = 128", ("floyd_fwd",), "tflops", 450.0, _bf16_d128),
     Goal("Floyd bwd >= 150 TFLOP/s bf16 at D = 32/64", ("floyd_bwd",), "tflops", 150.0,
          lambda c: c["dtype"] == "bfloat16" and c["D"] in (32, 64)),
+    Goal("Floyd fwd >= 300 TFLOP/s bf16 at D = 128 (issue 11, intermediate)", ("floyd_fwd",), "tflops", 300.0,
+         _bf16_d128),
+    Goal("Floyd bwd >= 200 TFLOP/s bf16 at D = 128 (issue 11, intermediate)", ("floyd_bwd",), "tflops", 200.0,
+         _bf16_d128),
+    Goal("Floyd >= 2x FloydNet's einsum wherever it fits in memory, bf16 (issue 11)", OPS, "speedup:einsum", 2.0,
+         _bf16, gpu=None, excuse=OUT_OF_MEMORY),
+    Goal(f"Floyd peak memory <= {MEMORY_BOUND}x inputs + outputs + the chunk budget (issue 11)", OPS,
+         "extra:memory_bound_ratio", None, gpu=None, maximum=MEMORY_BOUND),
 )
 
 
@@ -57,16 +111,17 @@ def bwd_flops(shape: Shape) -> float:
     return 20.0 * b * h * n * m * k * d
 
 
+def fwdbwd_flops(shape: Shape) -> float:
+    return fwd_flops(shape) + bwd_flops(shape)
+
+
+FLOPS = {"fwd": fwd_flops, "bwd": bwd_flops, "fwdbwd": fwdbwd_flops}
+
+
 def default_shapes(quick: bool, device: str) -> List[Shape]:
     if quick or not device.startswith("cuda"):
         return [(1, 2, 16, 16, 16, 16), (1, 2, 32, 32, 32, 32), (2, 4, 48, 48, 48, 32)]
-    shapes = []
-    for d in (32, 64, 128):
-        for s in (128, 256, 512, 1024):
-            # B*H shrinks as the cube grows, keeping each case between ~0.1 and ~5 TFLOP
-            b, h = {128: (4, 16), 256: (2, 16), 512: (1, 8), 1024: (1, 4)}[s]
-            shapes.append((b, h, s, s, s, d))
-    return shapes
+    return [(GRID_B[s], GRID_H, s, s, s, d) for d in GRID_D for s in sorted(GRID_B)]
 
 
 def parse_shape(text: str) -> Shape:
@@ -74,6 +129,62 @@ def parse_shape(text: str) -> Shape:
     if len(parts) != 6 or min(parts) < 1:
         raise argparse.ArgumentTypeError(f"shape {text!r}: expected B,H,N,M,K,D (all >= 1)")
     return tuple(parts)  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes in and out, and the memory bound
+# ---------------------------------------------------------------------------------------------
+def io_bytes(op: str, shape: Shape, element_size: int, masked: bool = False) -> Tuple[int, int]:
+    """(inputs, outputs) of one call of ``op``, in bytes. ``floyd_fwd`` reads q, k1, v1, k2,
+    v2 (and the [B,1,N,1,K] bool mask) and writes out and the two statistics (float32;
+    float64 for float64 inputs); ``floyd_bwd`` reads dy, q, k1, v1, k2, v2, out, the
+    statistics (and the mask) and writes the five gradients; ``floyd_fwdbwd`` reads the
+    forward's inputs and dy and writes out, the statistics and the gradients."""
+    b, h, n, m, k, d = shape
+    e = element_size
+    qy = b * h * n * m * d * e  # q, out, dy, dq
+    kv = 2 * b * h * n * k * d * e + 2 * b * h * k * m * d * e  # k1, v1, k2, v2 (and their gradients)
+    stats = 2 * b * h * n * m * (8 if e == 8 else 4)
+    mask = b * n * k if masked else 0
+    if op == "floyd_fwd":
+        return qy + kv + mask, qy + stats
+    if op == "floyd_bwd":
+        return 3 * qy + kv + stats + mask, qy + kv
+    if op == "floyd_fwdbwd":
+        return 2 * qy + kv + mask, 2 * qy + stats + kv
+    raise ValueError(f"unknown Floyd op {op!r}")
+
+
+def memory_bound(op: str, shape: Shape, element_size: int, masked: bool = False,
+                 budget: Optional[int] = None) -> Tuple[int, int]:
+    """(inputs, the bound): inputs + outputs + ``budget`` (default: the chunked strategy's
+    workspace, ``floyd_config.CHUNK_BUDGET_BYTES``)."""
+    if budget is None:
+        from ..kernels.floyd_config import CHUNK_BUDGET_BYTES as budget
+    inputs, outputs = io_bytes(op, shape, element_size, masked)
+    return inputs, inputs + outputs + budget
+
+
+def memory_bound_ratio(op: str, shape: Shape, element_size: int, peak_bytes: int, masked: bool = False,
+                       budget: Optional[int] = None) -> float:
+    """(inputs + ``peak_bytes``) / (inputs + outputs + budget): ``peak_bytes`` is what the call
+    allocated beyond what was allocated before it (the harness's ``peak_bytes``; the inputs
+    were allocated before), so the numerator is the call's own peak footprint."""
+    inputs, bound = memory_bound(op, shape, element_size, masked, budget)
+    return (inputs + peak_bytes) / bound
+
+
+def annotate(rec: Record, shape: Shape, element_size: int, masked: bool, strategy: Optional[str] = None,
+             budget: Optional[int] = None) -> Record:
+    """Add to one of our records the strategy that ran (when known) and, where its peak
+    memory was measured, ``memory_bound_ratio`` and the bound in bytes."""
+    if strategy is not None:
+        rec.extra["strategy"] = strategy
+    if rec.peak_bytes is not None:
+        inputs, bound = memory_bound(rec.op, shape, element_size, masked, budget)
+        rec.extra["memory_bound_bytes"] = bound
+        rec.extra["memory_bound_ratio"] = (inputs + rec.peak_bytes) / bound
+    return rec
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,6 +223,19 @@ def floydnet_pivotal(q, k1, v1, k2, v2, mask, scale):
     return _floydnet()(q, k1, k2, v1, v2, attn_mask=mask, scale=scale)
 
 
+def compiled_target() -> Tuple[Callable, str]:
+    """What ``compiled`` compiles, and its name for the run's meta: FloydNet's
+    ``pivotal_attention`` when it imports, else the einsum formulation."""
+    pivotal = _floydnet()
+    if pivotal is None:
+        return floyd_einsum, "gradops.bench.floyd.floyd_einsum (floydnet is not importable)"
+
+    def floydnet_fn(q, k1, v1, k2, v2, mask, scale):
+        return pivotal(q, k1, k2, v1, v2, attn_mask=mask, scale=scale)
+
+    return floydnet_fn, "floydnet.functional.pivotal_attention"
+
+
 def make_inputs(shape: Shape, dtype: torch.dtype, device: str, masked: bool):
     b, h, n, m, k, d = shape
     gen = torch.Generator(device=device).manual_seed(0)
@@ -128,41 +252,94 @@ def make_inputs(shape: Shape, dtype: torch.dtype, device: str, masked: bool):
     return (q, k1, v1, k2, v2), dy, mask
 
 
-def _gradops_fns(backend: str, inputs, dy, mask, scale):
+# ---------------------------------------------------------------------------------------------
+# The implementations: for a case, direction -> make() -> the callable timed
+# ---------------------------------------------------------------------------------------------
+# make() of "bwd" runs the forward the backward is fed from (its state lives only while the
+# backward is measured); those of "fwd" and "fwdbwd" hold nothing.
+Makers = Dict[str, Callable[[], Callable[[], object]]]
+
+
+def _gradops_fns(backend: str, inputs, dy, mask, scale) -> Makers:
     import gradops
 
     def fwd():
         return gradops.floyd_attention(*inputs, mask, scale, backend=backend)
 
-    out, mx, sm = fwd()
-
-    def bwd():
+    def fwdbwd():
+        out, mx, sm = fwd()
         return gradops.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, scale, backend=backend)
 
-    return fwd, bwd
+    def make_bwd():
+        out, mx, sm = fwd()
+
+        def bwd():
+            return gradops.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, scale, backend=backend)
+        return bwd
+
+    return {"fwd": lambda: fwd, "bwd": make_bwd, "fwdbwd": lambda: fwdbwd}
 
 
-def _autograd_fns(fn: Callable, inputs, dy, mask, scale):
+def _autograd_fns(fn: Callable, inputs, dy, mask, scale) -> Makers:
     leaves = [t.detach().requires_grad_() for t in inputs]
 
     def fwd():
         return fn(*leaves, mask, scale)
 
-    y = fwd()
+    def fwdbwd():
+        return torch.autograd.grad(fwd(), leaves, dy)
 
-    def bwd():
-        return torch.autograd.grad(y, leaves, dy, retain_graph=True)
+    def make_bwd():
+        y = fwd()
 
-    return fwd, bwd
+        def bwd():
+            return torch.autograd.grad(y, leaves, dy, retain_graph=True)
+        return bwd
+
+    return {"fwd": lambda: fwd, "bwd": make_bwd, "fwdbwd": lambda: fwdbwd}
+
+
+@contextlib.contextmanager
+def forced_strategy(name: Optional[str]):
+    """``floyd_config.STRATEGY = name`` for the block, the previous value restored after it
+    (None: nothing forced, nothing touched)."""
+    if name is None:
+        yield
+        return
+    from ..kernels import floyd_config
+
+    old = floyd_config.STRATEGY
+    floyd_config.STRATEGY = name
+    try:
+        yield
+    finally:
+        floyd_config.STRATEGY = old
+
+
+def _under(name: str, fn: Callable[[], object]) -> Callable[[], object]:
+    def call():
+        with forced_strategy(name):
+            return fn()
+    return call
+
+
+def _forcing(name: str, makers: Makers) -> Makers:
+    """The same makers with ``name`` forced while each runs (the backward's forward) and
+    around every call of the callable it returns: forced inside the timed function."""
+    return {direction: (lambda make=make: _under(name, _under(name, make)()))
+            for direction, make in makers.items()}
 
 
 def implementations(names: Sequence[str], device: str, ours: str = "triton") -> Dict[str, Callable]:
-    """name -> builder(inputs, dy, mask, scale) -> (fwd, bwd)."""
+    """name -> builder(inputs, dy, mask, scale) -> {direction: make}; ``make()`` returns the
+    callable timed. ``compiled`` compiles anew for each case it is built for (static shapes,
+    Dynamo's caches reset), on its first call."""
     builders: Dict[str, Callable] = {}
-    compiled_fn = None
     for name in names:
         if name == OURS:
             builders[name] = lambda *a: _gradops_fns(ours, *a)
+        elif name in FORCED:
+            builders[name] = lambda *a, _s=FORCED[name]: _forcing(_s, _gradops_fns(ours, *a))
         elif name == "reference":
             builders[name] = lambda *a: _gradops_fns("reference", *a)
         elif name == "einsum":
@@ -170,9 +347,14 @@ def implementations(names: Sequence[str], device: str, ours: str = "triton") -> 
         elif name == "floydnet":
             builders[name] = lambda *a: _autograd_fns(floydnet_pivotal, *a)
         elif name == "compiled":
-            if compiled_fn is None:
-                compiled_fn = torch.compile(floyd_einsum, dynamic=False)
-            builders[name] = lambda *a, _f=compiled_fn: _autograd_fns(_f, *a)
+            target, _ = compiled_target()
+
+            def build_compiled(*a, _target=target):
+                import torch._dynamo
+
+                torch._dynamo.reset()  # a fresh static compile per case (no recompile limit reached)
+                return _autograd_fns(torch.compile(_target, dynamic=False), *a)
+            builders[name] = build_compiled
     return builders
 
 
@@ -180,7 +362,12 @@ def default_impls(device: str, interpret: bool) -> List[str]:
     """Ours (on a CPU only through the interpreter) and every peer usable here."""
     unusable = {name for name, why in optional_peers(device).items() if why is not None}
     names = [i for i in IMPLS if i not in unusable]
-    return names if device == "cuda" or interpret else [i for i in names if i != OURS]
+    return names if device == "cuda" or interpret else [i for i in names if i not in OUR_IMPLS]
+
+
+def default_grid(args) -> bool:
+    """Whether ``args`` run the default CUDA grid (no --shape, no --quick)."""
+    return args.device == "cuda" and not args.quick and not args.shape
 
 
 def cases(args) -> List[tuple]:
@@ -191,7 +378,8 @@ def cases(args) -> List[tuple]:
 def _unusable(args) -> Dict[str, str]:
     why = {name: reason for name, reason in optional_peers(args.device).items() if reason}
     if args.device != "cuda" and not args.interpret:
-        why[OURS] = "the Triton kernels need CUDA, or --interpret on a CPU"
+        for name in OUR_IMPLS:
+            why[name] = "the Triton kernels need CUDA, or --interpret on a CPU"
     return why
 
 
@@ -201,6 +389,15 @@ def impl_names(args) -> List[str]:
     return [i for i in (args.impl or default_impls(args.device, args.interpret)) if i not in unusable]
 
 
+def rule_strategy(shape: Shape, element_size: int, forced: Optional[str] = None) -> str:
+    """The strategy our Triton backend runs a call of this shape with: floyd_config's rule
+    (with any override of STRATEGY / GRADOPS_FLOYD_STRATEGY in force), or ``forced``'s."""
+    from ..kernels import floyd_config
+
+    with forced_strategy(forced):
+        return floyd_config.strategy(*shape, element_size)
+
+
 def run(args) -> Run:
     """Measure every case of ``args`` (parsed by :func:`parse_args`, resolved by ``prepare``)."""
     device = args.device
@@ -208,36 +405,72 @@ def run(args) -> Run:
     for name, why in _unusable(args).items():
         if name in (args.impl or ()):
             print(f"gradops bench floyd: leaving out {name}: {why}", file=sys.stderr)
-    directions = args.direction or ["fwd", "bwd"]
+    directions = list(dict.fromkeys(args.direction or DIRECTIONS))
     bench = Run(FAMILY, device, args.deadline)
-    bench.meta["backend_ours"] = harness.ours_backend(args) if OURS in impls else None
-    builders = implementations(impls, device, bench.meta["backend_ours"] or "triton")
+    backend = harness.ours_backend(args) if any(i in OUR_IMPLS for i in impls) else None
+    if backend is not None and backend != "triton":  # no strategy to force in the reference
+        left = [i for i in impls if i in FORCED]
+        if left:
+            print(f"gradops bench floyd: leaving out {', '.join(left)}: ours runs on the {backend} backend here",
+                  file=sys.stderr)
+        impls = [i for i in impls if i not in FORCED]
+    bench.meta["backend_ours"] = backend
+    bench.meta["directions"] = directions
+    if backend == "triton":
+        from ..kernels import floyd_config
+
+        # an override in force when the run started (then ``gradops`` is not the rule's choice)
+        bench.meta["strategy_override"] = floyd_config.forced_strategy()
+    if "compiled" in impls:
+        bench.meta["compiled"] = compiled_target()[1]
+    builders = implementations(impls, device, backend or "triton")
     for shape, dt in progress(cases(args), "floyd"):
         b, h, n, m, k, d = shape
         case = {"B": b, "H": h, "N": n, "M": m, "K": k, "D": d, "dtype": dt, "mask": args.mask}
         if bench.out_of_time():
             bench.skip([f"floyd_{direction}" for direction in directions], case)
             continue
+        element_size = torch.empty((), dtype=DTYPES[dt]).element_size()
         inputs, dy, mask = make_inputs(shape, DTYPES[dt], device, args.mask)
         sc = d ** -0.5 if args.scale is None else args.scale
         for name, build in builders.items():
-            if bench.out_of_time():  # building a peer runs its forward (and may compile it)
-                bench.skip([f"floyd_{direction}" for direction in directions], case, impl=name)
-                continue
+            strategy = None
+            if name in OUR_IMPLS and backend == "triton":
+                strategy = rule_strategy(shape, element_size, FORCED.get(name))
             try:
-                fwd, bwd = build(inputs, dy, mask, sc)
-            except Exception as e:  # e.g. out of memory building the peer's graph: a result
-                for direction in directions:
-                    bench.time(f"floyd_{direction}", case, name, _raiser(e))
-                _free(device)
-                continue
+                makers = build(inputs, dy, mask, sc)
+            except Exception as e:
+                makers = {direction: _raiser(e) for direction in directions}
             for direction in directions:
-                fn, flops = (fwd, fwd_flops(shape)) if direction == "fwd" else (bwd, bwd_flops(shape))
-                bench.time(f"floyd_{direction}", case, name, fn, flops=flops, memory=device == "cuda",
-                           reps=args.reps, warmup=args.warmup, max_seconds=args.max_seconds, flush_l2=False)
-            del fwd, bwd
+                op = f"floyd_{direction}"
+                if bench.out_of_time():  # making the backward runs a forward (and may compile)
+                    bench.skip([op], case, impl=name)
+                    continue
+                try:
+                    fn = makers[direction]()
+                except Exception as e:  # e.g. out of memory in the forward a backward needs: a result
+                    fn = _raiser(e)
+                rec = bench.time(op, case, name, fn, flops=FLOPS[direction](shape), memory=device == "cuda",
+                                 reps=args.reps, warmup=args.warmup, max_seconds=args.max_seconds, flush_l2=False)
+                if name in OUR_IMPLS:
+                    annotate(rec, shape, element_size, args.mask, strategy)
+                del fn
+                _free(device)
+            del makers
             _free(device)
     return bench
+
+
+def strategy_lines(bench: Run) -> List[str]:
+    """One line per strategy our rule chose in this run, with the cases it chose it for."""
+    chosen: Dict[str, Dict[str, None]] = {}
+    for r in bench.records:
+        if r.impl == OURS and "strategy" in r.extra:
+            c = r.case
+            where = f"{c['B']}x{c['H']}x{c['N']}x{c['M']}x{c['K']}x{c['D']} {c['dtype']}"
+            chosen.setdefault(r.extra["strategy"], {})[where] = None
+    return [f"gradops ran {s} (floyd_config's rule) at B x H x N x M x K x D: {', '.join(where)}"
+            for s, where in chosen.items()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,28 +483,64 @@ _UNIT_STRIDES = ("sq_d", "sk1_d", "sv1_d", "sk2_d", "sv2_d", "so_d", "sdy_d", "s
 # is the looped axis of the dK1/dV1 launch and the own axis of the dK2/dV2 launch.
 _UNIT_STRIDES_DKV = {"bwd_dk1": ("smax_loop", "ssum_loop", "sdr_loop"),
                      "bwd_dk2": ("smax_own", "ssum_own", "sdr_own")}
+# The chunked strategy's row kernels: integer arguments the JIT does not see as multiples of
+# 16 at the shapes of the benchmark (H = 8; a group of slices may start anywhere).
+_ROW_NOT_DIVISIBLE = ("H", "g0")
+# Pivots of the row-kernel compile check without --shape, with chunks of 128 m rows: the
+# BLOCK_R x BLOCK_K tiles 32x128, 16x256, 8x512 and 4x1024 the default grid's chunks take
+ROW_CHECK_K = (128, 256, 512, 1024)
+ROW_CHECK_BLOCK_M = 128
 
 
-def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dict]:
-    """Compile the four kernels for ``sm_<arch>`` without a GPU (Triton's bundled ptxas),
-    specialised as the JIT would for contiguous tensors whose sizes are multiples of 16, and
-    report shared memory (bytes), the registers a thread uses and its local-memory spill
-    instructions, read from the SASS. Needs TRITON_INTERPRET unset when triton was imported."""
+def _ptr_types(dtype: torch.dtype) -> Tuple[str, str]:
+    """(pointer type of the inputs, of the float accumulators) in a signature."""
+    ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float64: "*fp64"}[dtype]
+    return ptr, "*fp64" if dtype == torch.float64 else "*fp32"
+
+
+def _compile_sm(kernel, sig: dict, consts: dict, attrs: dict, arch: int, num_warps: int, num_stages: int,
+                row: dict) -> dict:
+    """Compile ``kernel`` for ``sm_<arch>`` and add to ``row`` its shared memory (bytes), the
+    registers a thread uses, its local-memory spill instructions and MMA count, read from the
+    SASS; or ``error`` (e.g. out of shared memory: the finding this check exists for)."""
     import re
     import subprocess
     import tempfile
 
     import triton
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    try:
+        compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                                  options=dict(num_warps=num_warps, num_stages=num_stages))
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = os.path.join(tmp, "k.cubin")
+            with open(cubin, "wb") as f:
+                f.write(compiled.asm["cubin"])
+            sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
+        regs = [int(r) for r in re.findall(r"\bR(\d+)\b", sass)]
+        row.update(shared=compiled.metadata.shared, registers=max(regs) + 1 if regs else None,
+                   spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
+                   mma=sass.count("HMMA") + sass.count("DMMA"))
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[-1][:200] if str(e) else ''}"
+    return row
+
+
+def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dict]:
+    """Compile the four fused kernels for ``sm_<arch>`` without a GPU (Triton's bundled
+    ptxas), specialised as the JIT would for contiguous tensors whose sizes are multiples of
+    16, and report shared memory (bytes), the registers a thread uses and its local-memory
+    spill instructions, read from the SASS. Needs TRITON_INTERPRET unset when triton was
+    imported. The chunked strategy's row kernels: :func:`compile_check_rows`."""
+    import triton.language as tl
 
     from ..kernels import floyd_attention as fa
     from ..kernels.floyd_config import floyd_config
 
-    ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float64: "*fp64"}[dtype]
-    acc = "*fp64" if dtype == torch.float64 else "*fp32"
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    ptr, acc = _ptr_types(dtype)
     rows = []
     for name, kernel in (("fwd", fa._fwd_kernel), ("bwd_dq", fa._bwd_dq_kernel),
                          ("bwd_dk1", fa._bwd_dkv_kernel), ("bwd_dk2", fa._bwd_dkv_kernel)):
@@ -300,21 +569,49 @@ def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dic
             attrs[(idx,)] = [["tt.divisibility", 16]]
         row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": head_dim,
                "tile": f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k}x{cfg.block_d}", "warps": cfg.num_warps}
-        try:
-            compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
-                                      options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-            with tempfile.TemporaryDirectory() as tmp:
-                cubin = os.path.join(tmp, "k.cubin")
-                with open(cubin, "wb") as f:
-                    f.write(compiled.asm["cubin"])
-                sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
-            regs = [int(r) for r in re.findall(r"\bR(\d+)\b", sass)]
-            row.update(shared=compiled.metadata.shared, registers=max(regs) + 1 if regs else None,
-                       spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
-                       mma=sass.count("HMMA") + sass.count("DMMA"))
-        except Exception as e:  # e.g. out of shared memory: the finding this check exists for
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[-1][:200] if str(e) else ''}"
-        rows.append(row)
+        rows.append(_compile_sm(kernel, sig, consts, attrs, arch, cfg.num_warps, cfg.num_stages, row))
+    return rows
+
+
+def compile_check_rows(dtype: torch.dtype, k: int = 1024, block_m: int = ROW_CHECK_BLOCK_M,
+                       arch: int = 90) -> List[dict]:
+    """Compile the chunked strategy's row kernels (``_softmax_rows``, forward; ``_grad_rows``,
+    backward) for ``sm_<arch>`` with the blocks ``floyd_config.row_config(k, block_m)`` gives,
+    specialised as the JIT would for a contiguous mask and statistics and sizes that are
+    multiples of 16 (but H and the chunk's first slice); report as :func:`compile_check`.
+    16-bit and float32 inputs (float64 always runs fused). The rows' ``D`` is None (the row
+    kernels do not see the head dim) and ``K`` the pivots."""
+    from ..kernels import floyd_chunked as fc
+    from ..kernels.floyd_config import row_config
+
+    if dtype == torch.float64:
+        raise ValueError("the chunked strategy's row kernels take 16-bit and float32 inputs")
+    ptr, _ = _ptr_types(dtype)
+    cfg = row_config(k, block_m)
+    rows = []
+    for name, kernel in (("rows_softmax", fc._softmax_rows), ("rows_grad", fc._grad_rows)):
+        consts = dict(HAS_MASK=True, BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"])
+        sig, attrs = {}, {}
+        for idx, arg in enumerate(kernel.arg_names):
+            if kernel.params[idx].is_constexpr:
+                continue
+            if arg in ("smk_k", "sst_m"):  # the mask's k and the statistics' m: unit strides
+                sig[arg], consts[arg] = "constexpr", 1
+                continue
+            if arg == "scale":
+                sig[arg] = "i64"
+                continue
+            if arg.endswith("_ptr"):
+                # the float32 score halves and statistics; P and dS in the input dtype
+                sig[arg] = "*u8" if arg == "mask_ptr" else ptr if arg[:2] in ("p_", "ds") else "*fp32"
+            else:
+                sig[arg] = "i32"
+                if arg in _ROW_NOT_DIVISIBLE:
+                    continue
+            attrs[(idx,)] = [["tt.divisibility", 16]]
+        row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": None, "K": k,
+               "tile": f"{cfg['BLOCK_R']}x{cfg['BLOCK_K']}", "warps": cfg["num_warps"]}
+        rows.append(_compile_sm(kernel, sig, consts, attrs, arch, cfg["num_warps"], 1, row))
     return rows
 
 
@@ -331,23 +628,53 @@ def _free(device: str):
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="gradops bench floyd", description=__doc__.split("\n\n")[0])
-    harness.add_common_args(parser, dtype_help="default: bfloat16 on CUDA, float32 on CPU")
+    harness.add_common_args(parser, dtype_help="default: bfloat16 on CUDA, float32 on CPU",
+                            budget_help=(f"stop starting measurements after this long; the rest are recorded as "
+                                         f"skipped (default: {GRID_BUDGET_SECONDS:.0f} for the default CUDA grid, "
+                                         f"else none)"))
     parser.add_argument("--shape", action="append", type=parse_shape, metavar="B,H,N,M,K,D",
                         help="a case (repeatable; default: the issue's grid on CUDA, tiny ones on CPU)")
     parser.add_argument("--impl", nargs="+", action="extend", choices=IMPLS,
-                        help="only these implementations (default: ours and every peer usable here)")
-    parser.add_argument("--direction", action="append", choices=["fwd", "bwd"], help="default: both")
+                        help="only these implementations (default: ours, both forced strategies and every peer "
+                             "usable here)")
+    parser.add_argument("--direction", action="append", choices=list(DIRECTIONS),
+                        help="fwd, bwd (the backward alone) or fwdbwd (forward then backward); repeatable; "
+                             "default: all three")
     parser.add_argument("--mask", action="store_true", help="a random [B,1,N,1,K] mask (10%% masked)")
     parser.add_argument("--scale", type=float, help="default: D**-0.5")
     parser.add_argument("--compile-check", action="store_true",
                         help="compile the kernels for an H100 (sm_90) without a GPU and report shared memory, "
-                             "registers and spills (for each --dtype, default bfloat16 float32, and D in 16..256)")
+                             "registers and spills (for each --dtype, default bfloat16 float32, and D in 16..256; "
+                             "the chunked strategy's row kernels at K = 128 and 1024)")
     return parser.parse_args(argv)
 
 
 def prepare(args, need_device: bool = True):
-    return harness.prepare(args, reps=20, warmup=3, max_seconds=10.0, quick_reps=5, quick_warmup=2,
+    args = harness.prepare(args, reps=20, warmup=3, max_seconds=2.0, quick_reps=5, quick_warmup=2,
                            quick_max_seconds=2.0, need_device=need_device)
+    if default_grid(args) and args.budget_seconds is None and args.deadline is None:
+        import time
+
+        args.budget_seconds = GRID_BUDGET_SECONDS
+        args.deadline = time.monotonic() + GRID_BUDGET_SECONDS
+    return args
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // 1024}KiB" if nbytes >= 1024 else f"{nbytes}B"
+
+
+def _print_compile_row(row: dict, limit: int) -> int:
+    where = f"D={row['D']:<4}" if row.get("D") is not None else f"K={row['K']:<4}"
+    if "error" in row:
+        print(f"{row['kernel']:12} {row['dtype']:9} {where} {row['tile']:14} {row['error']}")
+        return 1
+    over = row["shared"] > limit
+    print(f"{row['kernel']:12} {row['dtype']:9} {where} {row['tile']:14} w{row['warps']} "
+          f"shared={_size(row['shared'])}{' (over the H100 limit)' if over else ''} "
+          f"registers={row['registers']} spill ld/st={row['spill_loads']}/{row['spill_stores']} "
+          f"mma={row['mma']}", flush=True)
+    return int(over)
 
 
 def _compile_check(args) -> int:
@@ -358,17 +685,27 @@ def _compile_check(args) -> int:
     for dt in dtypes:
         for d in dims:
             for row in compile_check(dt, d):
-                if "error" in row:
-                    worst = 1
-                    print(f"{row['kernel']:8} {row['dtype']:9} D={row['D']:<4} {row['tile']:14} {row['error']}")
-                    continue
-                over = row["shared"] > limit
-                worst = max(worst, int(over))
-                print(f"{row['kernel']:8} {row['dtype']:9} D={row['D']:<4} {row['tile']:14} w{row['warps']} "
-                      f"shared={row['shared'] // 1024}KiB{' (over the H100 limit)' if over else ''} "
-                      f"registers={row['registers']} spill ld/st={row['spill_loads']}/{row['spill_stores']} "
-                      f"mma={row['mma']}", flush=True)
+                worst = max(worst, _print_compile_row(row, limit))
+        if dt != torch.float64:
+            for k, block_m in row_cases(args.shape, torch.empty((), dtype=dt).element_size()):
+                for row in compile_check_rows(dt, k, block_m):
+                    worst = max(worst, _print_compile_row(row, limit))
     return worst
+
+
+def row_cases(shapes: Optional[Sequence[Shape]], element_size: int) -> List[Tuple[int, int]]:
+    """(K, block_m) of the row-kernel launches of the chunked strategy at ``shapes`` (their
+    chunk plans, at the full budget), one per distinct row_config; without shapes, K in
+    ROW_CHECK_K with chunks of ROW_CHECK_BLOCK_M rows."""
+    from ..kernels.floyd_config import chunk_plan, row_config
+
+    if not shapes:
+        return [(k, ROW_CHECK_BLOCK_M) for k in ROW_CHECK_K]
+    seen: Dict[tuple, Tuple[int, int]] = {}
+    for b, h, n, m, k, _ in shapes:
+        block_m = chunk_plan(b * h, n, m, k, element_size).block_m
+        seen.setdefault(tuple(sorted(row_config(k, block_m).items())), (k, block_m))
+    return list(seen.values())
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -378,8 +715,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = prepare(args)
     harness.announce(args, FAMILY)
     bench = run(args)
-    harness.finish(bench, args, FAMILY, PLOT)
-    return bench.exit_status()
+    for line in strategy_lines(bench):
+        print(line)
+    harness.finish(bench, args, FAMILY, PLOT, GOALS)
+    status = bench.exit_status()
+    forced = [r for r in bench.records if r.impl in FORCED and r.error and not r.skipped]
+    for r in forced:
+        print(f"{r.impl} failed on {r.op} {r.case}: {r.error}", file=sys.stderr)
+    return max(status, int(bool(forced)))
 
 
 if __name__ == "__main__":

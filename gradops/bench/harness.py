@@ -404,7 +404,7 @@ class Run:
                 ratio = r.median_ms / o.median_ms
             rows.append({"op": r.op, "case": r.case, "impl": r.impl, "median_ms": r.median_ms,
                          "gbps": r.gbps, "tflops": r.tflops, "peak_bytes": r.peak_bytes,
-                         "speedup_of_ours": ratio, "error": r.error})
+                         "speedup_of_ours": ratio, "error": r.error, "extra": r.extra})
         return rows
 
     def table(self) -> str:
@@ -548,8 +548,9 @@ def goal_lines(results: Sequence[dict]) -> List[str]:
             case = g.get("worst_case") or {}
             where = ",".join(f"{k}={v}" for k, v in case.items())
             missing = f", {g['unevaluated']} more gave no value" if g.get("unevaluated") else ""
+            bar = f"<= {g['maximum']:.3g}" if g.get("maximum") is not None else f">= {g['minimum']:.3g}"
             lines.append(f"goal {g['status']:<6} {g['goal']} (worst {g['worst']:.3g} over {g['cases']} cases{missing}, "
-                         f"at {where}; {g['metric']} >= {g['minimum']:.3g})")
+                         f"at {where}; {g['metric']} {bar})")
     rest = len(results) - len(lines)
     if rest:
         lines.append(f"{rest} other goals not evaluated on this run (set for another device, or no case of the "
@@ -596,10 +597,16 @@ class Goal:
 
     ``metric``: "gbps", "tflops", "hbm_fraction" (GB/s over the GPU's nominal HBM peak),
     "speedup:<peer>" (the peer's median time over ours), "speedup:<peer>|<peer>|..." (the
-    worst of those peers that ran in a case) or "speedup:fastest" (the fastest peer's time
-    over ours). Met when the worst value over those cases is >= ``minimum`` and every case
-    gave its value (ours and every peer read that ran in it measured); "incomplete" when the
-    values there are met but a case, or a peer in one, failed or was skipped.
+    worst of those peers that ran in a case), "speedup:fastest" (the fastest peer's time
+    over ours) or "extra:<key>" (the value our record holds under ``extra[key]``). Met when
+    the worst value over those cases is >= ``minimum`` (or, for a goal with a ``maximum``
+    instead, the largest is <= ``maximum``) and every case gave its value (ours and every
+    peer read that ran in it measured); "incomplete" when the values there are met but a
+    case, or a peer in one, failed or was skipped.
+    ``excuse``: for the speedup metrics, texts (case-insensitive) of a peer's error that take
+    that peer out of a case instead of leaving the goal incomplete (e.g. "out of memory", for
+    a goal that holds wherever the peer fits in memory); a case where every peer the goal
+    reads failed so is not counted at all (the result's ``excused`` counts them).
     ``device``: where the goal holds: "cuda" (a GPU goal, never evaluated on a CPU run),
     "cpu" (a goal for our CPU path, evaluated on CPU runs only) or "any" (both).
     ``gpu``: the GPU an absolute goal is set for (evaluated on it alone); None for goals that
@@ -607,10 +614,20 @@ class Goal:
     text: str
     ops: Tuple[str, ...]
     metric: str
-    minimum: float
+    minimum: Optional[float]  # None for a goal with a maximum instead
     applies: Callable[[dict], bool] = lambda case: True
     gpu: Optional[str] = "H100"
     device: str = "cuda"
+    maximum: Optional[float] = None  # the bar of a "<=" goal (then minimum is None)
+    excuse: Tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if (self.minimum is None) == (self.maximum is None):
+            raise ValueError(f"goal {self.text!r}: give a minimum or a maximum, not both or neither")
+
+    def _excused(self, row: dict) -> bool:
+        error = (row["error"] or "").lower()
+        return bool(error) and any(text.lower() in error for text in self.excuse)
 
     def applies_to(self, meta: dict) -> Optional[str]:
         """None when this goal is evaluated on a run with ``meta``, else why not."""
@@ -629,6 +646,8 @@ class Goal:
     def evaluate(self, runs: Sequence[Run]) -> dict:
         out = {"goal": self.text, "metric": self.metric, "minimum": self.minimum, "device": self.device,
                "cases": 0, "worst": None}
+        if self.maximum is not None:
+            out["maximum"] = self.maximum
         meta = runs[0].meta if runs else {}
         name = str(meta.get("device_name") or "")
         why = self.applies_to(meta)
@@ -639,6 +658,7 @@ class Goal:
             return out | {"status": f"not evaluated (no HBM peak known for {name})"}
         values = []
         unevaluated = 0  # cases the goal covers that gave no value (ours or every named peer failed or was skipped)
+        excused = 0  # cases left out: every peer the goal reads failed with an error it excuses
         for run in runs:
             rows = run.ratios()
             by_case: Dict[tuple, List[dict]] = {}
@@ -655,6 +675,12 @@ class Goal:
                 if self.metric.startswith("speedup:") and self.metric != "speedup:fastest":
                     named = self.metric[len("speedup:"):].split("|")
                     compared = [r for r in compared if r["impl"] in named]
+                if self.metric.startswith("speedup:") and self.excuse:
+                    fits = [r for r in compared if not self._excused(r)]
+                    if compared and not fits:
+                        excused += 1
+                        continue
+                    compared = fits
                 peers = [r for r in compared if r["speedup_of_ours"] is not None]
                 if self.metric == "gbps":
                     v = ours["gbps"]
@@ -666,6 +692,8 @@ class Goal:
                     v = min((r["speedup_of_ours"] for r in peers), default=None)
                 elif self.metric.startswith("speedup:"):
                     v = min((r["speedup_of_ours"] for r in peers), default=None)
+                elif self.metric.startswith("extra:"):
+                    v = (ours.get("extra") or {}).get(self.metric[len("extra:"):])
                 else:
                     raise ValueError(self.metric)
                 if v is not None:
@@ -674,9 +702,16 @@ class Goal:
                 if v is None or (self.metric.startswith("speedup:") and len(peers) < len(compared)):
                     unevaluated += 1
         out["unevaluated"] = unevaluated
+        if self.excuse:
+            out["excused"] = excused
         if not values:
             return out | {"status": "not measured"}
-        worst, op, case = min(values, key=lambda t: t[0])
+        if self.maximum is not None:
+            worst, op, case = max(values, key=lambda t: t[0])
+            missed = worst > self.maximum
+        else:
+            worst, op, case = min(values, key=lambda t: t[0])
+            missed = worst < self.minimum
         # "incomplete": met where measured, but not shown for every case the goal covers
-        status = "missed" if worst < self.minimum else "incomplete" if unevaluated else "met"
+        status = "missed" if missed else "incomplete" if unevaluated else "met"
         return out | {"cases": len(values), "worst": worst, "worst_case": {"op": op, **case}, "status": status}

@@ -247,8 +247,13 @@ def chunk_plan(bh: int, n: int, m: int, k: int, element_size: int, budget: Optio
     return ChunkPlan(1, cn, cm)
 
 
+# Scores a row-kernel program holds per step: 16 per thread at 4 warps. At 4096 (32 per
+# thread) the float32 dS kernel spilled (253 registers, 8-30 spill pairs, sm_90 compile
+# check) and the bf16 softmax at K = 1024 one pair; at 2048 neither spills (Triton 3.9 and
+# 3.6, K from 16 to 4096), at 54-143 registers: three programs, 12 warps, per SM for these
+# memory-bound kernels (8 warps and 4096 did not spill either, but fit one program per SM).
 ROW_WARPS = 4
-ROW_ELEMENTS = 4096  # scores a row-kernel program holds per step: 32 per thread at 4 warps
+ROW_ELEMENTS = 2048
 
 
 def row_config(k: int, block_m: int) -> Dict[str, int]:
