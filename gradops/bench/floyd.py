@@ -523,7 +523,8 @@ def _compile_sm(kernel, sig: dict, consts: dict, attrs: dict, arch: int, num_war
         regs = [int(r) for r in re.findall(r"\bR(\d+)\b", sass)]
         row.update(shared=compiled.metadata.shared, registers=max(regs) + 1 if regs else None,
                    spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
-                   mma=sass.count("HMMA") + sass.count("DMMA"))
+                   mma=sass.count("HMMA") + sass.count("DMMA"),
+                   layout_conversions=compiled.asm["ttgir"].count("convert_layout"))
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[-1][:200] if str(e) else ''}"
     return row
@@ -673,7 +674,7 @@ def _print_compile_row(row: dict, limit: int) -> int:
     print(f"{row['kernel']:12} {row['dtype']:9} {where} {row['tile']:14} w{row['warps']} "
           f"shared={_size(row['shared'])}{' (over the H100 limit)' if over else ''} "
           f"registers={row['registers']} spill ld/st={row['spill_loads']}/{row['spill_stores']} "
-          f"mma={row['mma']}", flush=True)
+          f"mma={row['mma']} layout conversions={row['layout_conversions']}", flush=True)
     return int(over)
 
 
