@@ -9,7 +9,8 @@ torch_npu) take the ``backend`` fixture: they run once per backend, with that ba
 the default of every gradops call that does not name one, and (on a GPU) with the test
 device as torch's default device (so a test drawing from a CPU ``torch.Generator`` passes
 ``device="cpu"`` and moves the result). On CPU the "triton" run goes through the interpreter, so
-those tests keep their shapes small.
+those tests keep their shapes small. Tests of Floyd attention in 16-bit or float32 take
+``floyd_backend`` instead: the Triton run once per strategy of its backend (fused, chunked).
 """
 import contextlib
 import os
@@ -58,6 +59,27 @@ def backend(request):
     """Each backend in turn, as gradops' default backend for the test."""
     with as_default_backend(request, request.param) as name:
         yield name
+
+
+# The Triton backend of Floyd attention has two strategies (gradops/kernels/floyd_config.py);
+# at test shapes its rule always picks "fused", so user-level Floyd tests force each in turn.
+FLOYD_BACKENDS = ("reference", "triton-fused", "triton-chunked")
+
+
+@pytest.fixture(params=FLOYD_BACKENDS)
+def floyd_backend(request, monkeypatch):
+    """``backend`` for tests that call Floyd attention with float16, bfloat16 or float32
+    inputs: "reference", then "triton" once with each strategy forced
+    (``floyd_config.STRATEGY``; float64 calls always run the fused kernels, so float64-only
+    tests keep ``backend``). Yields the backend's name, "reference" or "triton"; the strategy
+    is ``gradops.kernels.floyd_config.STRATEGY`` (None for "reference")."""
+    name, _, strategy = request.param.partition("-")
+    with as_default_backend(request, name) as backend:
+        if strategy:
+            from gradops.kernels import floyd_config
+
+            monkeypatch.setattr(floyd_config, "STRATEGY", strategy)
+        yield backend
 
 
 @pytest.fixture(autouse=True)

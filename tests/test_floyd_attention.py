@@ -593,11 +593,11 @@ def test_dtype_rules_come_before_tiling_shape_rules():
 
 
 # ---------------------------------------------------------------------------------------------
-# Both backends: Dr from P and dP (exact zeros for a single pivot; its precision on CANN's
-# stress inputs is tests/test_precision.py's) and NaN locality. The "triton" runs go through
-# the interpreter on CPU: small shapes.
+# Both backends, the Triton one with each strategy (the floyd_backend fixture): Dr from P and
+# dP (exact zeros for a single pivot; its precision on CANN's stress inputs is
+# tests/test_precision.py's) and NaN locality. The "triton" runs go through the interpreter on
+# CPU: small shapes.
 
-BOTH = ("reference", "triton")
 F64 = torch.float64
 
 
@@ -605,6 +605,15 @@ def _backend_or_skip(backend):
     if backend == "triton":
         pytest.importorskip("triton")
     return backend
+
+
+def _skip_float64_chunked(backend, dtype):
+    """float64 calls run the fused kernels whatever the strategy: the fused run covers them."""
+    if backend == "triton" and dtype == torch.float64:
+        from gradops.kernels import floyd_config
+
+        if floyd_config.STRATEGY == "chunked":
+            pytest.skip("float64 always runs the fused kernels (floyd_config.strategy)")
 
 
 def _run(backend, inputs, dy, mask, scale):
@@ -638,13 +647,14 @@ SINGLE_PIVOT_DTYPES = (torch.float32, torch.float16, torch.float64, torch.bfloat
 @pytest.mark.parametrize("kind", ["K1", "one_hot"])
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 @pytest.mark.parametrize("dtype", SINGLE_PIVOT_DTYPES, ids=str)
-@pytest.mark.parametrize("backend", BOTH)
-def test_one_hot_softmax_gives_exactly_zero_score_gradients(backend, dtype, masked, kind, device):
+def test_one_hot_softmax_gives_exactly_zero_score_gradients(floyd_backend, dtype, masked, kind, device):
     """With a single pivot (K = 1) P = 1 exactly, and dQ, dK1, dK2 are exactly zero (not
     rounding noise, which Adam would turn into full learning-rate steps); likewise when the
-    softmax is one-hot to the last bit (K = 37: three k-tiles of the kernels, so the dK/dV
-    kernels must reproduce the dQ pass's zeros). dV1, dV2 are still the float64 oracle's."""
-    _backend_or_skip(backend)
+    softmax is one-hot to the last bit (K = 37: three k-tiles of the fused kernels, so the
+    dK/dV kernels must reproduce the dQ pass's zeros; the chunked backward must recompute
+    the forward's scores bitwise). dV1, dV2 are still the float64 oracle's."""
+    backend = _backend_or_skip(floyd_backend)
+    _skip_float64_chunked(backend, dtype)
     skip_if_floyd_float64_refused(backend, device, dtype)
     gen = torch.Generator().manual_seed(3)
     b, h, n, m, d = 2, 2, 5, 19, 6
@@ -676,15 +686,14 @@ def test_one_hot_softmax_gives_exactly_zero_score_gradients(backend, dtype, mask
 @pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's nanmax
 @pytest.mark.parametrize("mask_kind", [None, "some", "full_row"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("backend", BOTH)
-def test_nan_in_q_stays_in_its_row(backend, dtype, mask_kind, device):
+def test_nan_in_q_stays_in_its_row(floyd_backend, dtype, mask_kind, device):
     """A NaN in q[b,h,n,m] makes every score of that row NaN: its softmax max and sum (a
     NaN max, as torch.amax: tl.max alone would skip it) and its output are NaN, nothing else
     is; the gradients are NaN exactly where the float64 autograd oracle has NaN: dQ in that
     row, dK1/dV1 in row n, dK2/dV2 in column m (where dS is zero, masked pivots, only the
     NaN's own feature: 0 * NaN in sum dS Q). Under a fully masked row the NaN score is
     replaced by -FLT_MAX: the forward row stays finite."""
-    _backend_or_skip(backend)
+    backend = _backend_or_skip(floyd_backend)
     gen = torch.Generator().manual_seed(5)
     b, h, n, m, k, d = 2, 2, 5, 19, 20, 6  # tails past a 16-wide tile on m and on k
     inputs = [torch.randn(s, generator=gen, dtype=F64).to(dtype).to(device)

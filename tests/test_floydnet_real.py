@@ -160,7 +160,7 @@ def test_permuted_views_as_floydnet_blocks_pass_them(backend):
     (torch.bfloat16, dict(rtol=4e-2, atol=4e-2)),
 ])
 @pytest.mark.parametrize("masked", [False, True])
-def test_low_precision_forward(backend, dtype, tol, masked):
+def test_low_precision_forward(floyd_backend, dtype, tol, masked):
     leaves64 = [t.detach() for t in _leaves()]
     leaves = [t.to(dtype) for t in leaves64]
     mask = (torch.rand(B, 1, LI, 1, LJ) < 0.3) if masked else None
@@ -339,7 +339,7 @@ def test_floyd_attention_training_with_dropout_matches_floydnet_under_same_rng(b
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_autocast_bf16_matches_floydnet_under_autocast(backend, masked):
+def test_autocast_bf16_matches_floydnet_under_autocast(floyd_backend, masked):
     # under CPU autocast FloydNet's einsums run in bf16; ours casts to bf16 and computes in
     # float32, so ours is the closer one to float64 and both return bf16
     leaves = [t.detach().float() for t in _leaves()]
@@ -353,7 +353,7 @@ def test_autocast_bf16_matches_floydnet_under_autocast(backend, masked):
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=5e-2, atol=5e-2)
 
 
-def test_swapped_floydnet_block_compiles_fullgraph(backend, monkeypatch):
+def test_swapped_floydnet_block_compiles_fullgraph(floyd_backend, monkeypatch):
     import floydnet.transformer as floyd_transformer
     torch._dynamo.reset()
     n, c, heads = 4, 8, 2
@@ -406,7 +406,7 @@ def test_dropout_gradients_match_floydnet_under_same_rng(backend, compiled):
     _assert_same(results[0], results[1], **F64_TOL)
 
 
-def test_single_pivot_training_matches_floydnet(backend):
+def test_single_pivot_training_matches_floydnet(floyd_backend):
     """A FloydNet block on a 1 x 1 grid: a single pivot, so P = 1 and the exact gradients of
     the queries and keys are zero (FloydNet's autograd returns exact zeros). Any rounding
     noise there is what AdamW normalises into full learning-rate steps (a 1.3e-2 drift of

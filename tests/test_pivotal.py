@@ -221,7 +221,7 @@ def test_dropout_backward_reuses_the_forward_mask(backend, monkeypatch):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("fused", [True, False])
-def test_low_precision_inputs(backend, dtype, tol, fused):
+def test_low_precision_inputs(floyd_backend, dtype, tol, fused):
     ins = [t.detach().to(dtype) for t in make_inputs()]
     cap = -1 if fused else 5.0
     y = pivotal_attention(*ins, softmax_cap=cap)
@@ -230,7 +230,7 @@ def test_low_precision_inputs(backend, dtype, tol, fused):
     torch.testing.assert_close(y.to(f64), ref, atol=tol, rtol=tol)
 
 
-def test_autocast_casts_to_the_autocast_dtype_on_both_paths(backend):
+def test_autocast_casts_to_the_autocast_dtype_on_both_paths(floyd_backend):
     ins = [t.detach().float() for t in make_inputs()]
     with autocast():
         fused = pivotal_attention(*ins)

@@ -215,25 +215,26 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _by_n(t, gs, nt, mt):
     """A [BH, N, M, D] tensor's chunk as [g*cn, cm, D]: the operand batched over n."""
     c = t[gs, nt, mt]
-    return c.reshape(-1, c.shape[2], c.shape[3])
+    return c.reshape(c.shape[0] * c.shape[1], c.shape[2], c.shape[3])
 
 
 def _by_m(t, gs, nt, mt):
     """The same chunk as [g*cm, cn, D]: the operand batched over m."""
     c = t[gs, nt, mt].transpose(1, 2)
-    return c.reshape(-1, c.shape[2], c.shape[3])
+    return c.reshape(c.shape[0] * c.shape[1], c.shape[2], c.shape[3])
 
 
 def _side(t, gs, rows):
     """A key/value tensor's chunk as [g*rows, K, D]: K1/V1 ``[BH, N, K, D]`` sliced in n, or
     K2/V2 already laid out m-major ``[BH, M, K, D]`` sliced in m."""
     c = t[gs, rows]
-    return c.reshape(-1, c.shape[2], c.shape[3])
+    return c.reshape(c.shape[0] * c.shape[1], c.shape[2], c.shape[3])
 
 
 def _flat(t):
-    """[B, H, ...] -> [B*H, ...] (a view when the strides allow, else a copy)."""
-    return t.reshape(-1, *t.shape[2:])
+    """[B, H, ...] -> [B*H, ...] (a view when the strides allow, else a copy; explicit sizes,
+    as torch refuses -1 for a tensor of no elements, e.g. D = 0)."""
+    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
 
 
 def _m_major(t):
@@ -292,6 +293,7 @@ def forward(q, k1, v1, k2, v2, mask, scale):
             y = _mm(p_n, v1c).view(g, cn, cm, D)
             y += _mm(p_m, v2c).view(g, cm, cn, D).transpose(1, 2)
             out4[gs, nt, mt] = y
+            del p_n, p_m, y  # before the next chunk allocates its own: one chunk's workspace at a time
     return out, softmax_max, softmax_sum
 
 
@@ -344,6 +346,7 @@ def backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale):
             dv1_acc[:, nt] += _mm(p_n.transpose(1, 2), dy_n).view(g, cn, K, D)
             dk2_acc += _mm(ds_m.transpose(1, 2), q_m)  # sum over n
             dv2_acc += _mm(p_m.transpose(1, 2), dy_m)
+            del p_n, p_m, ds_n, ds_m, dq_c  # before the next chunk allocates: score_bytes per score at most
         dk2_4[gs, mt] = dk2_acc.view(g, cm, K, D)
         dv2_4[gs, mt] = dv2_acc.view(g, cm, K, D)
         if m1 == M:

@@ -1,0 +1,819 @@
+"""The chunked strategy of the Triton Floyd attention backend (gradops/kernels/floyd_chunked.py)
+and the rule that chooses between it and the fused kernels (gradops/kernels/floyd_config.py).
+
+On CPU the row kernels run through the Triton interpreter and the GEMMs are torch's float32
+bmm of the (16-bit) values: tiny shapes, tails on every axis. The oracle is the float64
+autograd one of tests/test_kernels_floyd.py (FloydNet's einsum formulation differentiated by
+autograd, independent of both strategies), with its tolerances (TOL, relative to
+max(1, largest magnitude)); ``floyd_config.STRATEGY`` forces the strategy, and a spy checks
+that the chunked launchers really ran. ``floyd_config.CHUNK_BUDGET_BYTES`` shrinks the chunks:
+``score_bytes(element_size) * K * pairs`` bytes give chunks of ``pairs`` (n, m) rows.
+"""
+import gc
+import itertools
+import random
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gradops
+from gradops import oracles
+
+triton = pytest.importorskip("triton")
+kernels = pytest.importorskip("gradops.kernels.floyd_attention")
+import triton.runtime.interpreter as triton_interpreter
+
+from gradops.kernels import floyd_chunked as chunked
+from gradops.kernels import floyd_config as config
+from helpers import raises_status
+from test_floyd_attention import _one_hot_inputs, _winner
+from test_kernels_floyd import (
+    FLT_MAX, GRAD_NAMES, TOL, assert_close, assert_stats, make_inputs, oracle, run_kernels,
+)
+
+F64 = torch.float64
+SCALE = 0.37
+
+
+class Spy:
+    """Which chunked launchers ran, and every chunk plan they made (arguments and result)."""
+
+    def __init__(self):
+        self.launches = []
+        self.plans = []
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """The chunked strategy forced (default budget), its launchers and planner recorded."""
+    monkeypatch.setattr(config, "STRATEGY", "chunked")
+    monkeypatch.delenv("GRADOPS_FLOYD_STRATEGY", raising=False)
+    seen = Spy()
+    real_plan = chunked.chunk_plan
+
+    def plan(*args, **kwargs):
+        result = real_plan(*args, **kwargs)
+        seen.plans.append((args, kwargs, result))
+        return result
+
+    monkeypatch.setattr(chunked, "chunk_plan", plan)
+    def recorded(name, real):
+        def launcher(*args, **kwargs):
+            seen.launches.append(name)
+            return real(*args, **kwargs)
+        return launcher
+
+    for name in ("forward", "backward"):
+        monkeypatch.setattr(chunked, name, recorded(name, getattr(chunked, name)))
+    return seen
+
+
+def run_chunked(spy, inputs, dy, mask, scale=SCALE):
+    """(out, max, sum, grads) by the kernels' entry points; asserts the chunked path ran both."""
+    before = len(spy.launches)
+    result = run_kernels(inputs, dy, mask, scale)
+    assert spy.launches[before:] == ["forward", "backward"]
+    return result
+
+
+def pairs_budget(pairs, k, dtype):
+    """A CHUNK_BUDGET_BYTES that gives chunks of ``pairs`` (n, m) rows of K pivots."""
+    return config.score_bytes(dtype.itemsize) * k * pairs
+
+
+def check_against_oracle(result, inputs, dy, mask, dtype, scale=SCALE):
+    out, mx, sm, grads = result
+    y_ref, mx_ref, sm_ref, grads_ref = oracle(inputs, dy, mask, scale)
+    b, h, n, m, _ = inputs[0].shape
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    assert mx.dtype == sm.dtype == torch.float32 and mx.shape == sm.shape == (b, h, n, m)
+    tol = TOL[dtype]
+    assert_close(out, y_ref, tol, "out")
+    assert_stats(mx, sm, mx_ref, sm_ref, mask, inputs[1].shape[3], "stats")
+    for g, g_ref, name in zip(grads, grads_ref, GRAD_NAMES):
+        assert_close(g, g_ref, tol, name)
+
+
+def flat(result):
+    out, mx, sm, grads = result
+    return [out, mx, sm, *grads]
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the float64 oracle
+# ---------------------------------------------------------------------------------------------
+# (B, H, N, M, K, D): single elements, odd sizes, N = 1 and M = 1, K past the row kernels'
+# BLOCK_K of one power of two (K = 33: 64 lanes, 31 dead), D not a power of two.
+SHAPES = [
+    (1, 1, 1, 1, 1, 1),
+    (2, 3, 5, 7, 3, 8),
+    (1, 2, 19, 21, 23, 20),
+    (2, 1, 17, 3, 37, 8),
+    (1, 1, 3, 18, 33, 72),
+    (3, 1, 1, 13, 40, 5),
+    (1, 3, 11, 1, 9, 12),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("mask_kind", [None, "random", "full_rows"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_against_float64_autograd(spy, shape, mask_kind, dtype, device):
+    inputs, dy, mask = make_inputs(*shape, dtype, device, mask_kind)
+    check_against_oracle(run_chunked(spy, inputs, dy, mask), inputs, dy, mask, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [16, 64, 96, 128, 256])
+def test_head_dims(spy, d, dtype, device):
+    """Every head dim the fused kernels take, and their widest; bfloat16 too: the chunked
+    path has no tl.dot (its GEMMs are torch's), so the interpreter's bf16 dot bug (triton
+    issue 11584) does not touch it and bf16 runs as it would on a GPU, bar cuBLAS's order."""
+    shape = (2, 1, 5, 6, 7, d)
+    inputs, dy, mask = make_inputs(*shape, dtype, device, "full_rows")
+    check_against_oracle(run_chunked(spy, inputs, dy, mask), inputs, dy, mask, dtype)
+
+
+def test_bfloat16_tails(spy, device):
+    shape = (1, 2, 19, 21, 23, 20)
+    inputs, dy, mask = make_inputs(*shape, torch.bfloat16, device, "full_rows")
+    check_against_oracle(run_chunked(spy, inputs, dy, mask, 0.3), inputs, dy, mask, torch.bfloat16, 0.3)
+
+
+# K past the row kernels' largest BLOCK_K (1024): the softmax and dS walk the pivots in tiles
+# (online max and sum, Dr summed over tiles), which smaller K never does.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("k", [1025, 2100])
+def test_pivots_past_one_row_block(spy, k, dtype, device):
+    shape = (1, 2, 2, 3, k, 4)
+    assert config.row_config(k, 3)["BLOCK_K"] < k
+    inputs, dy, mask = make_inputs(*shape, dtype, device, "full_rows")
+    check_against_oracle(run_chunked(spy, inputs, dy, mask), inputs, dy, mask, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_hot_in_a_later_pivot_tile(spy, dtype, device):
+    """The winning pivot of every row in the second tile of 1024 pivots: the first tile's
+    max is overtaken, and dQ, dK1, dK2 are still exactly zero."""
+    gen = torch.Generator().manual_seed(11)
+    b, h, n, m, k, d = 1, 2, 3, 4, 1100, 4
+    inputs = _one_hot_inputs(b, h, n, m, k, d, dtype, device, gen)
+    # the softmax is over k in any order: roll the pivots so that the winners pass 1024
+    shift = 1050
+    inputs = [inputs[0]] + [t.roll(shift, dims=3 if i < 2 else 2) for i, t in enumerate(inputs[1:])]
+    assert all(config.row_config(k, m)["BLOCK_K"] <= (_winner(i, k) + shift) % k for i in range(n))
+    dy = torch.randn(b, h, n, m, d, generator=gen, dtype=F64).to(dtype).to(device)
+    out, mx, sm, (dq, dk1, dv1, dk2, dv2) = run_chunked(spy, inputs, dy, None, 0.8)
+    assert torch.equal(sm, torch.ones_like(sm))
+    for name, g in (("dq", dq), ("dk1", dk1), ("dk2", dk2)):
+        assert torch.equal(g, torch.zeros_like(g)), (name, g.abs().max().item())
+    _, _, dv1_ref, _, dv2_ref = oracles.floyd_attention_backward(dy, *inputs, scale=0.8)
+    assert_close(dv1, dv1_ref, TOL[dtype], "dv1")
+    assert_close(dv2, dv2_ref, TOL[dtype], "dv2")
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's nanmax
+def test_nan_score_in_a_later_pivot_tile(spy, device):
+    """A NaN score in the second tile of pivots only (K1[n, k] for k > 1024): the max of those
+    rows is NaN (tl.max alone would skip it, and the first tile's max would stand), as are
+    their sum and output; no other row is touched."""
+    b, h, n, m, k, d = 1, 2, 3, 4, 1100, 4
+    inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.float32, device, "random")
+    inputs = [t.clone() for t in inputs]
+    inputs[1][0, 1, 2, 1030, 0] = float("nan")
+    mask[0, 0, 2, 0, 1030] = False
+    out, mx, sm = (t.cpu() for t in run_chunked(spy, inputs, dy, mask)[:3])
+    rows = torch.zeros(b, h, n, m, dtype=torch.bool)
+    rows[0, 1, 2] = True
+    y_ref, mx_ref = (t.cpu() for t in oracle(inputs, dy, mask, SCALE)[:2])
+    assert torch.equal(torch.isnan(mx_ref), rows) and torch.equal(torch.isnan(mx), rows)
+    assert torch.equal(torch.isnan(sm), rows) and torch.equal(torch.isnan(out).any(dim=-1), rows)
+    assert_close(out[~rows], y_ref[~rows], TOL[torch.float32], "out")
+    assert_close(mx[~rows], mx_ref[~rows], 1e-5, "max")
+
+
+# ---------------------------------------------------------------------------------------------
+# Many chunks
+# ---------------------------------------------------------------------------------------------
+# (name, shape, pairs per chunk as a function of (n, m))
+CHUNKINGS = [
+    ("one_row", (1, 2, 5, 3, 7, 8), lambda n, m: 1),  # every (n, m) row its own chunk
+    ("split_n_and_m", (2, 1, 13, 11, 9, 8), lambda n, m: 20),  # 5 x 4 chunks: tails on both axes
+    ("short_n", (1, 2, 3, 17, 6, 8), lambda n, m: 3 * 5 + 2),  # N whole, M split by the rest: 3 x 5
+    ("whole_slices", (2, 3, 4, 5, 6, 8), lambda n, m: n * m + 1),  # one slice a chunk
+    ("groups_of_4", (2, 3, 4, 5, 6, 8), lambda n, m: 4 * n * m + 3),  # slices 0-3, 4-5
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name,shape,pairs", CHUNKINGS, ids=[c[0] for c in CHUNKINGS])
+def test_many_chunks(spy, monkeypatch, name, shape, pairs, dtype, device):
+    """Small budgets: chunks of one row, chunks with tails on n and m, N whole and M split,
+    whole slices, and groups of slices with a short last group; the float32 dK1/dV1 sums
+    over m-chunks and dK2/dV2 over n-chunks are the oracle's."""
+    b, h, n, m, k, d = shape
+    budget = pairs_budget(pairs(n, m), k, dtype)
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", budget)
+    inputs, dy, mask = make_inputs(*shape, dtype, device, "full_rows")
+    result = run_chunked(spy, inputs, dy, mask)
+    check_against_oracle(result, inputs, dy, mask, dtype)
+    # the walk the test meant: both launchers planned this, and it splits what it says
+    assert len(spy.plans) == 2
+    plan = spy.plans[0][2]
+    assert spy.plans[1][2] == plan
+    assert plan == config.chunk_plan(b * h, n, m, k, dtype.itemsize, budget)
+    if name == "one_row":
+        assert (plan.groups, plan.block_n, plan.block_m) == (1, 1, 1)
+    if name == "split_n_and_m":
+        assert plan.groups == 1 and 1 < plan.block_n < n and 1 < plan.block_m < m
+        assert n % plan.block_n and m % plan.block_m  # tails on both
+    if name == "short_n":
+        assert plan.groups == 1 and plan.block_n == n and 1 < plan.block_m < m and m % plan.block_m
+    if name == "whole_slices":
+        assert (plan.groups, plan.block_n, plan.block_m) == (1, n, m)
+    if name == "groups_of_4":
+        assert (plan.groups, plan.block_n, plan.block_m) == (4, n, m)
+        assert (b * h) % plan.groups  # the last group is short
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("pairs", [None, 3], ids=["one_chunk", "chunks_of_3"])
+def test_fully_masked_row_gradients(spy, monkeypatch, pairs, dtype, device):
+    """As the fused kernels (test_kernels_floyd.py::test_fully_masked_row_gradients): dS is
+    zero where masked, so Q, K1, K2 get exactly nothing from a fully masked row, and V1, V2
+    get P dY with the uniform P = 1/K."""
+    b, h, n, m, k, d = 1, 2, 4, 5, 6, 8
+    if pairs is not None:
+        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(pairs, k, dtype))
+    inputs, dy, _ = make_inputs(b, h, n, m, k, d, dtype, device)
+    mask = torch.zeros(b, 1, n, 1, k, dtype=torch.bool, device=device)
+    mask[0, 0, 1] = True  # row n = 1: every pivot masked
+    mask[0, 0, 2, 0, ::2] = True  # and some pivots of another row
+    out, mx, sm, (dq, dk1, dv1, dk2, dv2) = run_chunked(spy, inputs, dy, mask, 0.5)
+    assert (dq[:, :, 1] == 0).all() and (dk1[:, :, 1] == 0).all()
+    assert (mx[:, :, 1] == -FLT_MAX).all() and (sm[:, :, 1] == k).all()
+    _, _, v1, _, v2 = (t.double() for t in inputs)
+    tol = TOL[dtype]
+    assert_close(out[:, :, 1], v1[:, :, 1].mean(dim=2, keepdim=True) + v2.mean(dim=2), tol, "uniform Y")
+    assert_close(dv1[:, :, 1], dy[:, :, 1].double().sum(dim=2, keepdim=True).expand(-1, -1, k, -1) / k, tol, "dV1")
+    # dS is zero in row 1, so dK2 is the gradient of the other rows alone ...
+    rows = [0, 2, 3]
+    sub_mask = mask[:, :, rows]
+    _, _, _, grads_sub = oracle([t[:, :, rows] for t in inputs[:3]] + list(inputs[3:]), dy[:, :, rows],
+                                sub_mask, 0.5)
+    assert_close(dk2, grads_sub[3], tol, "dK2 without the masked row")
+    # ... and the whole result is the oracle's
+    check_against_oracle((out, mx, sm, (dq, dk1, dv1, dk2, dv2)), inputs, dy, mask, dtype, 0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact zeros: P one-hot to the last bit (the same S in the backward as in the forward)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("budget", ["rows_of_10", "groups_of_3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["K1", "one_hot"])
+def test_one_hot_softmax_gives_exactly_zero_score_gradients(spy, monkeypatch, kind, dtype, budget, device):
+    """test_floyd_attention.py's exactness test (which runs the chunked strategy at one chunk
+    through the floyd_backend fixture) with many chunks: with K = 1, or one pivot dominating
+    every row, dQ, dK1, dK2 are exactly zero. That needs the backward's recomputed scores to be
+    bitwise the forward's (P = exp(S - max) / sum is exactly 1 only then), so the forward and
+    the backward must have walked the same chunks; and every (b, h) group boundary, n- and
+    m-chunk edge must keep it."""
+    gen = torch.Generator().manual_seed(3)
+    b, h, n, m, d = 2, 2, 5, 8, 6
+    k = 1 if kind == "K1" else 37
+    pairs = 10 if budget == "rows_of_10" else 3 * n * m
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(pairs, k, dtype))
+    if kind == "K1":
+        inputs = [torch.randn(s, generator=gen, dtype=F64).to(dtype).to(device)
+                  for s in [(b, h, n, m, d), (b, h, n, k, d), (b, h, n, k, d), (b, h, k, m, d), (b, h, k, m, d)]]
+        mask = torch.rand(b, 1, n, 1, k, generator=gen) < 0.4
+    else:
+        inputs = _one_hot_inputs(b, h, n, m, k, d, dtype, device, gen)
+        mask = torch.rand(b, 1, n, 1, k, generator=gen) < 0.4  # some of the losers
+        for i in range(n):
+            mask[:, :, i, :, _winner(i, k)] = False
+    mask[0, 0, n - 1] = True  # a fully masked row: uniform P, dS zero by the mask
+    mask = mask.to(device)
+    dy = torch.randn(b, h, n, m, d, generator=gen, dtype=F64).to(dtype).to(device)
+    out, mx, sm, (dq, dk1, dv1, dk2, dv2) = run_chunked(spy, inputs, dy, mask, 0.8)
+    plan = spy.plans[0][2]
+    assert spy.plans[1] == spy.plans[0]
+    if budget == "rows_of_10":  # 3 x 3: tails on n and m
+        assert plan.groups == 1 and n % plan.block_n and m % plan.block_m
+    else:  # slices 0-2, then 3
+        assert plan.groups == 3
+    for name, g in (("dq", dq), ("dk1", dk1), ("dk2", dk2)):
+        assert torch.equal(g, torch.zeros_like(g)), (name, g.abs().max().item())
+    _, _, dv1_ref, _, dv2_ref = oracles.floyd_attention_backward(dy, *inputs, mask=mask, scale=0.8)
+    assert_close(dv1, dv1_ref, TOL[dtype], "dv1")
+    assert_close(dv2, dv2_ref, TOL[dtype], "dv2")
+
+
+def test_forward_and_backward_plan_the_same_chunks(spy, monkeypatch, device):
+    """chunk_plan is a function of the shape and budget alone: the backward of a call plans
+    the chunks its forward planned, whatever the statistics or dY."""
+    shape = (2, 2, 7, 6, 5, 4)
+    b, h, n, m, k, d = shape
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(4, k, torch.float16))
+    inputs, dy, mask = make_inputs(*shape, torch.float16, device, "random")
+    run_chunked(spy, inputs, dy, mask)
+    (fwd_args, fwd_kw, fwd_plan), (bwd_args, bwd_kw, bwd_plan) = spy.plans
+    assert fwd_args == bwd_args and fwd_kw == bwd_kw and fwd_plan == bwd_plan
+    assert fwd_args[:5] == (b * h, n, m, k, 2)
+    chunks = list(fwd_plan.chunks(b * h, n, m))
+    assert len(chunks) > 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts, statistics, determinism
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pairs", [None, 50], ids=["one_chunk", "chunks_of_50"])
+def test_non_contiguous_inputs_and_cann_statistics(spy, monkeypatch, pairs, device):
+    """Views with arbitrary strides (inputs, dY, mask) give the contiguous inputs' results
+    (within rounding: the GEMMs may see other layouts), and the backward reads statistics
+    from CANN's [B,H,N,M,8] layout (a stride-8 view, or through the public API) bitwise as
+    from the compact ones."""
+    b, h, n, m, k, d = 2, 1, 9, 11, 13, 12
+    if pairs is not None:
+        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(pairs, k, torch.float32))
+    inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.float32, device, "random")
+    views = [t.transpose(2, 3).contiguous().transpose(2, 3) for t in inputs + (dy,)]
+    views[1] = torch.cat([inputs[1], inputs[1]], dim=-1)[..., ::2]  # K1: stride 2 in D
+    views[1].copy_(inputs[1])
+    views[4] = inputs[4].permute(4, 0, 1, 2, 3).contiguous().permute(1, 2, 3, 4, 0)  # V2: D outermost
+    mask_view = mask[:, 0, :, 0, :].permute(2, 1, 0).contiguous().permute(2, 1, 0)[:, None, :, None, :]
+    assert torch.equal(mask_view, mask) and not mask_view.is_contiguous()
+    assert not any(v.is_contiguous() for v in views)
+    for v, t in zip(views, inputs + (dy,)):
+        assert torch.equal(v, t)
+    strided = run_chunked(spy, views[:5], views[5], mask_view, 0.8)
+    check_against_oracle(strided, inputs, dy, mask, torch.float32, 0.8)
+    out, mx, sm, grads = run_chunked(spy, inputs, dy, mask, 0.8)
+    for a, c, name in zip(flat(strided), [out, mx, sm, *grads], ("out", "max", "sum") + GRAD_NAMES):
+        assert_close(a, c, TOL[torch.float32], f"strided {name}")
+
+    mx8 = mx.unsqueeze(-1).expand(b, h, n, m, 8).contiguous()
+    sm8 = sm.unsqueeze(-1).expand(b, h, n, m, 8).contiguous()
+    from_view = kernels.floyd_attention_grad(dy, *inputs, out, mx8[..., 0], sm8[..., 0], mask, 0.8)
+    public = gradops.floyd_attention_grad(dy, *inputs, out, mx8, sm8, mask.to(torch.uint8), 0.8, backend="triton")
+    assert spy.launches[-2:] == ["backward", "backward"]
+    for a, p, c, name in zip(from_view, public, grads, GRAD_NAMES):
+        assert torch.equal(a, c) and torch.equal(p, c), name
+
+
+def test_deterministic(spy, monkeypatch, device):
+    """Two runs are bitwise equal: many chunks (dK1/dV1 summed over m-chunks, dK2/dV2 over
+    n-chunks), and groups of slices."""
+    shape = (1, 3, 7, 5, 21, 16)
+    inputs, dy, mask = make_inputs(*shape, torch.float16, device, "random")
+    for pairs, chunks in ((8, 3 * 2 * 3), (2 * 7 * 5, 2)):  # 4 x 2 rows; slices in groups of 2
+        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(pairs, 21, torch.float16))
+        first, second = (flat(run_chunked(spy, inputs, dy, mask, 0.6)) for _ in range(2))
+        assert sum(len(c[4]) for c in spy.plans[-1][2].chunks(3, 7, 5)) == chunks
+        for a, b_ in zip(first, second):
+            assert torch.equal(a, b_)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's nanmax
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_nan_in_q_stays_in_its_row(spy, monkeypatch, dtype, device):
+    """A NaN in q[b,h,n,m] makes that row's max, sum and output NaN and nothing else, with
+    chunks splitting n and m and a row-kernel program holding several m rows (the NaN's
+    neighbours in its program, its chunk and the next chunks stay finite); the gradients'
+    NaN pattern is the float64 oracle's."""
+    b, h, n, m, k, d = 2, 2, 5, 11, 20, 6
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(12, k, dtype))
+    inputs, dy, mask = make_inputs(b, h, n, m, k, d, dtype, device, "random")
+    inputs = [t.clone() for t in inputs]
+    where = (1, 0, 3, 6)
+    inputs[0][where + (2,)] = float("nan")
+    mask[where[0], 0, where[2], 0, :3] = True  # some masked pivots in the NaN's row
+    out, mx, sm, grads = run_chunked(spy, inputs, dy, mask, 0.6)
+    out, mx, sm, grads = out.cpu(), mx.cpu(), sm.cpu(), [g.cpu() for g in grads]
+    plan = spy.plans[0][2]
+    assert plan.block_n < n and plan.block_m < m and config.row_config(k, plan.block_m)["BLOCK_R"] > 1
+    row = torch.zeros(b, h, n, m, dtype=torch.bool)
+    row[where] = True
+    assert torch.equal(torch.isnan(mx), row) and torch.equal(torch.isnan(sm), row)
+    assert torch.equal(torch.isnan(out).any(dim=-1), row) and torch.isnan(out[where]).all()
+    y_ref, _, _, grads_ref = oracle(inputs, dy, mask, 0.6)
+    assert_close(out[~row], y_ref.cpu()[~row], TOL[dtype], "out")
+    for g, g_ref, name in zip(grads, grads_ref, GRAD_NAMES):
+        g_ref = g_ref.cpu()
+        nan = torch.isnan(g)
+        assert torch.equal(nan, torch.isnan(g_ref)), name
+        assert_close(g[~nan], g_ref[~nan], TOL[dtype], name)
+    bi, hi, ni, mi = where
+    assert torch.equal(torch.isnan(grads[0]).any(dim=-1), row)
+    for g in grads[1:3]:  # dK1, dV1: row n only
+        assert torch.isnan(g).sum() == torch.isnan(g[bi, hi, ni]).sum() > 0
+    for g in grads[3:]:  # dK2, dV2: column m only
+        assert torch.isnan(g).sum() == torch.isnan(g[bi, hi, :, mi]).sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: nothing of B*H*N*M*K; the workspace within the budget
+# ---------------------------------------------------------------------------------------------
+class Allocations(TorchDispatchMode):
+    """The storages that ops create (not those that existed when the mode was entered): the
+    largest, in elements of the tensor that first holds it, the peak of the bytes they hold
+    at once, and the peak of the bytes held by those of ``watch`` elements (each storage
+    counted once while alive, however many views and in-place results show it again; the
+    Triton interpreter's copies of a launch's arguments in and out are such in-place
+    results: on CPU it works on the arguments' own storages)."""
+
+    def __init__(self, *existing, watch=None):
+        super().__init__()
+        self.largest = 0
+        self.peak = 0
+        self.watched_peak = 0
+        self._watch = watch
+        self._live = {}  # data_ptr -> (StorageWeakRef, nbytes, watched)
+        self._old = {t.untyped_storage().data_ptr() for t in existing if t is not None}
+
+    def __enter__(self):
+        # The Triton interpreter leaves every launch's arguments in reference cycles (a
+        # compiled launch does not): collect them as each launch returns, or garbage would
+        # count as held. What exists before is frozen, so that collecting is quick.
+        gc.collect()
+        gc.freeze()
+        executor = getattr(triton_interpreter, "GridExecutor", None)
+        self._launch = None if executor is None else executor.__call__
+        if self._launch is not None:
+            def launch(executor_self, *args, _real=self._launch, **kwargs):
+                try:
+                    return _real(executor_self, *args, **kwargs)
+                finally:
+                    gc.collect()
+
+            executor.__call__ = launch
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._launch is not None:
+            triton_interpreter.GridExecutor.__call__ = self._launch
+        gc.unfreeze()
+        return super().__exit__(*exc)
+
+    def _track(self, t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if storage.nbytes() == 0 or ptr in self._old:
+            return
+        known = self._live.get(ptr)
+        if known is None or known[0].expired():
+            elements = storage.nbytes() // t.element_size()
+            self._live[ptr] = (StorageWeakRef(storage), storage.nbytes(), elements == self._watch)
+            self.largest = max(self.largest, elements)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        self._live = {p: v for p, v in self._live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(nbytes for _, nbytes, _ in self._live.values()))
+        self.watched_peak = max(self.watched_peak, sum(nbytes for _, nbytes, w in self._live.values() if w))
+        return out
+
+
+# B*H = 1, N = 18, M = 15: 3 x 3 chunks of 6 x 5 (n, m) rows, no tails, so that every score-sized
+# buffer has the same number of elements; D = 1 so that nothing else comes near that size.
+MEMORY_SHAPE, MEMORY_PAIRS = (1, 1, 18, 15, 48, 1), 30
+
+
+def _memory_problem(monkeypatch, dtype, device):
+    if device != "cpu":
+        pytest.skip("the CPU GEMMs' copies; on a GPU the budget also follows the free memory")
+    b, h, n, m, k, d = MEMORY_SHAPE
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(MEMORY_PAIRS, k, dtype))
+    plan = config.chunk_plan(b * h, n, m, k, dtype.itemsize)
+    assert plan.groups == 1 and 1 < plan.block_n < n and 1 < plan.block_m < m
+    assert n % plan.block_n == 0 and m % plan.block_m == 0 and plan.block_n * plan.block_m <= MEMORY_PAIRS
+    inputs, dy, mask = make_inputs(*MEMORY_SHAPE, dtype, device, "random")
+    return plan, inputs, dy, mask
+
+
+def _linear_bound(plan, n, m, k, d):
+    """Bytes linear in D a chunked call may hold beyond its outputs and score buffers: the
+    float32 dK1/dV1 of a group of slices, dK2/dV2 of a chunk, the chunk's operands and GEMM
+    results (copies of Q, dY, K2, V2 in the layouts the GEMMs take, float32 copies of 16-bit
+    operands): a generous 8 float32 copies of each."""
+    g = plan.groups
+    return 8 * 4 * g * (n * k + plan.block_m * k + plan.block_n * k + plan.block_n * plan.block_m) * d
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_no_cubic_allocation(spy, monkeypatch, dtype, device):
+    """No tensor of B*H*N*M*K elements, forward or backward: the largest is a chunk's score
+    buffer (or an input or output); and the bytes held at once beyond the outputs stay under
+    two chunks' score buffers plus terms linear in D, well under the cube."""
+    plan, inputs, dy, mask = _memory_problem(monkeypatch, dtype, device)
+    b, h, n, m, k, d = MEMORY_SHAPE
+    cube = b * h * n * m * k
+    chunk_scores = plan.groups * plan.block_n * plan.block_m * k
+    io = max(t.numel() for t in inputs)
+    bound = 2 * chunk_scores * config.score_bytes(dtype.itemsize) + _linear_bound(plan, n, m, k, d)
+    assert bound < cube * config.score_bytes(dtype.itemsize) / 2  # the check can tell
+
+    with Allocations(*inputs, dy, mask) as fwd:
+        out, mx, sm = kernels.floyd_attention(*inputs, mask, SCALE)
+    outputs = sum(t.untyped_storage().nbytes() for t in (out, mx, sm))
+    assert fwd.largest <= max(chunk_scores, io) < cube
+    assert fwd.peak - outputs <= bound, (fwd.peak, outputs, bound)
+    with Allocations(*inputs, dy, mask, out, mx, sm) as bwd:
+        grads = kernels.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, SCALE)
+    outputs = sum(g.untyped_storage().nbytes() for g in grads)
+    assert bwd.largest <= max(chunk_scores, io) < cube
+    assert bwd.peak - outputs <= bound, (bwd.peak, outputs, bound)
+    assert spy.launches == ["forward", "backward"]
+    check_against_oracle((out, mx, sm, grads), inputs, dy, mask, dtype)
+
+    # the same measurement sees the cube of a naive formulation
+    with Allocations(*inputs) as naive:
+        oracles.floyd_attention(*inputs, mask, SCALE)
+    assert naive.largest >= cube and naive.peak >= cube * 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("launcher", ["forward", "backward"])
+def test_score_workspace_within_the_chunk_budget(spy, monkeypatch, launcher, dtype, device):
+    """The score-sized buffers held at once (S, dP as float32 halves, P and dS in both
+    layouts, the GEMMs' float32 copies of 16-bit ones) within one chunk's scores at
+    ``score_bytes`` each: the CHUNK_BUDGET_BYTES the plan was made for."""
+    plan, inputs, dy, mask = _memory_problem(monkeypatch, dtype, device)
+    chunk_scores = plan.groups * plan.block_n * plan.block_m * MEMORY_SHAPE[4]
+    workspace = chunk_scores * config.score_bytes(dtype.itemsize)
+    assert workspace <= config.CHUNK_BUDGET_BYTES
+    if launcher == "forward":
+        with Allocations(*inputs, mask, watch=chunk_scores) as seen:
+            kernels.floyd_attention(*inputs, mask, SCALE)
+    else:
+        out, mx, sm = kernels.floyd_attention(*inputs, mask, SCALE)
+        with Allocations(*inputs, dy, mask, out, mx, sm, watch=chunk_scores) as seen:
+            kernels.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, SCALE)
+    # float32 S halves at the least: the watch sees the score buffers
+    assert seen.watched_peak >= 2 * 4 * chunk_scores
+    assert seen.watched_peak <= workspace, (seen.watched_peak, workspace)
+
+
+# ---------------------------------------------------------------------------------------------
+# The scale, and empty problems
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("scale", [1 / 3, -2.7182818284590451])
+def test_scale_reaches_the_row_kernel_exactly(spy, dtype, scale, device):
+    """With D = 1 each half of a score is one product (exact for 16-bit inputs, rounded once
+    for float32), the two are added in float32 and multiplied by the scale rounded to
+    float32: the softmax max must be that expression, bitwise."""
+    b, h, n, m, k, d = 1, 2, 5, 19, 20, 1
+    inputs, _, _ = make_inputs(b, h, n, m, k, d, dtype, device)
+    _, mx, _ = kernels.floyd_attention(*inputs, None, scale)
+    assert spy.launches == ["forward"]
+    q, k1, _, k2, _ = (t.float().cpu()[..., 0] for t in inputs)
+    s = q[..., None] * k1[:, :, :, None, :] + q[..., None] * k2.transpose(2, 3)[:, :, None]
+    assert torch.equal(mx.cpu(), (s * torch.tensor(scale, dtype=torch.float32)).amax(dim=-1))
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 3, 4, 5, 8), (1, 1, 0, 4, 5, 8), (1, 1, 3, 0, 5, 8)])
+def test_empty(spy, shape, device):
+    b, h, n, m, k, d = shape
+    inputs, dy, _ = make_inputs(*shape, torch.float16, device)
+    out, mx, sm, grads = run_kernels(inputs, dy, None, 1.0)
+    assert out.shape == (b, h, n, m, d) and mx.shape == (b, h, n, m)
+    for g, t in zip(grads, inputs):
+        assert g.shape == t.shape and (g == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_zero_head_dim(spy, dtype, device):
+    """D = 0 (docs/operators.md, section 5): every score is 0, so the max is 0 (-FLT_MAX in a
+    fully masked row) and the sum the number of unmasked pivots (K in a fully masked row),
+    the output and every gradient empty: as the reference backend and the fused kernels."""
+    b, h, n, m, k, d = 2, 2, 3, 4, 5, 0
+    inputs, dy, mask = make_inputs(b, h, n, m, k, d, dtype, device, "full_rows")
+    out, mx, sm = gradops.floyd_attention(*inputs, mask, 1.0, backend="triton")
+    assert spy.launches == ["forward"]
+    r_out, r_mx, r_sm = gradops.floyd_attention(*inputs, mask, 1.0, backend="reference")
+    assert out.shape == r_out.shape and torch.equal(mx, r_mx) and torch.equal(sm, r_sm)
+    grads = gradops.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, 1.0, backend="triton")
+    for g, t in zip(grads, inputs):
+        assert g.shape == t.shape and g.dtype == dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Head dims past the fused kernels' limit
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def rule(monkeypatch):
+    """floyd_config's rule alone: no override, from the environment either."""
+    monkeypatch.setattr(config, "STRATEGY", None)
+    monkeypatch.delenv("GRADOPS_FLOYD_STRATEGY", raising=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_head_dim_past_256_runs_chunked_on_the_triton_backend(rule, dtype, device):
+    """D = 300: no fused tile fits, the rule gives it to the chunked strategy, and
+    backend="triton" takes it (it used to refuse D > 256)."""
+    b, h, n, m, k, d = 1, 2, 3, 4, 5, 300
+    assert config.strategy(b, h, n, m, k, d, dtype.itemsize) == "chunked"
+    inputs, dy, mask = make_inputs(b, h, n, m, k, d, dtype, device, "full_rows")
+    assert kernels.unsupported(inputs[0]) is None
+    out, mx, sm = gradops.floyd_attention(*inputs, mask, SCALE, backend="triton")
+    grads = gradops.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, SCALE, backend="triton")
+    check_against_oracle((out, mx, sm, grads), inputs, dy, mask, dtype)
+
+
+@pytest.mark.parametrize("forced,dtype,d", [("fused", torch.float16, 300), ("fused", torch.float32, 257),
+                                            ("chunked", torch.float64, 129), (None, torch.float64, 129)])
+def test_head_dim_past_the_fused_limit_is_refused_where_only_fused_runs(monkeypatch, forced, dtype, d, device):
+    """Where the fused kernels must run the call (forced, or float64, which is always fused)
+    a head dim past their limit is refused with ACLNN_ERR_PARAM_INVALID, naming the head dim;
+    "auto" falls back to the reference there."""
+    monkeypatch.setattr(config, "STRATEGY", forced)
+    monkeypatch.delenv("GRADOPS_FLOYD_STRATEGY", raising=False)
+    inputs, dy, _ = make_inputs(1, 1, 2, 3, 4, d, dtype, device)
+    assert kernels.unsupported(inputs[0]) is not None
+    with raises_status(gradops.ACLNN_ERR_PARAM_INVALID, "head dim", str(d)):
+        gradops.floyd_attention(*inputs, None, 1.0, backend="triton")
+    out, mx, sm = gradops.floyd_attention(*inputs, None, 1.0, backend="reference")
+    with raises_status(gradops.ACLNN_ERR_PARAM_INVALID, "head dim", str(d)):
+        gradops.floyd_attention_grad(dy, *inputs, out, mx, sm, None, 1.0, backend="triton")
+    if device == "cpu":  # "auto" is the reference on CPU anyway; on CUDA it falls back
+        return
+    auto = gradops.floyd_attention(*inputs, None, 1.0, backend="auto")
+    assert torch.equal(auto[0], out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rule (floyd_config.strategy) and the plan (floyd_config.chunk_plan): no kernels
+# ---------------------------------------------------------------------------------------------
+def test_rule_float64_is_always_fused(monkeypatch, rule):
+    for d in (8, 64, 129, 512):
+        assert config.strategy(64, 16, 256, 256, 256, d, 8) == "fused"
+    for forced in ("chunked", "fused"):
+        monkeypatch.setattr(config, "STRATEGY", forced)
+        assert config.strategy(64, 16, 256, 256, 256, 300, 8) == "fused"
+    monkeypatch.setattr(config, "STRATEGY", None)
+    monkeypatch.setenv("GRADOPS_FLOYD_STRATEGY", "chunked")
+    assert config.strategy(1, 1, 2, 2, 2, 300, 8) == "fused"
+
+
+def test_rule_wide_heads_are_chunked_at_any_size(rule):
+    """Past FUSED_MAX_WIDTH (16-bit D > 64, float32 D > 16) the fused tiles spill: chunked,
+    even for a single score."""
+    for element_size, widest in config.FUSED_MAX_WIDTH.items():
+        limit = widest * 2 // element_size  # the largest padded head dim the fused kernels keep
+        for d in (limit + 1, 2 * limit, 300, 1000):
+            assert config.strategy(1, 1, 1, 1, 1, d, element_size) == "chunked", (element_size, d)
+        assert config.strategy(1, 1, 1, 1, 1, limit, element_size) == "fused"
+    assert config.strategy(1, 1, 1, 1, 1, 65, 2) == "chunked"
+    assert config.strategy(1, 1, 1, 1, 1, 17, 4) == "chunked"
+    assert config.strategy(1, 1, 1, 1, 1, 64, 2) == config.strategy(1, 1, 1, 1, 1, 16, 4) == "fused"
+
+
+def test_rule_large_problems_from_d64_are_chunked(rule):
+    """16-bit D = 64 (width 64 = CHUNKED_MIN_WIDTH): fused while small, chunked from
+    CHUNKED_MIN_WORK units of B*H*N*M*K*D on; narrower heads stay fused at any size."""
+    work = config.CHUNKED_MIN_WORK
+    n = round((work / (2 * 8 * 64)) ** (1 / 3))  # B*H = 16, N = M = K = n: about the threshold
+    sizes = [(2, 8, n, n, n), (2, 8, n + 1, n + 1, n + 1), (1, 1, 16, 16, 16), (4, 8, 512, 512, 512)]
+    for b, h, n_, m, k in sizes:
+        for d in (64, 33, 48):  # all pad to 64
+            expected = "chunked" if b * h * n_ * m * k * d >= work else "fused"
+            assert config.strategy(b, h, n_, m, k, d, 2) == expected, (b, h, n_, m, k, d)
+        for d, element_size in ((32, 2), (16, 4), (8, 4), (1, 2)):  # width < CHUNKED_MIN_WIDTH
+            assert config.strategy(b, h, n_, m, k, d, element_size) == "fused"
+    assert config.strategy(4, 8, 512, 512, 512, 64, 2) == "chunked"  # e.g. B=4, H=8, N=M=K=512
+    assert config.strategy(1, 1, 32, 32, 32, 64, 2) == "fused"
+    # exactly at the threshold
+    assert config.strategy(1, 1, 1, 1, work // 64, 64, 2) == "chunked"
+    assert config.strategy(1, 1, 1, 1, work // 64 - 1, 64, 2) == "fused"
+
+
+def test_rule_overrides(monkeypatch, rule):
+    big, small = (4, 8, 512, 512, 512, 64, 2), (1, 1, 2, 2, 2, 8, 2)
+    assert config.strategy(*big) == "chunked" and config.strategy(*small) == "fused"
+    monkeypatch.setenv("GRADOPS_FLOYD_STRATEGY", "chunked")
+    assert config.forced_strategy() == "chunked" and config.strategy(*small) == "chunked"
+    monkeypatch.setenv("GRADOPS_FLOYD_STRATEGY", "fused")
+    assert config.strategy(*big) == "fused"
+    monkeypatch.setattr(config, "STRATEGY", "chunked")  # the attribute wins over the environment
+    assert config.strategy(*small) == "chunked"
+    monkeypatch.setattr(config, "STRATEGY", "fused")
+    assert config.strategy(*big) == "fused"
+    # past FUSED_MAX_WIDTH too: forced means forced
+    assert config.strategy(1, 1, 1, 1, 1, 128, 2) == "fused"
+    monkeypatch.setattr(config, "STRATEGY", None)
+    monkeypatch.setenv("GRADOPS_FLOYD_STRATEGY", "")  # empty: not set
+    assert config.forced_strategy() is None and config.strategy(*small) == "fused"
+
+
+@pytest.mark.parametrize("where", ["attribute", "environment"])
+def test_rule_bad_override_raises(monkeypatch, rule, where, device):
+    if where == "attribute":
+        monkeypatch.setattr(config, "STRATEGY", "Chunked")
+    else:
+        monkeypatch.setenv("GRADOPS_FLOYD_STRATEGY", "tiled")
+    with pytest.raises(ValueError, match="unknown Floyd strategy"):
+        config.forced_strategy()
+    with pytest.raises(ValueError, match="unknown Floyd strategy"):
+        config.strategy(1, 1, 2, 2, 2, 8, 2)
+    inputs, _, _ = make_inputs(1, 1, 2, 3, 4, 8, torch.float16, device)
+    with pytest.raises(ValueError, match="unknown Floyd strategy"):
+        kernels.floyd_attention(*inputs, None, 1.0)
+    # float64 never asks: it is fused whatever the override says
+    assert config.strategy(1, 1, 2, 2, 2, 8, 8) == "fused"
+
+
+def _plan_cases():
+    """(bh, n, m, k, element_size, budget): edge cases, then a random sweep."""
+    cases = [(1, 1, 1, 1, 2, 1), (1, 1, 1, 1000, 4, 10), (3, 1, 1, 5, 2, 10 ** 9),
+             (6, 4, 5, 6, 2, 24 * 6 * 4 * 5 * 4 + 1), (1, 100, 100, 64, 2, 256 << 20),
+             (2, 40, 33, 17, 4, 32 * 17 * 40), (1, 300, 7, 50, 2, 24 * 50 * 64), (5, 7, 300, 3, 2, 24 * 3 * 40)]
+    rng = random.Random(1234)
+    for _ in range(300):
+        bh, n, m, k = (rng.choice([1, 2, 3, 5, 8, 17, 33, 64, 100, 257]) for _ in range(4))
+        es = rng.choice([2, 4])
+        budget = rng.choice([1, 100, 10 ** 3, 10 ** 4, 10 ** 5, 10 ** 6, 10 ** 7, 256 << 20])
+        cases.append((bh, n, m, k, es, budget))
+    return cases
+
+
+def test_chunk_plan_invariants():
+    """Every (slice, n, m) in exactly one chunk, m outer and n inner within a group of
+    slices; a chunk's scores at score_bytes each within the budget unless a single
+    1 x 1 x K row exceeds it (then chunks of one row); groups > 1 only for whole slices;
+    a function of its arguments alone."""
+    for bh, n, m, k, es, budget in _plan_cases():
+        plan = config.chunk_plan(bh, n, m, k, es, budget)
+        assert plan == config.chunk_plan(bh, n, m, k, es, budget)
+        assert 1 <= plan.groups <= bh and 1 <= plan.block_n <= n and 1 <= plan.block_m <= m
+        per_score = config.score_bytes(es)
+        if k * per_score > budget:
+            assert (plan.groups, plan.block_n, plan.block_m) == (1, 1, 1), (bh, n, m, k, es, budget)
+        else:
+            assert plan.groups * plan.block_n * plan.block_m * k * per_score <= budget, (bh, n, m, k, es, budget)
+        if plan.groups > 1:
+            assert (plan.block_n, plan.block_m) == (n, m)
+        walk = list(plan.chunks(bh, n, m))
+        assert [(g0, m0) for g0, _, m0, _, _ in walk] == sorted({(g0, m0) for g0, _, m0, _, _ in walk})
+        # every chunk takes the same n ranges; slices and m ranges each tile their axis once
+        n_ranges = walk[0][4]
+        assert all(chunk[4] == n_ranges for chunk in walk)
+        g_ranges = sorted({(g0, g1) for g0, g1, _, _, _ in walk})
+        m_ranges = sorted({(m0, m1) for _, _, m0, m1, _ in walk})
+        assert len(walk) == len(g_ranges) * len(m_ranges)
+        for ranges, size, block in ((g_ranges, bh, plan.groups), (m_ranges, m, plan.block_m),
+                                    (n_ranges, n, plan.block_n)):
+            assert ranges[0][0] == 0 and ranges[-1][1] == size
+            assert all(a1 == b0 for (_, a1), (b0, _) in itertools.pairwise(ranges))
+            assert all(0 < r1 - r0 <= block for r0, r1 in ranges)
+        if len(walk) * len(n_ranges) <= 200:  # and, where small, by counting
+            count = torch.zeros(bh, n, m, dtype=torch.int32)
+            for g0, g1, m0, m1, ranges in walk:
+                for n0, n1 in ranges:
+                    count[g0:g1, n0:n1, m0:m1] += 1
+            assert torch.all(count == 1), (bh, n, m, k, es, budget)
+
+
+def test_chunk_plan_uses_the_budget(monkeypatch):
+    """The default budget is CHUNK_BUDGET_BYTES at call time; chunk_budget takes a quarter
+    of the free memory when that is less; chunks use the budget they get (not much less:
+    square-ish tiles in multiples of 16 once past 32)."""
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", 24 * 7 * 10)
+    assert config.chunk_plan(1, 40, 40, 7, 2) == config.chunk_plan(1, 40, 40, 7, 2, 24 * 7 * 10)
+    assert config.chunk_budget(None) == config.CHUNK_BUDGET_BYTES
+    assert config.chunk_budget(4 * 100) == 100 and config.chunk_budget(0) == 1
+    assert config.chunk_budget(10 ** 12) == config.CHUNK_BUDGET_BYTES
+    # large problems use at least half the budget and keep multiples of 16 past 32 rows
+    for n, m in ((1000, 1000), (4096, 300), (300, 4096)):
+        plan = config.chunk_plan(8, n, m, 512, 2, 256 << 20)
+        pairs = (256 << 20) // config.score_bytes(2) // 512
+        assert plan.block_n * plan.block_m * 2 >= pairs, plan
+        for side in (plan.block_n, plan.block_m):
+            assert side < 32 or side % 16 == 0 or side in (n, m)
+
+
+def test_row_config():
+    for k in (1, 2, 7, 37, 1000, 1024, 5000):
+        for block_m in (1, 3, 16, 100, 4096):
+            cfg = config.row_config(k, block_m)
+            r, bk = cfg["BLOCK_R"], cfg["BLOCK_K"]
+            assert r & (r - 1) == 0 and bk & (bk - 1) == 0
+            assert bk >= min(k, 1024) and bk <= 1024
+            assert r * bk <= max(config.ROW_ELEMENTS, bk) and r <= triton.next_power_of_2(block_m)
+
+
+def test_spy_sees_the_fused_strategy_too(monkeypatch, device):
+    """The check the tests above rely on: with the rule choosing fused, the chunked launchers
+    do not run (so the spy's ``launches`` proves which strategy ran)."""
+    calls = []
+    monkeypatch.setattr(config, "STRATEGY", "fused")
+    monkeypatch.setattr(chunked, "forward", lambda *a, **k: calls.append("forward"))
+    inputs, dy, mask = make_inputs(1, 1, 2, 3, 4, 8, torch.float16, device)
+    kernels.floyd_attention(*inputs, mask, 1.0)
+    assert calls == []
