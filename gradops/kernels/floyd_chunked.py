@@ -247,7 +247,7 @@ def _plan(q, k):
     the device's free memory is short (then a forward and its backward may plan apart)."""
     bh, n, m = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
     free = None
-    if q.is_cuda:
+    if q.is_cuda and not torch.cuda.is_current_stream_capturing():  # a graph replays its capture's plan
         driver_free, _ = torch.cuda.mem_get_info(q.device)
         free = driver_free + torch.cuda.memory_reserved(q.device) - torch.cuda.memory_allocated(q.device)
     return chunk_plan(bh, n, m, k, q.element_size(), chunk_budget(free))
