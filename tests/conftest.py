@@ -62,7 +62,8 @@ def backend(request):
 
 
 # The Triton backend of Floyd attention has two strategies (gradops/kernels/floyd_config.py);
-# at test shapes its rule always picks "fused", so user-level Floyd tests force each in turn.
+# at test shapes its rule picks "fused" but for wide heads (16-bit D > 64, float32 D > 16), so
+# user-level Floyd tests force each in turn.
 FLOYD_BACKENDS = ("reference", "triton-fused", "triton-chunked")
 
 

@@ -11,7 +11,10 @@ that the chunked launchers really ran. ``floyd_config.CHUNK_BUDGET_BYTES`` shrin
 """
 import gc
 import itertools
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -197,24 +200,30 @@ def test_nan_score_in_a_later_pivot_tile(spy, device):
 # ---------------------------------------------------------------------------------------------
 # Many chunks
 # ---------------------------------------------------------------------------------------------
-# (name, shape, pairs per chunk as a function of (n, m))
+def slices_budget(slices, shape, dtype):
+    """A budget that holds ``slices`` whole (b, h) slices of ``shape`` (and a few bytes)."""
+    b, h, n, m, k, d = shape
+    return slices * config.slice_bytes(n, m, k, d, dtype.itemsize) + 3
+
+
+# (name, shape, budget as a function of (shape, dtype))
 CHUNKINGS = [
-    ("one_row", (1, 2, 5, 3, 7, 8), lambda n, m: 1),  # every (n, m) row its own chunk
-    ("split_n_and_m", (2, 1, 13, 11, 9, 8), lambda n, m: 20),  # 5 x 4 chunks: tails on both axes
-    ("short_n", (1, 2, 3, 17, 6, 8), lambda n, m: 3 * 5 + 2),  # N whole, M split by the rest: 3 x 5
-    ("whole_slices", (2, 3, 4, 5, 6, 8), lambda n, m: n * m + 1),  # one slice a chunk
-    ("groups_of_4", (2, 3, 4, 5, 6, 8), lambda n, m: 4 * n * m + 3),  # slices 0-3, 4-5
+    ("one_row", (1, 2, 5, 3, 7, 8), lambda s, dt: pairs_budget(1, s[4], dt)),  # every (n, m) row its own chunk
+    ("split_n_and_m", (2, 1, 13, 11, 9, 8), lambda s, dt: pairs_budget(20, s[4], dt)),  # 5 x 4: tails on both
+    ("short_n", (1, 2, 3, 17, 6, 8), lambda s, dt: pairs_budget(3 * 5 + 2, s[4], dt)),  # N whole, M split: 3 x 5
+    ("whole_slices", (2, 3, 4, 5, 6, 8), lambda s, dt: slices_budget(1, s, dt)),  # one slice a chunk
+    ("groups_of_4", (2, 3, 4, 5, 6, 8), lambda s, dt: slices_budget(4, s, dt)),  # slices 0-3, 4-5
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name,shape,pairs", CHUNKINGS, ids=[c[0] for c in CHUNKINGS])
-def test_many_chunks(spy, monkeypatch, name, shape, pairs, dtype, device):
+@pytest.mark.parametrize("name,shape,budget_of", CHUNKINGS, ids=[c[0] for c in CHUNKINGS])
+def test_many_chunks(spy, monkeypatch, name, shape, budget_of, dtype, device):
     """Small budgets: chunks of one row, chunks with tails on n and m, N whole and M split,
     whole slices, and groups of slices with a short last group; the float32 dK1/dV1 sums
     over m-chunks and dK2/dV2 over n-chunks are the oracle's."""
     b, h, n, m, k, d = shape
-    budget = pairs_budget(pairs(n, m), k, dtype)
+    budget = budget_of(shape, dtype)
     monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", budget)
     inputs, dy, mask = make_inputs(*shape, dtype, device, "full_rows")
     result = run_chunked(spy, inputs, dy, mask)
@@ -223,7 +232,7 @@ def test_many_chunks(spy, monkeypatch, name, shape, pairs, dtype, device):
     assert len(spy.plans) == 2
     plan = spy.plans[0][2]
     assert spy.plans[1][2] == plan
-    assert plan == config.chunk_plan(b * h, n, m, k, dtype.itemsize, budget)
+    assert plan == config.chunk_plan(b * h, n, m, k, dtype.itemsize, budget, head_dim=d)
     if name == "one_row":
         assert (plan.groups, plan.block_n, plan.block_m) == (1, 1, 1)
     if name == "split_n_and_m":
@@ -284,8 +293,10 @@ def test_one_hot_softmax_gives_exactly_zero_score_gradients(spy, monkeypatch, ki
     gen = torch.Generator().manual_seed(3)
     b, h, n, m, d = 2, 2, 5, 8, 6
     k = 1 if kind == "K1" else 37
-    pairs = 10 if budget == "rows_of_10" else 3 * n * m
-    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(pairs, k, dtype))
+    if budget == "rows_of_10":
+        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(10, k, dtype))
+    else:
+        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", slices_budget(3, (b, h, n, m, k, d), dtype))
     if kind == "K1":
         inputs = [torch.randn(s, generator=gen, dtype=F64).to(dtype).to(device)
                   for s in [(b, h, n, m, d), (b, h, n, k, d), (b, h, n, k, d), (b, h, k, m, d), (b, h, k, m, d)]]
@@ -369,8 +380,10 @@ def test_deterministic(spy, monkeypatch, device):
     n-chunks), and groups of slices."""
     shape = (1, 3, 7, 5, 21, 16)
     inputs, dy, mask = make_inputs(*shape, torch.float16, device, "random")
-    for pairs, chunks in ((8, 3 * 2 * 3), (2 * 7 * 5, 2)):  # 4 x 2 rows; slices in groups of 2
-        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(pairs, 21, torch.float16))
+    budgets = ((pairs_budget(8, 21, torch.float16), 3 * 2 * 3),  # chunks of 4 x 2 rows
+               (slices_budget(2, shape, torch.float16), 2))  # slices in groups of 2
+    for budget, chunks in budgets:
+        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", budget)
         first, second = (flat(run_chunked(spy, inputs, dy, mask, 0.6)) for _ in range(2))
         assert sum(len(c[4]) for c in spy.plans[-1][2].chunks(3, 7, 5)) == chunks
         for a, b_ in zip(first, second):
@@ -490,7 +503,7 @@ def _memory_problem(monkeypatch, dtype, device):
         pytest.skip("the CPU GEMMs' copies; on a GPU the budget also follows the free memory")
     b, h, n, m, k, d = MEMORY_SHAPE
     monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(MEMORY_PAIRS, k, dtype))
-    plan = config.chunk_plan(b * h, n, m, k, dtype.itemsize)
+    plan = config.chunk_plan(b * h, n, m, k, dtype.itemsize, head_dim=d)
     assert plan.groups == 1 and 1 < plan.block_n < n and 1 < plan.block_m < m
     assert n % plan.block_n == 0 and m % plan.block_m == 0 and plan.block_n * plan.block_m <= MEMORY_PAIRS
     inputs, dy, mask = make_inputs(*MEMORY_SHAPE, dtype, device, "random")
@@ -759,6 +772,11 @@ def test_chunk_plan_invariants():
             assert plan.groups * plan.block_n * plan.block_m * k * per_score <= budget, (bh, n, m, k, es, budget)
         if plan.groups > 1:
             assert (plan.block_n, plan.block_m) == (n, m)
+        for d in (1, 64):  # the bytes that grow with D shrink the groups, nothing else
+            with_d = config.chunk_plan(bh, n, m, k, es, budget, head_dim=d)
+            assert (with_d.block_n, with_d.block_m) == (plan.block_n, plan.block_m)
+            assert 1 <= with_d.groups <= plan.groups
+            assert with_d.groups == 1 or with_d.groups * config.slice_bytes(n, m, k, d, es) <= budget
         walk = list(plan.chunks(bh, n, m))
         assert [(g0, m0) for g0, _, m0, _, _ in walk] == sorted({(g0, m0) for g0, _, m0, _, _ in walk})
         # every chunk takes the same n ranges; slices and m ranges each tile their axis once
@@ -806,6 +824,7 @@ def test_row_config():
             assert r & (r - 1) == 0 and bk & (bk - 1) == 0
             assert bk >= min(k, 1024) and bk <= 1024
             assert r * bk <= max(config.ROW_ELEMENTS, bk) and r <= triton.next_power_of_2(block_m)
+            assert r <= config.ROW_MAX_ROWS
 
 
 def test_spy_sees_the_fused_strategy_too(monkeypatch, device):
@@ -817,3 +836,102 @@ def test_spy_sees_the_fused_strategy_too(monkeypatch, device):
     inputs, dy, mask = make_inputs(1, 1, 2, 3, 4, 8, torch.float16, device)
     kernels.floyd_attention(*inputs, mask, 1.0)
     assert calls == []
+
+
+# ---------------------------------------------------------------------------------------------
+# What the CPU cannot run but can check: the GPU-only branches of the rule and of the GEMMs
+# ---------------------------------------------------------------------------------------------
+def test_rule_keeps_gpu_calls_fused_where_cublas_refuses_determinism(monkeypatch, rule):
+    """torch.use_deterministic_algorithms(True) without CUBLAS_WORKSPACE_CONFIG makes every
+    cuBLAS GEMM raise: the rule then gives GPU calls the fused kernels can take to them."""
+    big = (1, 8, 512, 512, 512, 128)
+    assert config.strategy(*big, 2, cuda=True) == "chunked"
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert config.strategy(*big, 2, cuda=True) == "fused"
+    assert config.strategy(*big, 2) == "chunked"  # a CPU's GEMMs are not cuBLAS
+    assert config.strategy(1, 1, 2, 2, 2, 300, 2, cuda=True) == "chunked"  # past the fused kernels
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert config.strategy(*big, 2, cuda=True) == "chunked"
+
+
+_PRECISION_SCRIPT = r"""
+import sys, torch
+from gradops.kernels.floyd_chunked import _ieee_float32
+matmul = torch.backends.cuda.matmul
+
+
+def state():
+    out = []
+    for read in (torch.get_float32_matmul_precision, lambda: getattr(matmul, "fp32_precision", None),
+                 lambda: getattr(torch.backends, "fp32_precision", None), lambda: matmul.allow_tf32):
+        try:
+            out.append(read())
+        except RuntimeError:  # torch >= 2.9 refuses to read a legacy flag after the new API
+            out.append("refused")
+    return out
+
+
+setup = sys.argv[1]
+if setup == "medium":
+    torch.set_float32_matmul_precision("medium")
+elif setup == "new_api_tf32" and hasattr(matmul, "fp32_precision"):
+    matmul.fp32_precision = "tf32"
+elif setup == "all_tf32" and hasattr(torch.backends, "fp32_precision"):
+    torch.backends.fp32_precision = "tf32"
+before = state()
+with _ieee_float32():
+    inside = matmul.fp32_precision if hasattr(matmul, "fp32_precision") else matmul.allow_tf32
+print(before == state(), inside in ("ieee", False), before, state())
+"""
+
+
+@pytest.mark.parametrize("setup", ["default", "medium", "new_api_tf32", "all_tf32"])
+def test_ieee_float32_restores_every_precision_setting(setup):
+    """The float32 GEMMs switch TF32 off for the call and restore the caller's setting,
+    whichever API set it (torch >= 2.9 refuses to read the legacy flag after the new one,
+    so reading it would raise in the caller's setting). In a child process: the settings are
+    process-wide."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _PRECISION_SCRIPT, setup], capture_output=True, text=True,
+                         cwd=root, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    restored, ieee_inside, *_ = out.stdout.split(" ", 2)
+    assert restored == "True" and ieee_inside == "True", out.stdout
+
+
+@pytest.mark.parametrize("layouts", ["compact_and_x8", "x8_and_compact", "transposed_and_compact"])
+def test_statistics_in_different_layouts(spy, layouts, device):
+    """The backward takes each statistic compact, as a view of CANN's [B,H,N,M,8] or in
+    any strides, independently of the other: the gradients are those of compact ones."""
+    inputs, dy, mask = make_inputs(2, 2, 5, 7, 9, 8, torch.float32, device, "random")
+    out, mx, sm = gradops.floyd_attention(*inputs, mask, SCALE, backend="triton")
+    expected = gradops.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, SCALE, backend="triton")
+
+    def x8(t):
+        return t[..., None].expand(*t.shape, 8).contiguous()
+
+    def transposed(t):
+        return t.transpose(2, 3).contiguous().transpose(2, 3)
+
+    first, second = {"compact_and_x8": (mx, x8(sm)), "x8_and_compact": (x8(mx), sm),
+                     "transposed_and_compact": (transposed(mx), sm)}[layouts]
+    grads = gradops.floyd_attention_grad(dy, *inputs, out, first, second, mask, SCALE, backend="triton")
+    for name, g, e in zip(GRAD_NAMES, grads, expected):
+        assert torch.equal(g, e), name
+
+
+@pytest.mark.parametrize("backend,strategy", [("reference", None), ("triton", "fused"), ("triton", "chunked")])
+def test_autocast_does_not_reach_the_arithmetic(monkeypatch, backend, strategy, device):
+    """gradops.floyd_attention(_grad) fix their own arithmetic: a caller's autocast region
+    changes nothing (the chunked strategy's and the reference's matmuls would otherwise run
+    in bfloat16)."""
+    monkeypatch.setattr(config, "STRATEGY", strategy)
+    inputs, dy, mask = make_inputs(1, 2, 5, 6, 7, 16, torch.float32, device, "random")
+    plain = gradops.floyd_attention(*inputs, mask, SCALE, backend=backend)
+    plain_grads = gradops.floyd_attention_grad(dy, *inputs, *plain, mask, SCALE, backend=backend)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        cast = gradops.floyd_attention(*inputs, mask, SCALE, backend=backend)
+        cast_grads = gradops.floyd_attention_grad(dy, *inputs, *cast, mask, SCALE, backend=backend)
+    for a, b in zip((*plain, *plain_grads), (*cast, *cast_grads)):
+        assert a.dtype == b.dtype == (torch.float32) and torch.equal(a, b)

@@ -106,6 +106,14 @@ def run_kernels(inputs, dy, mask, scale):
 
 GRAD_NAMES = ("dq", "dk1", "dv1", "dk2", "dv2")
 
+
+@pytest.fixture(autouse=True)
+def _fused_strategy(monkeypatch):
+    """These are the fused kernels' tests: the rule would give wide heads (float32 D > 16,
+    16-bit D > 64) to the chunked strategy, tested in tests/test_floyd_chunked.py."""
+    monkeypatch.setattr(config, "STRATEGY", "fused")
+
+
 # (B, H, N, M, K, D): single elements, odd sizes, tails past one tile on N, M and K, several
 # steps of every loop (steps are 16: K=70 is five), head dims that are not powers of two
 # (D=72 pads to 128, where the tiles shrink to 8x8).
@@ -428,7 +436,7 @@ def _shipped(dtype_name: str, head_dim: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("triton_version", ["installed", "3.6"])
-def test_kernels_compile_for_sm90_within_resources(triton_version):
+def test_kernels_compile_for_sm90_within_resources(triton_version, monkeypatch):
     """Every kernel compiles for an H100 at these configurations, within its shared memory;
     wherever floyd_config's rule ships the fused kernels (16-bit D <= 64, float32 D <= 16),
     without a register spill. (The spills of the configurations only a forced strategy
@@ -446,6 +454,8 @@ def test_kernels_compile_for_sm90_within_resources(triton_version):
         # Triton 3.6 cannot lower the float64 batched dots for sm_90 (its LLVM pipeline fails):
         # float64 inputs on a GPU need Triton >= 3.9 (the interpreter runs them on any)
         cases = tuple(c for c in cases if not c.startswith("float64"))
+    monkeypatch.setattr(config, "STRATEGY", None)  # the rule itself says what ships
+    monkeypatch.delenv("GRADOPS_FLOYD_STRATEGY", raising=False)
     stdout = run_sm90_compile(_COMPILE_SM90, *cases, timeout=900, triton_version=triton_version)
     rows = [json.loads(line) for line in stdout.splitlines()]
     print("\n".join(map(json.dumps, rows)))

@@ -59,7 +59,7 @@ import triton.language as tl
 
 from . import floyd_chunked
 from ._floyd_common import _ACC, _NEG_FLT_MAX, _TL, FLT_MAX, _mask_arg, _scale_bits, _unpack_scale
-from .floyd_config import floyd_config, forced_strategy, strategy
+from .floyd_config import FUSED_MAX_HEAD_DIM, floyd_config, forced_strategy, strategy
 
 
 
@@ -483,7 +483,7 @@ def unsupported(q) -> "str | None":
     the batched float64 dots; docs/kernels-floyd.md, Limits)."""
     d = q.shape[-1]
     fused_only = q.dtype == torch.float64 or forced_strategy() == "fused"
-    limit = 128 if q.dtype == torch.float64 else 256
+    limit = FUSED_MAX_HEAD_DIM[q.dtype.itemsize]
     if fused_only and d > limit:
         return f"head dim D = {d} > {limit} for {str(q.dtype).replace('torch.', '')} inputs in the fused kernels"
     if q.dtype == torch.float64 and q.device.type == "cuda" and _triton_version() < (3, 9):
@@ -494,7 +494,7 @@ def unsupported(q) -> "str | None":
 def _chunked(q, k1) -> bool:
     """Whether floyd_config's rule gives this call to the chunked strategy."""
     B, H, N, M, D = q.shape
-    return strategy(B, H, N, M, k1.shape[3], D, q.element_size()) == "chunked"
+    return strategy(B, H, N, M, k1.shape[3], D, q.element_size(), cuda=q.is_cuda) == "chunked"
 
 
 def floyd_attention(q, k1, v1, k2, v2, mask, scale):

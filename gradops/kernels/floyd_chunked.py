@@ -27,8 +27,9 @@ the rest in two Triton row kernels that read both halves of a score in place:
 fused kernels execute 44), and 4 (8 units) in the forward. Memory beyond inputs and outputs:
 one chunk's workspace (``floyd_config.score_bytes`` per score, under
 ``floyd_config.CHUNK_BUDGET_BYTES``) and float32 accumulators for one chunk group's dK1/dV1
-(``groups * N * K * D``, groups = 1 unless whole slices fit the budget) and one chunk's
-dK2/dV2; never anything of size B*H*N*M*K. Deterministic: a fixed walk, no atomics, and
+(``groups * N * K * D``, groups = 1 unless whole slices fit the budget, ``slice_bytes``
+each) and one chunk's dK2/dV2: the whole score cube only when it fits the budget, never
+more than one chunk of it. Deterministic for a given budget: a fixed walk, no atomics, and
 each GEMM's result depends on its shapes only.
 """
 from __future__ import annotations
@@ -184,14 +185,19 @@ _OUT_DTYPE_BMM = [True]  # torch.bmm(..., out_dtype=float32) on CUDA, until a to
 @contextlib.contextmanager
 def _ieee_float32():
     """float32 GEMMs in IEEE float32, never TF32, whatever the caller's torch setting: the
-    float32 path is for exactness (as the fused kernels' input_precision="ieee")."""
+    float32 path is for exactness (as the fused kernels' input_precision="ieee"). Torch >= 2.9
+    has ``fp32_precision``, which cuBLAS reads and which round-trips in every state; there
+    the legacy ``allow_tf32`` raises once a caller used the new API, and writing it would
+    leave ``torch.get_float32_matmul_precision`` broken. The setting is process-wide, as
+    torch's own flags: a thread running float32 matmuls meanwhile sees it too."""
     matmul = torch.backends.cuda.matmul
-    old = matmul.allow_tf32
-    matmul.allow_tf32 = False
+    name, ieee = ("fp32_precision", "ieee") if hasattr(matmul, "fp32_precision") else ("allow_tf32", False)
+    old = getattr(matmul, name)
+    setattr(matmul, name, ieee)
     try:
         yield
     finally:
-        matmul.allow_tf32 = old
+        setattr(matmul, name, old)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -206,7 +212,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda and _OUT_DTYPE_BMM[0]:
         try:
             return torch.bmm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError, NotImplementedError):  # a torch without bmm.dtype for CUDA
+        except TypeError:  # torch < 2.8 has no out_dtype (an out-of-memory error is not this)
             _OUT_DTYPE_BMM[0] = False
     with _ieee_float32():
         return torch.bmm(a.float(), b.float())
@@ -245,12 +251,15 @@ def _m_major(t):
 def _plan(q, k):
     """The chunk plan of a call on ``q`` with K = ``k`` pivots: the budget shrinks only when
     the device's free memory is short (then a forward and its backward may plan apart)."""
+    if q.dtype == torch.float64:  # the dispatcher keeps float64 on the fused kernels
+        raise TypeError("the chunked Floyd strategy takes float16, bfloat16 and float32 inputs (_mm would "
+                        "round float64 to float32)")
     bh, n, m = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
     free = None
     if q.is_cuda and not torch.cuda.is_current_stream_capturing():  # a graph replays its capture's plan
         driver_free, _ = torch.cuda.mem_get_info(q.device)
         free = driver_free + torch.cuda.memory_reserved(q.device) - torch.cuda.memory_allocated(q.device)
-    return chunk_plan(bh, n, m, k, q.element_size(), chunk_budget(free))
+    return chunk_plan(bh, n, m, k, q.element_size(), chunk_budget(free), head_dim=q.shape[4])
 
 
 def _launch_rows(kernel, cn, cm, k, g, *args, **consts):
@@ -306,7 +315,9 @@ def backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale):
     acc = _ACC[dtype]
     q4, dy4, k1_4, v1_4 = _flat(q), _flat(dy), _flat(k1), _flat(v1)
     k2_4, v2_4 = _m_major(k2), _m_major(v2)
-    max3, sum3 = _flat(softmax_max.to(acc)), _flat(softmax_sum.to(acc))
+    # contiguous: _grad_rows reads both statistics at one offset, and each may come in its own
+    # layout (compact, a view of CANN's [B,H,N,M,8], transposed)
+    max3, sum3 = (_flat(t.to(acc)).contiguous() for t in (softmax_max, softmax_sum))
     dq = torch.empty((B, H, N, M, D), dtype=dtype, device=dev)
     dk1 = torch.empty((B, H, N, K, D), dtype=dtype, device=dev)
     dv1 = torch.empty((B, H, N, K, D), dtype=dtype, device=dev)

@@ -51,6 +51,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Dict, Iterator, List, Optional, Tuple
 
+import torch
 import triton
 
 # The kernel launches: forward; backward dQ (also writes Dr = sum_k P dP); backward dK1/dV1
@@ -153,7 +154,7 @@ STRATEGY: Optional[str] = None
 FUSED_MAX_WIDTH = {2: 64, 4: 32}
 # - From CHUNKED_MIN_WIDTH on, the chunked GEMMs bring more FLOP per byte than the fused
 #   tiles (an estimated HBM bound of ~80 TFLOP/s backward at D = 64 against 25-40 for the fused
-#   kernels), once the problem is large enough that a chunk's ~10 launches are hidden behind
+#   kernels), once the problem is large enough that a chunk's ~20 launches are hidden behind
 #   its GEMMs: CHUNKED_MIN_WORK units of B*H*N*M*K*D (about 1 GFLOP forward).
 CHUNKED_MIN_WIDTH = 64
 CHUNKED_MIN_WORK = 1 << 27
@@ -168,15 +169,31 @@ def forced_strategy() -> Optional[str]:
     return forced
 
 
-def strategy(b: int, h: int, n: int, m: int, k: int, d: int, element_size: int) -> str:
+FUSED_MAX_HEAD_DIM = {2: 256, 4: 256, 8: 128}  # past these no fused tile fits shared memory
+
+
+def cublas_refuses_determinism() -> bool:
+    """Whether torch would raise in a cuBLAS GEMM of this process: deterministic algorithms
+    asked for (torch.use_deterministic_algorithms) without a deterministic cuBLAS workspace
+    (CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8)."""
+    return (torch.are_deterministic_algorithms_enabled()
+            and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"))
+
+
+def strategy(b: int, h: int, n: int, m: int, k: int, d: int, element_size: int, *, cuda: bool = False) -> str:
     """"fused" or "chunked" for a call of this shape and element size (bytes per input
-    element). Float64 (element size 8) is always "fused": the chunked path's GEMMs and row
-    kernels are for the 16-bit and float32 inputs tensor cores and cuBLAS serve."""
+    element), on a GPU when ``cuda``. Float64 (element size 8) is always "fused": the chunked
+    path's GEMMs and row kernels are for the 16-bit and float32 inputs tensor cores and
+    cuBLAS serve. On a GPU where torch would refuse cuBLAS for determinism
+    (:func:`cublas_refuses_determinism`), the fused kernels (always deterministic) take what
+    they can."""
     if element_size == 8:
         return "fused"
     forced = forced_strategy()
     if forced is not None:
         return forced
+    if cuda and cublas_refuses_determinism() and d <= FUSED_MAX_HEAD_DIM[element_size]:
+        return "fused"
     width = padded_head_dim(d) * element_size // 2
     if width > FUSED_MAX_WIDTH.get(element_size, 64):
         return "chunked"
@@ -231,16 +248,28 @@ def _round_down_16(x: int) -> int:
     return x - x % 16 if x >= 32 else x
 
 
-def chunk_plan(bh: int, n: int, m: int, k: int, element_size: int, budget: Optional[int] = None) -> ChunkPlan:
+def slice_bytes(n: int, m: int, k: int, d: int, element_size: int) -> int:
+    """Workspace of one whole (b, h) slice taken as a chunk: its scores at ``score_bytes``,
+    plus what grows with the head dim: float32 accumulators of dK1/dV1 and dK2/dV2, the
+    float32 partial Y or dQ, and the copies of the m-batched operands (Q, dY, K2, V2)."""
+    return (n * m * k * score_bytes(element_size) + 8 * (n + m) * k * d
+            + n * m * d * (4 + 2 * element_size) + 2 * m * k * d * element_size)
+
+
+def chunk_plan(bh: int, n: int, m: int, k: int, element_size: int, budget: Optional[int] = None,
+               *, head_dim: int = 0) -> ChunkPlan:
     """The chunks of a call: as many scores per chunk as ``budget`` bytes (default
     CHUNK_BUDGET_BYTES) hold at ``score_bytes`` each, in (n, m) tiles as square as N and M
     allow (the rows of the n-batched GEMMs are m and those of the m-batched ones n: a thin
-    chunk starves one of them). The plan depends on the shape and budget alone, so a forward
-    and its backward walk the same chunks and their GEMMs compute bitwise the same scores."""
+    chunk starves one of them); whole slices, as many as fit at ``slice_bytes`` each
+    (``head_dim`` counts the bytes that grow with D), when one fits. The plan depends on the
+    shape and budget alone, so a forward and its backward with the same budget walk the
+    same chunks and their GEMMs compute bitwise the same scores."""
     budget = CHUNK_BUDGET_BYTES if budget is None else budget
     pairs = max(1, budget // score_bytes(element_size) // max(1, k))  # (n, m) rows per chunk
     if pairs >= n * m:
-        return ChunkPlan(max(1, min(bh, pairs // max(1, n * m))), n, m)
+        per_slice = max(1, slice_bytes(n, m, k, head_dim, element_size))
+        return ChunkPlan(max(1, min(bh, budget // per_slice)), n, m)
     cm = min(m, max(1, _round_down_16(math.isqrt(pairs))))
     cn = min(n, max(1, _round_down_16(pairs // cm)))
     if cn == n:  # N is short: the rest of the budget goes to M
@@ -257,10 +286,13 @@ ROW_WARPS = 4
 ROW_ELEMENTS = 2048
 
 
+ROW_MAX_ROWS = 256  # 2048 x 1 tiles (K = 1) spilled: the per-row vectors grow with BLOCK_R
+
+
 def row_config(k: int, block_m: int) -> Dict[str, int]:
     """Blocks of the chunked strategy's row kernels (softmax forward, dS backward): a
     program takes BLOCK_R consecutive m rows of one (slice, n) and walks the pivots BLOCK_K
     at a time, loading contiguous runs of the float32 score buffers."""
     block_k = min(triton.next_power_of_2(max(1, k)), 1024)
-    block_r = max(1, min(triton.next_power_of_2(max(1, block_m)), ROW_ELEMENTS // block_k))
+    block_r = max(1, min(triton.next_power_of_2(max(1, block_m)), ROW_ELEMENTS // block_k, ROW_MAX_ROWS))
     return dict(BLOCK_R=block_r, BLOCK_K=block_k, num_warps=ROW_WARPS)

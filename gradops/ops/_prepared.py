@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple
 
@@ -30,6 +31,18 @@ class Prepared:
     def run(self):
         # These are gradient operators, not differentiable functions (gradops.nn is that):
         # no autograd graph, and in-place writes (in_place, reuse_source) are allowed on
-        # tensors that require grad.
-        with torch.no_grad():
+        # tensors that require grad. Each operator fixes its own arithmetic (float32 inside
+        # for half inputs): a caller's autocast region must not lower the backends' torch
+        # ops (the reference's and the chunked Floyd strategy's matmuls) to 16 bits.
+        with torch.no_grad(), _autocast_off(self.device.type):
             return self._run()
+
+
+def _autocast_off(device_type: str):
+    """autocast disabled for ``device_type`` where it is on, else nothing (a device type
+    autocast does not know, such as meta, has none to disable)."""
+    try:
+        on = torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        on = False
+    return torch.autocast(device_type=device_type, enabled=False) if on else contextlib.nullcontext()
