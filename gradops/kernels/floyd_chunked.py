@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._floyd_common import _ACC, _NEG_FLT_MAX, FLT_MAX, _mask_arg, _scale_bits, _unpack_scale
+from ._floyd_common import _ACC, _NEG_FLT_MAX, _mask_arg, _scale_bits, _unpack_scale
 from .floyd_config import chunk_budget, chunk_plan, row_config
 
 
@@ -365,5 +365,3 @@ def backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale):
             dv1_4[gs] = dv1_acc
     return dq, dk1, dv1, dk2, dv2
 
-
-__all__ = ["forward", "backward", "FLT_MAX"]
