@@ -457,7 +457,7 @@ def fag_args(dtype=torch.float16, **over):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_floyd_attention_matches_python_api(backend, dtype):
+def test_floyd_attention_matches_python_api(floyd_backend, dtype):
     a = fa_args(dtype)
     assert run(A.aclnnFusedFloydAttentionGetWorkspaceSize, A.aclnnFusedFloydAttention, a)[0] == 0
     out, smax, ssum = gradops.floyd_attention(a["query"], a["key1"], a["value1"], a["key2"], a["value2"],
@@ -469,7 +469,7 @@ def test_floyd_attention_matches_python_api(backend, dtype):
     assert torch.all(a["softmaxSumOut"][0, 0, 3] == K)
 
 
-def test_floyd_attention_grad_matches_python_api(backend):
+def test_floyd_attention_grad_matches_python_api(floyd_backend):
     a = fag_args()
     size, _ = run(A.aclnnFusedFloydAttentionGradGetWorkspaceSize, A.aclnnFusedFloydAttentionGrad, a)
     assert size == 2 * B * H * N * M * 4  # compact float32 statistics
