@@ -200,22 +200,25 @@ def _ieee_float32():
         setattr(matmul, name, old)
 
 
+def _gemm_precision(q: torch.Tensor):
+    """The context every launcher runs its GEMMs in: IEEE float32 on a GPU (``_ieee_float32``,
+    entered once per call rather than per GEMM), nothing to set on a CPU."""
+    return _ieee_float32() if q.is_cuda else contextlib.nullcontext()
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for 3-D operands, as float32: 16-bit operands are multiplied exactly and
     accumulated in float32 (tensor cores on a GPU; on a CPU, float32 products of the same
-    values), so no score or partial sum is ever rounded to 16 bits."""
+    values), so no score or partial sum is ever rounded to 16 bits. Float32 products are
+    IEEE inside ``_gemm_precision``."""
     if a.dtype == torch.float32:
-        if a.is_cuda:
-            with _ieee_float32():
-                return torch.bmm(a, b)
         return torch.bmm(a, b)
     if a.is_cuda and _OUT_DTYPE_BMM[0]:
         try:
             return torch.bmm(a, b, out_dtype=torch.float32)
         except TypeError:  # torch < 2.8 has no out_dtype (an out-of-memory error is not this)
             _OUT_DTYPE_BMM[0] = False
-    with _ieee_float32():
-        return torch.bmm(a.float(), b.float())
+    return torch.bmm(a.float(), b.float())
 
 
 def _by_n(t, gs, nt, mt):
@@ -286,23 +289,24 @@ def forward(q, k1, v1, k2, v2, mask, scale):
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
     bits = _scale_bits(scale)
     plan = _plan(q, K)
-    for g0, g1, m0, m1, n_ranges in plan.chunks(B * H, N, M):
-        gs, mt, g, cm = slice(g0, g1), slice(m0, m1), g1 - g0, m1 - m0
-        k2c, v2c = _side(k2_4, gs, mt), _side(v2_4, gs, mt)  # [g*cm, K, D]
-        for n0, n1 in n_ranges:
-            nt, cn = slice(n0, n1), n1 - n0
-            k1c, v1c = _side(k1_4, gs, nt), _side(v1_4, gs, nt)  # [g*cn, K, D]
-            s1 = _mm(_by_n(q4, gs, nt, mt), k1c.transpose(1, 2))  # [g*cn, cm, K]
-            s2 = _mm(_by_m(q4, gs, nt, mt), k2c.transpose(1, 2))  # [g*cm, cn, K]
-            p_n = torch.empty(s1.shape, dtype=q.dtype, device=dev)
-            p_m = torch.empty(s2.shape, dtype=q.dtype, device=dev)
-            _launch_rows(_softmax_rows, cn, cm, K, g, s1, s2, mask_t, p_n, p_m, max3, sum3,
-                         *mask_strides, *max3.stride(), cn, cm, K, H, g0, n0, m0, bits, HAS_MASK=has_mask)
-            del s1, s2
-            y = _mm(p_n, v1c).view(g, cn, cm, D)
-            y += _mm(p_m, v2c).view(g, cm, cn, D).transpose(1, 2)
-            out4[gs, nt, mt] = y
-            del p_n, p_m, y  # before the next chunk allocates its own: one chunk's workspace at a time
+    with _gemm_precision(q):
+        for g0, g1, m0, m1, n_ranges in plan.chunks(B * H, N, M):
+            gs, mt, g, cm = slice(g0, g1), slice(m0, m1), g1 - g0, m1 - m0
+            k2c, v2c = _side(k2_4, gs, mt), _side(v2_4, gs, mt)  # [g*cm, K, D]
+            for n0, n1 in n_ranges:
+                nt, cn = slice(n0, n1), n1 - n0
+                k1c, v1c = _side(k1_4, gs, nt), _side(v1_4, gs, nt)  # [g*cn, K, D]
+                s1 = _mm(_by_n(q4, gs, nt, mt), k1c.transpose(1, 2))  # [g*cn, cm, K]
+                s2 = _mm(_by_m(q4, gs, nt, mt), k2c.transpose(1, 2))  # [g*cm, cn, K]
+                p_n = torch.empty(s1.shape, dtype=q.dtype, device=dev)
+                p_m = torch.empty(s2.shape, dtype=q.dtype, device=dev)
+                _launch_rows(_softmax_rows, cn, cm, K, g, s1, s2, mask_t, p_n, p_m, max3, sum3,
+                             *mask_strides, *max3.stride(), cn, cm, K, H, g0, n0, m0, bits, HAS_MASK=has_mask)
+                del s1, s2
+                y = _mm(p_n, v1c).view(g, cn, cm, D)
+                y += _mm(p_m, v2c).view(g, cm, cn, D).transpose(1, 2)
+                out4[gs, nt, mt] = y
+                del p_n, p_m, y  # before the next chunk allocates its own: one chunk's workspace at a time
     return out, softmax_max, softmax_sum
 
 
@@ -328,40 +332,41 @@ def backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale):
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
     bits = _scale_bits(scale)
     plan = _plan(q, K)
-    for g0, g1, m0, m1, n_ranges in plan.chunks(B * H, N, M):
-        gs, mt, g, cm = slice(g0, g1), slice(m0, m1), g1 - g0, m1 - m0
-        if m0 == 0:  # a new group of slices: dK1/dV1 sum over every m-chunk, in float32
-            dk1_acc = torch.zeros((g, N, K, D), dtype=acc, device=dev)
-            dv1_acc = torch.zeros((g, N, K, D), dtype=acc, device=dev)
-        k2c, v2c = _side(k2_4, gs, mt), _side(v2_4, gs, mt)  # [g*cm, K, D]
-        dk2_acc = torch.zeros((g * cm, K, D), dtype=acc, device=dev)  # summed over the n-chunks
-        dv2_acc = torch.zeros((g * cm, K, D), dtype=acc, device=dev)
-        for n0, n1 in n_ranges:
-            nt, cn = slice(n0, n1), n1 - n0
-            k1c, v1c = _side(k1_4, gs, nt), _side(v1_4, gs, nt)  # [g*cn, K, D]
-            q_n, q_m = _by_n(q4, gs, nt, mt), _by_m(q4, gs, nt, mt)
-            dy_n, dy_m = _by_n(dy4, gs, nt, mt), _by_m(dy4, gs, nt, mt)
-            s1 = _mm(q_n, k1c.transpose(1, 2))  # the forward's GEMMs on the forward's chunks
-            s2 = _mm(q_m, k2c.transpose(1, 2))
-            dp1 = _mm(dy_n, v1c.transpose(1, 2))
-            dp2 = _mm(dy_m, v2c.transpose(1, 2))
-            p_n, ds_n = (torch.empty(s1.shape, dtype=dtype, device=dev) for _ in range(2))
-            p_m, ds_m = (torch.empty(s2.shape, dtype=dtype, device=dev) for _ in range(2))
-            _launch_rows(_grad_rows, cn, cm, K, g, s1, s2, dp1, dp2, mask_t, max3, sum3, p_n, p_m, ds_n, ds_m,
-                         *mask_strides, *max3.stride(), cn, cm, K, H, g0, n0, m0, bits, HAS_MASK=has_mask)
-            del s1, s2, dp1, dp2
-            dq_c = _mm(ds_n, k1c).view(g, cn, cm, D)
-            dq_c += _mm(ds_m, k2c).view(g, cm, cn, D).transpose(1, 2)
-            dq4[gs, nt, mt] = dq_c
-            dk1_acc[:, nt] += _mm(ds_n.transpose(1, 2), q_n).view(g, cn, K, D)  # sum over m
-            dv1_acc[:, nt] += _mm(p_n.transpose(1, 2), dy_n).view(g, cn, K, D)
-            dk2_acc += _mm(ds_m.transpose(1, 2), q_m)  # sum over n
-            dv2_acc += _mm(p_m.transpose(1, 2), dy_m)
-            del p_n, p_m, ds_n, ds_m, dq_c  # before the next chunk allocates: score_bytes per score at most
-        dk2_4[gs, mt] = dk2_acc.view(g, cm, K, D)
-        dv2_4[gs, mt] = dv2_acc.view(g, cm, K, D)
-        if m1 == M:
-            dk1_4[gs] = dk1_acc
-            dv1_4[gs] = dv1_acc
+    with _gemm_precision(q):
+        for g0, g1, m0, m1, n_ranges in plan.chunks(B * H, N, M):
+            gs, mt, g, cm = slice(g0, g1), slice(m0, m1), g1 - g0, m1 - m0
+            if m0 == 0:  # a new group of slices: dK1/dV1 sum over every m-chunk, in float32
+                dk1_acc = torch.zeros((g, N, K, D), dtype=acc, device=dev)
+                dv1_acc = torch.zeros((g, N, K, D), dtype=acc, device=dev)
+            k2c, v2c = _side(k2_4, gs, mt), _side(v2_4, gs, mt)  # [g*cm, K, D]
+            dk2_acc = torch.zeros((g * cm, K, D), dtype=acc, device=dev)  # summed over the n-chunks
+            dv2_acc = torch.zeros((g * cm, K, D), dtype=acc, device=dev)
+            for n0, n1 in n_ranges:
+                nt, cn = slice(n0, n1), n1 - n0
+                k1c, v1c = _side(k1_4, gs, nt), _side(v1_4, gs, nt)  # [g*cn, K, D]
+                q_n, q_m = _by_n(q4, gs, nt, mt), _by_m(q4, gs, nt, mt)
+                dy_n, dy_m = _by_n(dy4, gs, nt, mt), _by_m(dy4, gs, nt, mt)
+                s1 = _mm(q_n, k1c.transpose(1, 2))  # the forward's GEMMs on the forward's chunks
+                s2 = _mm(q_m, k2c.transpose(1, 2))
+                dp1 = _mm(dy_n, v1c.transpose(1, 2))
+                dp2 = _mm(dy_m, v2c.transpose(1, 2))
+                p_n, ds_n = (torch.empty(s1.shape, dtype=dtype, device=dev) for _ in range(2))
+                p_m, ds_m = (torch.empty(s2.shape, dtype=dtype, device=dev) for _ in range(2))
+                _launch_rows(_grad_rows, cn, cm, K, g, s1, s2, dp1, dp2, mask_t, max3, sum3, p_n, p_m, ds_n, ds_m,
+                             *mask_strides, *max3.stride(), cn, cm, K, H, g0, n0, m0, bits, HAS_MASK=has_mask)
+                del s1, s2, dp1, dp2
+                dq_c = _mm(ds_n, k1c).view(g, cn, cm, D)
+                dq_c += _mm(ds_m, k2c).view(g, cm, cn, D).transpose(1, 2)
+                dq4[gs, nt, mt] = dq_c
+                dk1_acc[:, nt] += _mm(ds_n.transpose(1, 2), q_n).view(g, cn, K, D)  # sum over m
+                dv1_acc[:, nt] += _mm(p_n.transpose(1, 2), dy_n).view(g, cn, K, D)
+                dk2_acc += _mm(ds_m.transpose(1, 2), q_m)  # sum over n
+                dv2_acc += _mm(p_m.transpose(1, 2), dy_m)
+                del p_n, p_m, ds_n, ds_m, dq_c  # before the next chunk allocates: score_bytes per score at most
+            dk2_4[gs, mt] = dk2_acc.view(g, cm, K, D)
+            dv2_4[gs, mt] = dv2_acc.view(g, cm, K, D)
+            if m1 == M:
+                dk1_4[gs] = dk1_acc
+                dv1_4[gs] = dv1_acc
     return dq, dk1, dv1, dk2, dv2
 
