@@ -2,10 +2,13 @@
 
 At B=1, H=4, N=M=K=256, D=32 float32 on CPU, the forward and the backward must each hold less
 than half of one ``[B,H,N,M,K]`` float32 tensor (256 MiB, so 128 MiB) beyond their inputs and
-outputs. Each measurement runs in a fresh interpreter, because the peak resident set size
-(``ru_maxrss``) is a high-water mark: the inputs are created first, the peak is read, the
-operator runs, the peak is read again, and the difference less the bytes of the returned
-tensors is what the operator held. The backward's inputs (out and the statistics) come from a
+outputs. Each measurement runs in its own interpreter and reads Linux's peak resident set size
+(``VmHWM``) after resetting it (``/proc/self/clear_refs``): the inputs are created first, the
+peak is reset to what is resident then, the operator runs, the peak is read, and the growth
+less the bytes of the returned tensors is what the operator held. ``ru_maxrss`` cannot serve:
+a child forked from a large process (an xdist worker holding a CUDA context and several GB on
+a GPU machine) inherits its parent's high-water mark across exec, so a child that grows by
+768 MiB can report no growth at all, and a bound checked that way passes without measuring. The backward's inputs (out and the statistics) come from a
 file written by the forward's process, so that computing them does not raise the high-water
 mark the backward is measured against. The same harness must see the naive einsum's cubic
 memory, which shows that the measurement can fail.
@@ -23,7 +26,7 @@ CUBIC_BYTES = B * H * N * M * K * 4  # one float32 [B,H,N,M,K] tensor: 256 MiB
 LIMIT_BYTES = CUBIC_BYTES // 2
 
 HARNESS = r"""
-import json, resource, sys
+import json, sys
 import torch
 import gradops
 
@@ -31,8 +34,18 @@ mode, path = sys.argv[1], sys.argv[2]
 B, H, N, M, K, D = (int(v) for v in sys.argv[3:9])
 
 
-def peak_bytes():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def status_bytes(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak():  # the peak resident set size reset to what is resident now (Linux: clear_refs 5)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_bytes("VmHWM")
 
 
 # One-time library set-up (thread pools, BLAS buffers) is not the operator's memory.
@@ -51,7 +64,7 @@ if mode == "backward":
     out, smax, ssum = torch.load(path)
     dy = torch.randn(out.shape, generator=gen)
 
-before = peak_bytes()
+before = reset_peak()
 if mode == "forward":
     result = gradops.floyd_attention(q, k1, v1, k2, v2, backend="reference")
 elif mode == "backward":
@@ -60,7 +73,7 @@ elif mode == "naive":
     s = torch.einsum("bhnmd,bhnkd->bhnmk", q, k1) + torch.einsum("bhnmd,bhkmd->bhnmk", q, k2)
     p = torch.softmax(s, dim=-1)
     result = (torch.einsum("bhnmk,bhnkd->bhnmd", p, v1) + torch.einsum("bhnmk,bhkmd->bhnmd", p, v2),)
-after = peak_bytes()
+after = status_bytes("VmHWM")
 
 if mode == "forward":
     torch.save(tuple(result), path)
@@ -70,12 +83,38 @@ print(json.dumps({"delta": after - before,
 """
 
 
-def held_beyond_outputs(mode, path):
-    """Bytes the operator held at its peak beyond its inputs and outputs, in a fresh process."""
+def _peak_can_be_reset() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        with open("/proc/self/status") as f:
+            return any(line.startswith("VmHWM:") for line in f)
+    except OSError:
+        return False
+
+
+# Starts the harness from a parent whose peak resident set is first raised past anything the
+# harness allocates, as an xdist worker on a GPU machine is: the child must still measure.
+FROM_A_LARGE_PARENT = r"""
+import subprocess, sys
+ballast = bytearray(int(sys.argv[1]))
+ballast[::4096] = b"x" * len(ballast[::4096])  # touch every page: resident, then freed
+del ballast
+sys.exit(subprocess.run(sys.argv[2:]).returncode)
+"""
+
+
+def held_beyond_outputs(mode, path, parent_peak_bytes=0):
+    """Bytes the operator held at its peak beyond its inputs and outputs, in a fresh process
+    (started from a parent that first held ``parent_peak_bytes``, when given)."""
+    if not _peak_can_be_reset():
+        pytest.skip("needs Linux's /proc/self/clear_refs and VmHWM to measure a peak from a known start")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), env.get("PYTHONPATH", "")] if p)
-    proc = subprocess.run([sys.executable, "-c", HARNESS, mode, str(path)] + [str(v) for v in (B, H, N, M, K, D)],
-                          capture_output=True, text=True, timeout=300, env=env,
+    cmd = [sys.executable, "-c", HARNESS, mode, str(path)] + [str(v) for v in (B, H, N, M, K, D)]
+    if parent_peak_bytes:
+        cmd = [sys.executable, "-c", FROM_A_LARGE_PARENT, str(parent_peak_bytes)] + cmd
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -95,6 +134,11 @@ def forward_file(tmp_path_factory):
 def test_harness_sees_the_naive_cubic_memory(tmp_path):
     # the naive einsum materialises at least one whole [B,H,N,M,K] score tensor
     assert held_beyond_outputs("naive", tmp_path / "unused.pt") > CUBIC_BYTES
+
+
+def test_harness_measures_a_child_of_a_process_with_a_high_peak(tmp_path):
+    # ru_maxrss reported a growth of 0 here (the parent's peak, 2 GiB, hid the child's)
+    assert held_beyond_outputs("naive", tmp_path / "unused.pt", parent_peak_bytes=2 << 30) > CUBIC_BYTES
 
 
 # What is live beyond the outputs: per m-tile the pivot-major slices of k2/v2 (and of their
