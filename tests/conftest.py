@@ -11,11 +11,21 @@ device as torch's default device (so a test drawing from a CPU ``torch.Generator
 ``device="cpu"`` and moves the result). On CPU the "triton" run goes through the interpreter, so
 those tests keep their shapes small. Tests of Floyd attention in 16-bit or float32 take
 ``floyd_backend`` instead: the Triton run once per strategy of its backend (fused, chunked).
+
+On CPU every test runs under ``device_guard``, which tags each tensor as on the test device or
+on the host and raises where a GPU run would (a CPU generator drawing onto the test device,
+two devices in one call, a host tensor passed beside test-device ones); tensors inside
+``parametrize`` arguments (made at collection, on the CPU whatever the test device) fail the
+test on every device. ``GRADOPS_DEVICE_GUARD=0`` turns the guard off.
 """
 import contextlib
 import os
 
-TEST_DEVICE = os.environ.get("GRADOPS_TEST_DEVICE", "cpu")
+import device_guard  # noqa: E402
+
+# A str equal to "cpu" or "cuda", which the device guard tells apart from a literal "cpu".
+TEST_DEVICE = device_guard.DeviceName(os.environ.get("GRADOPS_TEST_DEVICE", "cpu"))
+GUARDED = TEST_DEVICE == "cpu" and os.environ.get("GRADOPS_DEVICE_GUARD", "1") != "0"
 if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -51,6 +61,8 @@ def as_default_backend(request, name):
         stack.enter_context(gradops.use_backend(name))
         if TEST_DEVICE != "cpu":  # factory calls without a device create tensors on the test device
             stack.enter_context(torch.device(TEST_DEVICE))
+        else:  # the same, as the device guard sees it
+            stack.enter_context(device_guard.default_to_test_device())
         yield name
 
 
@@ -86,3 +98,27 @@ def floyd_backend(request, monkeypatch):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(items):
+    """A tensor in a ``parametrize`` argument is made at collection, on the CPU, whatever the
+    test device: such a test mixes devices on a GPU. It fails, on every device, saying so."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        found = [path for name, value in params.items() for path, _ in device_guard.tensors_in(value, name)]
+        if found:
+            item.add_marker(pytest.mark.tensor_made_at_collection(found))
+
+
+@pytest.fixture(autouse=True)
+def _device_guard(request):
+    """The first fixture of every test: the device guard (module docstring) over the test."""
+    marker = request.node.get_closest_marker("tensor_made_at_collection")
+    if marker is not None:
+        pytest.fail(f"parametrize argument(s) {', '.join(marker.args[0])} hold tensors made at collection (on the "
+                    f"CPU, whatever GRADOPS_TEST_DEVICE is): build them inside the test, on the test device")
+    if not GUARDED:
+        yield
+        return
+    with device_guard.guarding():
+        yield
