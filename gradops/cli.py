@@ -68,7 +68,7 @@ def cmd_info(args) -> int:
     selftest.use_interpreter_on_cpu("cpu")
     import torch
 
-    from ._backend import triton_available
+    from ._backend import triton_available, triton_interpreter_on
 
     print(f"gradops {__version__}")
     print(f"python {platform.python_version()} ({platform.platform()})")
@@ -80,6 +80,11 @@ def cmd_info(args) -> int:
                 "compiled on CUDA devices; on the CPU through the Triton interpreter, which gradops "
                 "switches on (TRITON_INTERPRET=1) for CPU runs")
         print(f"triton {triton.__version__} ({rule})")
+        if triton_interpreter_on():
+            from .kernels import _interpreter
+
+            if _interpreter.APPLIED:
+                print(f"  Triton interpreter: {_interpreter.APPLIED}")
     else:
         print(f"triton not installed ({selftest.TRITON_INSTALL_HINT})")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

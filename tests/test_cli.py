@@ -14,6 +14,8 @@ import pytest
 from gradops import cli, selftest
 from gradops._backend import FAMILIES
 
+from conftest import TEST_DEVICE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Fresh interpreters see neither pytest's TRITON_INTERPRET (conftest) nor the test device.
 CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "GRADOPS_TEST_DEVICE")}
@@ -44,15 +46,17 @@ def ran_backends(text: str) -> set:
 
 
 def test_selftest_passes_on_reference_backend(capsys):
-    rc = cli.main(["selftest", "--backend", "reference", "--dtype", "float64", "--dtype", "float32"])
+    # on the test device (selftest's own default is cuda wherever one is visible)
+    rc = cli.main(["selftest", "--device", TEST_DEVICE, "--backend", "reference", "--dtype", "float64",
+                   "--dtype", "float32"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "0 failed" in out and "FAIL" not in out
     for op in ("layer_norm", "layer_norm_grad", "rms_norm", "nsa_compress", "floyd_attention"):
         assert op in out
     # a backend left out is named in the output and in the summary line
-    assert "triton: skipped on cpu: not selected" in out
-    assert re.search(r"^\d+ passed, 0 failed in .*; skipped: triton on cpu", out, re.M), out
+    assert f"triton: skipped on {TEST_DEVICE}: not selected" in out
+    assert re.search(rf"^\d+ passed, 0 failed in .*; skipped: triton on {TEST_DEVICE}", out, re.M), out
 
 
 def test_selftest_reports_failure_with_nonzero_exit(capsys, monkeypatch):
@@ -96,7 +100,8 @@ def test_info_and_selftest_list_the_same_backends(env):
 
 
 def test_selftest_without_triton_reports_the_skip_and_passes():
-    rc, out, err = gradops("selftest", "--dtype", "float32", prelude=NO_TRITON)
+    # on the CPU, whose message this checks (selftest's default is cuda wherever one is visible)
+    rc, out, err = gradops("selftest", "--device", "cpu", "--dtype", "float32", prelude=NO_TRITON)
     assert rc == 0, out + err
     hint = "triton is not installed (pip install 'gradops[triton]' / pip install triton)"
     assert f"triton: skipped on cpu: {hint}" in out
@@ -111,3 +116,29 @@ def test_selftest_without_triton_reports_the_skip_and_passes():
 def test_selftest_fails_when_nothing_runs():
     rc, out, err = gradops("selftest", "--backend", "triton", "--dtype", "float32", prelude=NO_TRITON)
     assert rc == 1 and "0 passed, 0 failed" in out and "nothing ran" in err, out + err
+
+
+def test_triton_3_6_interpreter_runs_with_this_numpy():
+    """The GPU image's Triton (3.6) runs the kernels on the CPU with the NumPy installed here:
+    its interpreter converts scalars with int() of a one-element array, which NumPy 2.4 refuses
+    (every triton row of selftest and bench failed so on the GPU machine, 2026-11-25), and
+    gradops takes the element instead (gradops/kernels/_interpreter.py), saying so in info."""
+    import numpy as np
+
+    from helpers import TRITON_3_6_ENV, triton_3_6_path
+
+    old = triton_3_6_path()
+    if not os.path.isdir(os.path.join(old, "triton")):
+        pytest.skip(f"Triton 3.6 is not installed at {old} (.ci/run installs it; or set {TRITON_3_6_ENV})")
+    env = {"PYTHONPATH": os.pathsep.join([old, ROOT])}
+    rc, out, err = gradops("selftest", "--device", "cpu", "--dtype", "float32", env=env)
+    assert rc == 0, out + err
+    assert ran_backends(out) == {"reference", "triton"}, out
+    rc, info, err = gradops("info", env=env)
+    assert rc == 0 and "triton 3.6" in info, info + err
+    try:
+        int(np.ones(1))
+        refused = False
+    except TypeError:
+        refused = True
+    assert ("Triton interpreter: the interpreter of triton 3.6" in info) == refused, info

@@ -5,3 +5,10 @@ On CUDA tensors they run compiled; on CPU tensors they run through the Triton in
 when ``TRITON_INTERPRET=1`` was set before triton was first imported (that is how the test
 suite exercises them without a GPU).
 """
+
+from .._backend import triton_available, triton_interpreter_on
+
+if triton_interpreter_on() and triton_available():
+    from . import _interpreter
+
+    _interpreter.fix()

@@ -1,0 +1,67 @@
+"""The Triton interpreter (how the kernels run on CPU tensors, with TRITON_INTERPRET=1) made
+to work with the NumPy beside it.
+
+Triton 3.6's interpreter turns a scalar kernel argument into a Python index with
+``int(array)`` of its one-element array (``range(0, tiles_per_program)`` in a kernel does
+that), which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python
+scalars"): every kernel with a loop bound taken from an argument then fails. Triton 3.9 takes
+the element itself. Where this Triton's interpreter fails so, ``fix()`` replaces that one
+conversion with the element's; nothing else of the interpreter changes. Compiled kernels (a
+GPU) never go through it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# Why the fix was applied (None: it was not needed), for `gradops info`.
+APPLIED: "str | None" = None
+
+
+class _Recorder:
+    """A stand-in for the interpreter's patch scope: records what it would set."""
+
+    def __init__(self):
+        self.attrs = {}
+
+    def set_attr(self, obj, name, value):
+        self.attrs[name] = value
+
+
+def _scalar_index_fails(patch_lang_tensor) -> bool:
+    scope = _Recorder()
+    patch_lang_tensor(type("Tensor", (), {}), scope)
+    index = scope.attrs.get("__index__")
+    if index is None:
+        return False
+    scalar = type("Scalar", (), {"handle": type("Handle", (), {"data": np.ones(1, dtype=np.int32)})()})()
+    try:
+        index(scalar)
+    except TypeError:
+        return True
+    return False
+
+
+def fix() -> None:
+    global APPLIED
+    from triton.runtime import interpreter
+
+    patch_lang_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_lang_tensor is None or getattr(patch_lang_tensor, "_gradops_fixed", False):
+        return
+    if not _scalar_index_fails(patch_lang_tensor):
+        return
+
+    def element_index(self):
+        data = self.handle.data
+        return int(data.reshape(-1)[0]) if data.size == 1 else int(data)
+
+    def fixed(tensor, scope):
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", element_index)
+
+    fixed._gradops_fixed = True
+    interpreter._patch_lang_tensor = fixed
+    import triton
+
+    APPLIED = (f"the interpreter of triton {triton.__version__} converts scalars with int() of a one-element "
+               f"array, which NumPy {np.__version__} refuses: gradops takes the element instead")
