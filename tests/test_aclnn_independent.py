@@ -12,6 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gradops
 from gradops import aclnn as A
 
+from conftest import TEST_DEVICE
+
 NULLPTR, INVALID, TILING = 161001, 161002, 561002
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 SENT = -12345.0  # exactly representable in every float dtype used here
@@ -781,6 +783,9 @@ def test_layer_norm_backward_weight_grads_are_float32_sums_cast_once(backend, dt
 def test_cpu_operators_take_a_cpu_torch_stream(backend):
     """OPERATORS.md 6: aclrtStream -> None or a torch stream; on the CPU that is torch.cpu.Stream
     or a generic torch.Stream of the CPU. Anything else is refused before anything is written."""
+    if TEST_DEVICE != "cpu":  # its operators run on the test device and take its streams
+        pytest.skip("CPU streams go with CPU tensors; on a GPU test_aclnn.py::test_runs_on_the_given_cuda_stream "
+                    "checks the CUDA stream")
     streams = [s for s in (getattr(torch.cpu, "Stream", lambda: None)(), torch.Stream(device="cpu")) if s is not None]
     for stream in streams:
         args = rms()

@@ -18,6 +18,7 @@ from torch import nn
 import gradops.nn as gnn
 
 try:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     HAVE_FSDP2 = True
 except ImportError:  # torch < 2.6
@@ -95,8 +96,11 @@ def _worker(rank, port, out_dir):
 
         if HAVE_FSDP2:
             model = make_model()
-            fully_shard(model.attn)  # a block of its own, as a transformer would wrap its layers
-            fully_shard(model)
+            # a CPU mesh: without one, fully_shard takes the accelerator's where there is one
+            # (both ranks then land on cuda:0, beside the CPU batch)
+            mesh = init_device_mesh("cpu", (WORLD,))
+            fully_shard(model.attn, mesh=mesh)  # a block of its own, as a transformer would wrap its layers
+            fully_shard(model, mesh=mesh)
             opt = _local_step(model, model.parameters(), rank)
             grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
             opt.step()

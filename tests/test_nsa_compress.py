@@ -253,11 +253,12 @@ def expected_non_finite(kind, site, x_shape, block_size, starts):
         dweight[j, n] = sum_c sum_d dout[c, n, d] x[start_c + j, n, d]
 
     Every other input is finite and non-zero, and each of these sums has at most one term
-    with the bad value, so the result there is non-finite (NaN for a NaN, +-inf for an inf)."""
+    with the bad value, so the result there is non-finite (NaN for a NaN, +-inf for an inf).
+    On the CPU, where ``assert_non_finite_pattern`` compares them."""
     tokens, heads, dims = x_shape
-    out = torch.zeros(len(starts), heads, dims, dtype=torch.bool)
-    dx = torch.zeros(x_shape, dtype=torch.bool)
-    dweight = torch.zeros(block_size, heads, dtype=torch.bool)
+    out = torch.zeros(len(starts), heads, dims, dtype=torch.bool, device="cpu")
+    dx = torch.zeros(x_shape, dtype=torch.bool, device="cpu")
+    dweight = torch.zeros(block_size, heads, dtype=torch.bool, device="cpu")
     if kind == "x":
         t, n, d = site
         for c, start in enumerate(starts):
@@ -391,11 +392,11 @@ def test_dtype_errors(good, name, dtype):
 
 
 @pytest.mark.parametrize("change,name", [
-    (dict(x=torch.randn(9, 6)), "x"),
-    (dict(x=torch.randn(9, 2, 3, 1)), "x"),
-    (dict(weight=torch.randn(3, 2)), "weight"),
-    (dict(weight=torch.randn(4, 3)), "weight"),
-    (dict(weight=torch.randn(4)), "weight"),
+    (dict(x=lambda device: torch.randn(9, 6, device=device)), "x"),
+    (dict(x=lambda device: torch.randn(9, 2, 3, 1, device=device)), "x"),
+    (dict(weight=lambda device: torch.randn(3, 2, device=device)), "weight"),
+    (dict(weight=lambda device: torch.randn(4, 3, device=device)), "weight"),
+    (dict(weight=lambda device: torch.randn(4, device=device)), "weight"),
     (dict(seq_lens=[5, 8]), "seq_lens"),            # last end != T
     (dict(seq_lens=[5, 10]), "seq_lens"),
     (dict(seq_lens=[6, 5, 9]), "seq_lens"),         # decreasing
@@ -406,8 +407,8 @@ def test_dtype_errors(good, name, dtype):
     (dict(seq_lens=[5.0, 9.0]), "seq_lens"),
     (dict(seq_lens=[5, True]), "seq_lens"),
     (dict(seq_lens=9), "seq_lens"),
-    (dict(seq_lens=torch.tensor([5.0, 9.0])), "seq_lens"),
-    (dict(seq_lens=torch.tensor([[5, 9]])), "seq_lens"),
+    (dict(seq_lens=lambda device: torch.tensor([5.0, 9.0], device="cpu")), "seq_lens"),
+    (dict(seq_lens=lambda device: torch.tensor([[5, 9]], device="cpu")), "seq_lens"),
     (dict(seq_lens_type="bogus"), "seq_lens_type"),
     (dict(seq_lens_type=2), "seq_lens_type"),
     (dict(block_size=0), "block_size"),
@@ -417,17 +418,19 @@ def test_dtype_errors(good, name, dtype):
     (dict(stride=-1), "stride"),
     (dict(stride=2.5), "stride"),
 ])
-def test_shape_and_attribute_errors(good, change, name):
-    args = dict(good, **change)
+def test_shape_and_attribute_errors(good, change, name, device):
+    # tensors are made here, not in the table (made at collection, on the CPU); seq_lens
+    # tensors are host metadata
+    args = dict(good, **{k: v(device) if callable(v) else v for k, v in change.items()})
     for call in (_fwd, _bwd):
         with _raises(INVALID, name):
             call(args)
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 3), (3, 2, 3), (2, 2, 4), (2, 3, 3), (2, 6)])  # (2, 2, 3) is right
-def test_dout_shape_error(good, shape):
+def test_dout_shape_error(good, shape, device):
     with _raises(INVALID, "dout"):
-        _bwd(dict(good, dout=torch.randn(shape)))
+        _bwd(dict(good, dout=torch.randn(shape, device=device)))
 
 
 def test_unknown_backend(good):
@@ -583,7 +586,7 @@ def test_cuda_graph_after_one_warm_up_call(backend, device):
         pytest.skip("needs GRADOPS_TEST_DEVICE=cuda")
     block_size, stride = 5, 2
     ends, x, weight, dout = random_problem([0, 11, 3, 0, 9], 3, 16, block_size, stride, torch.float32, device)
-    for seq_lens in (ends, torch.tensor(ends)):  # a list, and a host tensor
+    for seq_lens in (ends, torch.tensor(ends, device="cpu")):  # a list, and a host tensor
 
         def step():
             out = compress(x, weight, block_size, stride, seq_lens, backend=backend)

@@ -505,18 +505,20 @@ def test_ascendc_tiling_none_fields_and_scratch_positions(backend):
 
 
 def test_outputs_over_one_buffer_through_two_storages_are_refused(backend):
-    """Outputs made from one numpy buffer have two storages but one memory: refused as any
-    two overlapping views, and nothing written."""
-    np = pytest.importorskip("numpy")
-    buf = np.full(200, 7, np.float32)
+    """Outputs made over one buffer through two storages (``torch.from_dlpack`` of two slices,
+    as NumPy views or another framework's tensors would be) share memory: refused as any two
+    overlapping views, and nothing written. The buffer is on the test device (NumPy memory
+    could only be on the CPU, beside a test-device x)."""
+    buf = torch.full((200,), 7.0)
     x = torch.randn(2, 3, 16)
-    out = torch.from_numpy(buf[:96]).view(2, 3, 16)
-    mean = torch.from_numpy(buf[90:96]).view(2, 3, 1)
+    out = torch.from_dlpack(buf[:96]).view(2, 3, 16)
+    mean = torch.from_dlpack(buf[90:96]).view(2, 3, 1)
+    assert out.untyped_storage()._cdata != mean.untyped_storage()._cdata  # two storages
     rstd = torch.empty(2, 3, 1)
-    before = buf.copy()
+    before = buf.clone()
     refused(lambda: A.aclnnLayerNormGetWorkspaceSize(x, [16], None, None, 1e-5, out, mean, rstd),
             161002, "out", "meanOutOptional", "share memory")
-    assert np.array_equal(buf, before)
+    assert torch.equal(buf, before)
 
 
 def test_workspace_size_past_uint64_is_refused(backend):
