@@ -277,6 +277,27 @@ def test_layer_norm_backward_writes_dw_db_in_the_grad_dtype(split, device, reque
     assert dw.dtype == torch.bfloat16 and torch.equal(dw, f32[1].to(torch.bfloat16))
 
 
+# ------------------------------------------------------------------ exact arithmetic
+@pytest.mark.parametrize("split", [False, True])
+def test_width_one_gives_exact_zeros(split, device, monkeypatch):
+    # At width 1 x-hat is 0: LayerNorm's dx = rstd * (g - mean(g)) and AscendC's
+    # pd_x = x1*r + pd_mean/H (pd_mean = -x1*r) cancel to exactly 0 when every product is
+    # rounded as written and the mean divides exactly (norm_config.fp_fusion; on a GPU the
+    # sm_90 compile test below checks the code, here the results), on both kernel paths.
+    if split:
+        monkeypatch.setattr(norm_config, "MAX_FUSED_N_OVERRIDE", 0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, dy, w, b = ln_inputs(7, 1, dtype, device)
+        for eps in (1e-5, 1e-12):  # the error of a contracted product grows with rstd
+            y, mean, rstd = KLN.layer_norm(x, w, b, eps)
+            assert torch.equal(y, b.expand(7, 1))
+            dx, dw, db = KLN.layer_norm_backward(dy, x, mean, rstd, w, (True, True, True))
+            assert torch.equal(dx, torch.zeros_like(dx)) and torch.equal(dw, torch.zeros_like(dw))
+            pd_x, res = KLN.layer_norm_grad(dy, x, torch.zeros(7, dtype=dtype, device=device), x[:, 0], w, eps,
+                                            False)
+            assert torch.equal(pd_x, torch.zeros_like(pd_x)) and torch.equal(res, torch.zeros_like(res))
+
+
 # ------------------------------------------------------------------ weights
 def test_layer_norm_without_weight_or_bias(device):
     check_layer_norm(6, 130, F32, device, weight=False, bias=False)
@@ -556,8 +577,9 @@ def test_gpu_width_sweep(n, dtype, device):
 # also compile. Triton cross-compiles for sm_90 on any machine and its wheel ships ptxas.
 # Each kernel is compiled as the JIT would specialise a launch at the goal's shapes (16-byte
 # aligned pointers, widths and strides divisible by 16: what lets loads vectorise and the
-# pipeliner turn them into cp.async), with the launch parameters norm_config gives at
-# M = 32768 on an H100; a few odd widths (scalar loads) are checked for spills only.
+# pipeliner turn them into cp.async), with the launch parameters and options norm_config gives
+# at M = 32768 on an H100 (its launch dicts themselves, so the check compiles what the
+# launchers launch); a few odd widths (scalar loads) are checked for spills only.
 _SM90_CHECK = r"""
 import json, os, re, subprocess, sys, tempfile
 import torch, triton, triton.language as tl
@@ -569,9 +591,10 @@ C._sm_count = lambda index: 132  # an H100 SXM
 C._l2_bytes = lambda index: 50 * 2**20
 dev = torch.device("cuda", 0)
 M = 32768
-INT_RH = {"_sum_rows_kernel"}
-STATS = {"Mean", "Rstd", "C1", "C2", "C", "DW_P", "DB_P", "P", "OUT_A", "OUT_B"}
-cases = []  # (label, fn, constexprs, warps, maxnreg, programs per SM, dtype, aligned)
+INT_RH = {"_sum_rows_kernel"}  # R is a row count there, H the AscendC row width
+INT_H = {"_ln_grad_fused_kernel", "_ln_grad_row_sums_kernel", "_ln_grad_cols_kernel"}
+STATS = {"Mean", "Rstd", "C1", "C2", "C", "DW_P", "DB_P", "P", "OUT_A", "OUT_B", "S", "PG_P", "PB_P"}
+cases = []  # (label, fn, constexprs, launch options, programs per SM, dtype, aligned)
 LN_BWD = dict(HAS_W=True, WANT_DX=True, WANT_DW=True, WANT_DB=True)
 for dt, eb, widths in (("bf16", 2, (1024, 4096, 8192)), ("fp32", 4, (8192,))):
     for n in widths:
@@ -580,65 +603,76 @@ for dt, eb, widths in (("bf16", 2, (1024, 4096, 8192)), ("fp32", 4, (8192,))):
             b = dict(BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages)
             per_sm = f.grid // 132
             cases.append((f"bwd {dt} {n}", KLN._ln_bwd_fused_kernel, dict(LN_BWD, HAS_DRES=extra, **b),
-                          f.num_warps, f.maxnreg, per_sm, dt, True))
+                          f.launch(), per_sm, dt, True))
             cases.append((f"bwd {dt} {n}", KRN._rms_bwd_fused_kernel,
-                          dict(HAS_W=True, HAS_DRES=extra, ROUND_XHAT=extra, **b), f.num_warps, f.maxnreg, per_sm, dt, True))
+                          dict(HAS_W=True, HAS_DRES=extra, ROUND_XHAT=extra, **b), f.launch(), per_sm, dt, True))
 for n in (1024, 8192, 16384):
     for res in (False, True):
         f = C.fused_config(M, n, dev, kind="fwd", streams=2 if res else 1)
         b = dict(BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages)
         per_sm = f.grid // 132
         cases.append((f"fwd {n}", KLN._ln_fwd_fused_kernel, dict(HAS_W=True, HAS_B=True, HAS_RES=res, **b),
-                      f.num_warps, f.maxnreg, per_sm, "bf16", True))
+                      f.launch(), per_sm, "bf16", True))
         cases.append((f"fwd {n}", KRN._rms_fwd_fused_kernel, dict(HAS_W=True, HAS_RES=res, ROUND_XHAT=res, **b),
-                      f.num_warps, f.maxnreg, per_sm, "bf16", True))
+                      f.launch(), per_sm, "bf16", True))
 s = C.split_config(M, 65536, dev)
 b = dict(BLOCK_M=s.block_m, BLOCK_N=s.block_n, NUM_STAGES=s.num_stages)
 per_sm = C.REGS_PER_SM // (C.GPU_BWD_MAX_REGS * 32 * s.num_warps)
 for dres in (False, True):
     cases.append(("split bwd 65536", KLN._ln_bwd_cols_kernel, dict(LN_BWD, HAS_DRES=dres, ACCUMULATE=True, SEGMENTS=C.next_pow2(s.row_segments), **b),
-                  s.num_warps, s.maxnreg, per_sm, "bf16", True))
+                  s.launch(), per_sm, "bf16", True))
     cases.append(("split bwd 65536", KRN._rms_bwd_cols_kernel,
-                  dict(HAS_W=True, HAS_DRES=dres, ROUND_XHAT=dres, ACCUMULATE=True, SEGMENTS=C.next_pow2(s.row_segments), **b), s.num_warps, s.maxnreg,
-                  per_sm, "bf16", True))
+                  dict(HAS_W=True, HAS_DRES=dres, ROUND_XHAT=dres, ACCUMULATE=True, SEGMENTS=C.next_pow2(s.row_segments), **b),
+                  s.launch(), per_sm, "bf16", True))
 rs = dict(HAS_W=True, BLOCK_N=s.block_n, NUM_STAGES=s.num_stages)
-cases.append(("split bwd 65536", KLN._ln_bwd_row_sums_kernel, rs, s.row_num_warps, None, 1, "bf16", True))
-cases.append(("split bwd 65536", KRN._rms_bwd_row_sums_kernel, rs, s.row_num_warps, None, 1, "bf16", True))
+cases.append(("split bwd 65536", KLN._ln_bwd_row_sums_kernel, rs, s.row_launch(), 1, "bf16", True))
+cases.append(("split bwd 65536", KRN._rms_bwd_row_sums_kernel, rs, s.row_launch(), 1, "bf16", True))
 for res in (False, True):
-    w = C.split_config(M, 65536, dev, streams=2 if res else 1)
+    w = C.split_config(M, 65536, dev, streams=2 if res else 1, kind="fwd")
     wb = dict(BLOCK_N=w.block_n, NUM_STAGES=w.num_stages)
     cases.append(("wide fwd 65536", KLN._ln_fwd_wide_kernel, dict(HAS_W=True, HAS_B=True, HAS_RES=res, **wb),
-                  w.row_num_warps, None, 1, "bf16", True))
+                  w.row_launch(), 1, "bf16", True))
     cases.append(("wide fwd 65536", KRN._rms_fwd_wide_kernel, dict(HAS_W=True, HAS_RES=res, ROUND_XHAT=res, **wb),
-                  w.row_num_warps, None, 1, "bf16", True))
+                  w.row_launch(), 1, "bf16", True))
 # odd widths: scalar loads, nothing to pipeline; spills only
 f = C.fused_config(M, 1000, dev, streams=3)
 b = dict(BLOCK_M=f.block_m, BLOCK_N=f.block_n, NUM_STAGES=f.num_stages)
-cases.append(("bwd 1000", KLN._ln_bwd_fused_kernel, dict(LN_BWD, HAS_DRES=True, **b), f.num_warps, f.maxnreg,
+cases.append(("bwd 1000", KLN._ln_bwd_fused_kernel, dict(LN_BWD, HAS_DRES=True, **b), f.launch(),
               f.grid // 132, "bf16", False))
 cases.append(("bwd 1000", KRN._rms_bwd_fused_kernel, dict(HAS_W=True, HAS_DRES=True, ROUND_XHAT=True, **b),
-              f.num_warps, f.maxnreg, f.grid // 132, "bf16", False))
-w = C.split_config(M, 65537, dev, streams=2)
+              f.launch(), f.grid // 132, "bf16", False))
+w = C.split_config(M, 65537, dev, streams=2, kind="fwd")
 cases.append(("wide fwd 65537", KLN._ln_fwd_wide_kernel,
               dict(HAS_W=True, HAS_B=True, HAS_RES=True, BLOCK_N=w.block_n, NUM_STAGES=w.num_stages),
-              w.row_num_warps, None, 1, "bf16", False))
+              w.row_launch(), 1, "bf16", False))
 r = C.reduce_config(264, 2 * 8192, dev)
-cases.append(("reduce", NC._sum_rows_kernel, dict(BLOCK_R=r.block_r, BLOCK_N=r.block_n), r.num_warps, None, 1,
+cases.append(("reduce", NC._sum_rows_kernel, dict(BLOCK_R=r.block_r, BLOCK_N=r.block_n), r.launch(), 1,
               "fp32", True))
-for label, fn, consts, warps, maxnreg, per_sm, dt, aligned in cases:
+# AscendC LayerNormGrad (one tile per program) and LayerNormGradBeta, float32 (T = float)
+f = C.fused_config(M, 4096, dev, persistent=False)
+cases.append(("ascendc 4096", KLN._ln_grad_fused_kernel, dict(REUSE=True, BLOCK_M=f.block_m, BLOCK_N=f.block_n),
+              f.launch(), 1, "fp32", True))
+s = C.split_config(M, 65536, dev)
+cases.append(("ascendc 65536", KLN._ln_grad_row_sums_kernel, dict(BLOCK_N=s.block_n, NUM_STAGES=s.num_stages),
+              s.row_launch(), 1, "fp32", True))
+cases.append(("ascendc 65536", KLN._ln_grad_cols_kernel, dict(REUSE=True, BLOCK_M=s.block_m, BLOCK_N=s.block_n),
+              s.launch(), 1, "fp32", True))
+s = C.split_config(M, 4096, dev, elem_bytes=4, chunked=False)
+cases.append(("ascendc beta 4096", KLN._ln_grad_beta_kernel,
+              dict(REUSE=True, BLOCK_M=s.block_m, BLOCK_N=s.block_n, NUM_STAGES=s.num_stages), s.launch(), 1,
+              "fp32", True))
+for label, fn, consts, opts, per_sm, dt, aligned in cases:
     if "ACC" in fn.arg_names:
         consts = dict(consts, ACC=tl.float32)
     sig = {a: "constexpr" if a in consts else "fp32" if a in ("offset", "eps")
            else "i32" if a in ("M", "N", "N_A") or a[0].islower() or (a == "R" and fn.__name__ in INT_RH)
+           or (a == "H" and fn.__name__ in INT_H)
            else "*fp32" if a in STATS else f"*{dt}" for a in fn.arg_names}
     div = [i for i, a in enumerate(fn.arg_names) if sig[a].startswith("*") or a.startswith("stride")
-           or (aligned and a in ("M", "N", "N_A"))]
+           or (aligned and (a in ("M", "N", "N_A") or (a == "H" and fn.__name__ in INT_H)))]
     attrs = {(i,): [["tt.divisibility", 16]] for i in div}
-    opts = {"num_warps": warps}
-    if maxnreg:
-        opts["maxnreg"] = maxnreg
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=opts)
+                       target=GPUTarget("cuda", 90, 32), options=dict(opts))
     ptx = c.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         with open(os.path.join(tmp, "k.ptx"), "w") as f:
@@ -646,12 +680,14 @@ for label, fn, consts, warps, maxnreg, per_sm, dt, aligned in cases:
         out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", os.path.join(tmp, "k.ptx"),
                               "-o", os.path.join(tmp, "k.o")], capture_output=True, text=True)
     regs = re.search(r"Used (\d+) registers", out.stderr)
-    rec = dict(label=label, kernel=fn.__name__, warps=warps, maxnreg=maxnreg, per_sm=per_sm,
-               stages=consts.get("NUM_STAGES", 1), aligned=aligned,
+    rec = dict(label=label, kernel=fn.__name__, warps=opts["num_warps"], maxnreg=opts.get("maxnreg"),
+               fp_fusion=opts["enable_fp_fusion"], per_sm=per_sm, stages=consts.get("NUM_STAGES", 1), aligned=aligned,
                flags={k: v for k, v in consts.items() if k.startswith(("HAS_", "ROUND"))},
                regs=int(regs.group(1)) if regs else None,
                spill=sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", out.stderr)),
                smem=c.metadata.shared, cp_async=len(re.findall(r"cp\.async\.c[ag]", ptx)),
+               fma_f32=len(re.findall(r"\bfma\.[a-z.]*f32\b", ptx)),
+               div_approx_f32=len(re.findall(r"\bdiv\.(?:full|approx)[a-z.]*f32\b", ptx)),
                ptxas_error=None if regs else out.stderr[-300:])
     print("K", json.dumps(rec), flush=True)
 """
@@ -675,7 +711,7 @@ SM90_REGS_PER_SM = 65536
 @pytest.mark.parametrize("triton_version", ["installed", "3.6"])
 def test_kernels_compile_for_sm90_within_their_budgets(triton_version):
     """The norm kernels, with their launch parameters from norm_config, compile for H100:
-    no register spills, registers within the cap norm_config launches with (so its programs
+    without fused multiply-adds, LayerNorm's dx without approximate divisions, no register spills, registers within the cap norm_config launches with (so its programs
     per SM fit in the register file), shared memory within sm_90's limits for that many
     programs per SM, and the pipelined loops (stages >= 2) really issue cp.async."""
     import json
@@ -689,11 +725,19 @@ def test_kernels_compile_for_sm90_within_their_budgets(triton_version):
         pytest.skip("no ptxas in the triton wheel")
     stdout = run_sm90_compile(_SM90_CHECK, ptxas, triton_version=triton_version)
     recs = [json.loads(ln[2:]) for ln in stdout.splitlines() if ln.startswith("K ")]
-    assert len(recs) == 42, stdout
+    assert len(recs) == 46, stdout
     for r in recs:
         what = f"{r['label']} {r['kernel']} {r['flags']}: {r}"
         if r["regs"] is None:
             pytest.skip(f"ptxas could not assemble Triton's PTX: {what}")
+        # LayerNorm's dx at width 1 is exactly 0 only if g = w * dy is rounded before c2 (the
+        # row mean of the rounded g, by an IEEE division: g itself) is subtracted: no fused
+        # multiply-add and no approximate division in the kernels that compute dx (AscendC's
+        # pd_x at H = 1 alike); and no FMA wherever the launch options say no contraction.
+        if r["kernel"] in ("_ln_bwd_fused_kernel", "_ln_bwd_cols_kernel"):
+            assert r["fma_f32"] == 0 and r["div_approx_f32"] == 0, what
+        if r["kernel"] in ("_ln_grad_fused_kernel", "_ln_grad_cols_kernel") or not r["fp_fusion"]:
+            assert r["fma_f32"] == 0, what
         assert r["spill"] == 0, what
         if r["maxnreg"]:
             assert r["regs"] <= r["maxnreg"], what

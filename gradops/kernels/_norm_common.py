@@ -53,6 +53,17 @@ def load_input(X, R, x_offs, r_offs, mask, HAS_RES: tl.constexpr, ACC: tl.conste
 
 
 @triton.jit
+def div_rn(a, b, ACC: tl.constexpr):
+    """``a / b`` rounded to nearest, for the divisions an exact result rests on (LayerNorm's
+    width-1 dx, a constant row's statistics): on a GPU a float32 ``/`` is the approximate
+    div.full.f32 (up to 2 ulp), float64's is IEEE. Row scalars only: it costs more instructions."""
+    if ACC == tl.float32:
+        return tl.math.div_rn(a, b + tl.zeros_like(a))
+    else:
+        return a / b
+
+
+@triton.jit
 def _sum_rows_kernel(P, OUT_A, OUT_B, R, N, N_A, stride_p,
                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     # One program per column block sums R partial rows in a fixed order (row blocks in
@@ -91,5 +102,5 @@ def sum_partial_rows(partial: torch.Tensor, out_dtype: torch.dtype, parts: int =
     else:
         cfg = norm_config.reduce_config(r, width, partial.device)
         _sum_rows_kernel[(cfg.grid,)](partial, outs[0], outs[-1], r, width, n, partial.stride(0),
-                                      BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+                                      BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, **cfg.launch())
     return outs[0] if parts == 1 else tuple(outs)

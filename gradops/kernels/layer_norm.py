@@ -9,7 +9,10 @@ launch parameter comes from ``norm_config``.
 Conventions shared by all kernels below: rows are addressed as ``row * stride + col``
 with the row index widened to int64 first (so a tensor may pass 2**31 elements); masked
 lanes load 0 and are forced back to 0 after any shift, so they never leak into a sum;
-ACC is the accumulator dtype (float32, float64 for float64 inputs).
+ACC is the accumulator dtype (float32, float64 for float64 inputs); every launch takes its
+options from ``norm_config.launch_options``: the backwards run without floating-point contraction
+(``norm_config.fp_fusion``), since their exact results (dx = 0 at width 1) rest on every
+product being rounded as written.
 
 The fused residual add (``residual``/``dres``, see the reference) is a flag of the same
 kernels: HAS_RES reads the residual and writes h = x + residual beside y, HAS_DRES reads the
@@ -23,7 +26,7 @@ import triton.language as tl
 
 from ..ops._checks import stat_dtype
 from . import norm_config
-from ._norm_common import as_rows, dx_target, load_input, row_stride, sum_partial_rows, tl_acc, vector
+from ._norm_common import as_rows, div_rn, dx_target, load_input, row_stride, sum_partial_rows, tl_acc, vector
 
 
 # --------------------------------------------------------------------------- forward
@@ -107,8 +110,10 @@ def _ln_fwd_wide_kernel(X, R, H, Y, W, B, Mean, Rstd, N, stride_x, stride_r, str
         dev += tl.where(cmask, x - shift, 0.0)
         total = count + n_b
         delta = mean_b - mean
-        mean = mean + delta * (n_b / total)
-        m2 = m2 + m2_b + delta * delta * (count * n_b / total)
+        # exact divisions: the first block's n_b / total must be exactly 1, so that a constant
+        # row's running mean is its value and every later delta exactly 0
+        mean = mean + delta * div_rn(n_b, total, ACC)
+        m2 = m2 + m2_b + delta * delta * div_rn(count * n_b, total, ACC)
         count = total
     mean = shift + tl.sum(dev, axis=0) / N
     var = m2 / N
@@ -157,10 +162,10 @@ def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
             x, r, h, y, w, b, mean, rstd, m, n, *strides, eps, cfg.tiles_per_program, cfg.grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **common)
     else:
-        cfg = norm_config.split_config(m, n, x.device, **shape)
+        cfg = norm_config.split_config(m, n, x.device, kind="fwd", **shape)
         _ln_fwd_wide_kernel[(m,)](
             x, r, h, y, w, b, mean, rstd, n, *strides, eps,
-            BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.row_num_warps, **common)
+            BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.row_launch(), **common)
     return y, mean, rstd
 
 
@@ -201,8 +206,9 @@ def _ln_bwd_fused_kernel(DY, X, W, Mean, Rstd, DRES, DX, DW_P, DB_P,
                 g = dy * w[None, :]
             else:
                 g = dy
-            c1 = tl.sum(xhat * g, axis=1) / N
-            c2 = tl.sum(g, axis=1) / N
+            # exact division: at width 1, c2 must be g itself for g - c2 to cancel to 0
+            c1 = div_rn(tl.sum(xhat * g, axis=1), N, ACC)
+            c2 = div_rn(tl.sum(g, axis=1), N, ACC)
             dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
             if HAS_DRES:
                 dx += tl.load(DRES + rows64[:, None] * stride_dres + cols[None, :], mask=mask,
@@ -289,8 +295,8 @@ def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DRES, DX, DW_P, DB_P,
             segs = tl.arange(0, SEGMENTS)
             c_offs = rows64[:, None] * num_segments + segs[None, :]
             c_mask = rmask[:, None] & (segs < num_segments)[None, :]
-            c1 = tl.sum(tl.load(C1 + c_offs, mask=c_mask, other=0.0), axis=1) / N
-            c2 = tl.sum(tl.load(C2 + c_offs, mask=c_mask, other=0.0), axis=1) / N
+            c1 = div_rn(tl.sum(tl.load(C1 + c_offs, mask=c_mask, other=0.0), axis=1), N, ACC)
+            c2 = div_rn(tl.sum(tl.load(C2 + c_offs, mask=c_mask, other=0.0), axis=1), N, ACC)
             if HAS_W:
                 g = dy * w[None, :]
             else:
@@ -378,7 +384,7 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
                 _ln_bwd_row_sums_kernel[(r1 - r0, segs)](
                     dy_rows[rows], x_rows[rows], w, mean[rows], rstd[rows], c1[rows], c2[rows], n,
                     strides[0], strides[1], cfg.segment_blocks, segs, HAS_W=weight is not None, ACC=flags["ACC"], BLOCK_N=cfg.block_n,
-                    NUM_STAGES=cfg.num_stages, num_warps=cfg.row_num_warps)
+                    NUM_STAGES=cfg.num_stages, **cfg.row_launch())
             _ln_bwd_cols_kernel[(cfg.col_blocks, cfg.row_groups)](
                 dy_rows[rows], x_rows[rows], w, mean[rows], rstd[rows], c1[rows], c2[rows], dres_rows[rows],
                 dx_buf[rows], dw_p, db_p, r1 - r0, n, *strides, stride_p, cfg.tiles_per_group, cfg.row_groups,
@@ -398,14 +404,16 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
 
 # ------------------------------------------------------- AscendC LayerNormGrad(Beta)
 @triton.jit
-def _ascendc_row_factors(var, s_x1x2, s_x1, s_x2, eps, H):
+def _ascendc_row_factors(var, s_x1x2, s_x1, s_x2, eps, H, ACC: tl.constexpr):
     # CANN's formula, literally (OPERATORS.md section 2), given the three row sums
     # sum(x1*x2), sum(x1), sum(x2); pd_mean keeps the analytically-zero term.
     r = 1.0 / tl.sqrt(var + eps)
     r3 = r * r * r
     pd_var = -0.5 * r3 * s_x1x2
-    # 1/H and 2/H in the accumulator dtype (a Python-float constant would be float32).
-    inv_h = 1.0 / (tl.zeros_like(var) + H)
+    # 1/H and 2/H in the accumulator dtype (a Python-float constant would be float32), by an
+    # IEEE division: at H = 1 (x = mean) pd_x = x1*r + pd_mean/H cancels to exactly 0 only if
+    # 1/H is exactly 1.
+    inv_h = div_rn(tl.zeros_like(var) + 1.0, H, ACC)
     pd_mean = -r * s_x1 + pd_var * inv_h * (-2.0 * s_x2)
     return r, pd_var, pd_mean, inv_h
 
@@ -431,7 +439,7 @@ def _ln_grad_fused_kernel(DY, X, Var, Mean, Gamma, PDX, RES, M, H,
     x2 = tl.where(mask, x - mean[:, None], 0.0)
     x1 = dy * gamma[None, :]
     r, pd_var, pd_mean, inv_h = _ascendc_row_factors(var, tl.sum(x1 * x2, axis=1), tl.sum(x1, axis=1),
-                                              tl.sum(x2, axis=1), eps, H)
+                                              tl.sum(x2, axis=1), eps, H, ACC)
     pd_x = x1 * r[:, None] + (pd_var * (2.0 * inv_h))[:, None] * x2 + (pd_mean * inv_h)[:, None]
     tl.store(PDX + rows64[:, None] * stride_pdx + cols[None, :], pd_x.to(PDX.dtype.element_ty), mask=mask)
     tl.store(RES + rows64[:, None] * stride_res + cols[None, :], (x2 * r[:, None]).to(RES.dtype.element_ty),
@@ -491,7 +499,7 @@ def _ln_grad_cols_kernel(DY, X, Var, Mean, Gamma, S, PDX, RES, M, H,
     s2 = tl.load(S + rows64 * 3 + 2, mask=rmask, other=0.0)
     x2 = x - mean[:, None]
     x1 = dy * gamma[None, :]
-    r, pd_var, pd_mean, inv_h = _ascendc_row_factors(var, s12, s1, s2, eps, H)
+    r, pd_var, pd_mean, inv_h = _ascendc_row_factors(var, s12, s1, s2, eps, H, ACC)
     pd_x = x1 * r[:, None] + (pd_var * (2.0 * inv_h))[:, None] * x2 + (pd_mean * inv_h)[:, None]
     tl.store(PDX + rows64[:, None] * stride_pdx + cols[None, :], pd_x.to(PDX.dtype.element_ty), mask=mask)
     tl.store(RES + rows64[:, None] * stride_res + cols[None, :], (x2 * r[:, None]).to(RES.dtype.element_ty),
@@ -525,17 +533,17 @@ def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source):
         _ln_grad_fused_kernel[(cfg.grid,)](
             dy_rows, x_rows, variance, mean, gamma, pd_x, res, r, h,
             row_stride(dy_rows), row_stride(x_rows), row_stride(pd_x), row_stride(res), eps,
-            REUSE=reuse, ACC=acc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+            REUSE=reuse, ACC=acc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch())
     else:
         cfg = norm_config.split_config(r, h, device)
         sums = torch.empty((r, 3), dtype=stat_dtype(x.dtype), device=device)
         _ln_grad_row_sums_kernel[(r,)](
             dy_rows, x_rows, mean, gamma, sums, h, row_stride(dy_rows), row_stride(x_rows),
-            ACC=acc, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.row_num_warps)
+            ACC=acc, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.row_launch())
         _ln_grad_cols_kernel[(cfg.row_tiles, cfg.col_blocks)](
             dy_rows, x_rows, variance, mean, gamma, sums, pd_x, res, r, h,
             row_stride(dy_rows), row_stride(x_rows), row_stride(pd_x), row_stride(res), eps,
-            REUSE=reuse, ACC=acc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+            REUSE=reuse, ACC=acc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch())
     if reuse:
         if dy_copied:
             dy.copy_(dy_rows)

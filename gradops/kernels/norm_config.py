@@ -132,9 +132,33 @@ def _stages(tile_elems: int, elem_bytes: int, streams: int, programs_per_sm: int
     return max(1, min(GPU_MAX_STAGES, fit))
 
 
-def _launch(num_warps: int, maxnreg) -> dict:
-    """Launch options: warps, and the register cap the programs-per-SM count assumes."""
-    return dict(num_warps=num_warps) if maxnreg is None else dict(num_warps=num_warps, maxnreg=maxnreg)
+def fp_fusion(kind: str) -> bool:
+    """Whether the kernels of ``kind`` ("fwd", "bwd") may contract ``a * b + c`` into one FMA,
+    Triton's default.
+
+    The backwards may not. Their dx is a difference of products, ``g - c2 - xhat * c1`` with
+    ``g = w * dy`` and ``c2`` the row mean of the rounded g: contracted, the GPU computes
+    ``fma(w, dy, -c2)``, whose unrounded product no longer cancels the rounded one in c2, so
+    LayerNorm's dx at width 1 (where it must be exactly 0) becomes rstd times a rounding error
+    (1.5e-5 at eps = 1e-5 on an H100; AscendC's pd_x at H = 1 likewise). Without contraction
+    every product is rounded as the formulas (and the reference) write it. The kernels are
+    memory-bound, so the separate multiply and add are not where their time goes; the sm_90
+    compile test checks that they still fit their register budgets without spills.
+
+    The forwards may: no exact result of theirs rests on a rounded product (a constant row
+    centres to exact zeros before any multiply, so y = bias and the variance is 0 either
+    way), and without contraction the LayerNorm forward at 8192 columns spills under Triton
+    3.6's ptxas."""
+    return kind == "fwd"
+
+
+def launch_options(num_warps: int, maxnreg, kind: str) -> dict:
+    """Options of a norm kernel launch: warps, the register cap the programs-per-SM count
+    assumes, and :func:`fp_fusion` (the interpreter ignores all three)."""
+    opts = dict(num_warps=num_warps, enable_fp_fusion=fp_fusion(kind))
+    if maxnreg is not None:
+        opts["maxnreg"] = maxnreg
+    return opts
 
 
 @dataclass(frozen=True)
@@ -148,9 +172,10 @@ class FusedConfig:
     tiles_per_program: int  # loop trip count of a persistent program (last ones mask the tail)
     num_stages: int = 1  # software pipeline depth of the tile loop
     maxnreg: int | None = None  # ptxas register cap (None on the CPU)
+    kind: str = "bwd"  # of the kernels it launches: "fwd" or "bwd"
 
     def launch(self) -> dict:
-        return _launch(self.num_warps, self.maxnreg)
+        return launch_options(self.num_warps, self.maxnreg, self.kind)
 
 
 @dataclass(frozen=True)
@@ -169,9 +194,15 @@ class SplitConfig:
     chunk_rows: int = 0  # rows per launch pair of the split backward (a multiple of block_m)
     row_segments: int = 1  # programs per row of the row-sums kernel (column segments)
     segment_blocks: int = 1  # column blocks per segment
+    kind: str = "bwd"  # of the kernels it launches: "fwd" or "bwd"
 
     def launch(self) -> dict:
-        return _launch(self.num_warps, self.maxnreg)
+        """Options of the column-tiled kernels."""
+        return launch_options(self.num_warps, self.maxnreg, self.kind)
+
+    def row_launch(self) -> dict:
+        """Options of the one-row-per-program kernels (row statistics, the wide forward)."""
+        return launch_options(self.row_num_warps, None, self.kind)
 
 
 @dataclass(frozen=True)
@@ -180,6 +211,9 @@ class ReduceConfig:
     block_n: int
     num_warps: int
     grid: int
+
+    def launch(self) -> dict:
+        return launch_options(self.num_warps, None, "bwd")  # the backwards' dweight/dbias sums
 
 
 def is_fused(n: int, device, kind: str = "bwd") -> bool:
@@ -200,10 +234,10 @@ def fused_config(m: int, n: int, device, *, persistent: bool = True, kind: str =
     num_tiles = -(-m // block_m)
     if not gpu:
         grid = max(1, min(num_tiles, CPU_PROGRAMS)) if persistent else max(1, num_tiles)
-        return FusedConfig(block_m, block_n, 1, num_tiles, grid, -(-num_tiles // grid))
+        return FusedConfig(block_m, block_n, 1, num_tiles, grid, -(-num_tiles // grid), kind=kind)
     num_warps = _warps_for(block_m * block_n)
     if not persistent:
-        return FusedConfig(block_m, block_n, num_warps, num_tiles, max(1, num_tiles), 1)
+        return FusedConfig(block_m, block_n, num_warps, num_tiles, max(1, num_tiles), 1, kind=kind)
     if elem_bytes > 4:
         # float64 (no speed goal): twice the registers per value would spill under the caps
         # below, so it keeps the compiler's own register choice, one program per SM and a
@@ -217,13 +251,14 @@ def fused_config(m: int, n: int, device, *, persistent: bool = True, kind: str =
         per_sm = max(1, min(GPU_MAX_PROGRAMS_PER_SM, REGS_PER_SM // (regs * 32 * num_warps)))
         stages = _stages(block_m * block_n, elem_bytes, streams, per_sm)
     grid = max(1, min(num_tiles, sm_count(device) * per_sm))
-    return FusedConfig(block_m, block_n, num_warps, num_tiles, grid, -(-num_tiles // grid), stages, regs)
+    return FusedConfig(block_m, block_n, num_warps, num_tiles, grid, -(-num_tiles // grid), stages, regs, kind)
 
 
 def split_config(m: int, n: int, device, *, elem_bytes: int = 2, streams: int = 2,
-                 chunked: bool = True) -> SplitConfig:
+                 chunked: bool = True, kind: str = "bwd") -> SplitConfig:
     """``chunked``: the column-tiled grid covers ``chunk_rows`` rows per launch (the split
-    backward); else all ``m`` rows in one launch."""
+    backward); else all ``m`` rows in one launch. ``kind``: of the kernels launched, "fwd"
+    (the wide forward) or "bwd"."""
     gpu = _on_gpu(device)
     block_n = GPU_SPLIT_BLOCK_N if gpu else CPU_SPLIT_BLOCK_N
     block_n = min(block_n, max(16, next_pow2(n)))
@@ -264,7 +299,7 @@ def split_config(m: int, n: int, device, *, elem_bytes: int = 2, streams: int = 
     segments = -(-col_blocks // segment_blocks)
     return SplitConfig(block_n, block_m, num_warps, col_blocks, row_groups, -(-m // block_m),
                        -(-row_tiles // row_groups), row_num_warps, stages, maxnreg, chunk_rows,
-                       segments, segment_blocks)
+                       segments, segment_blocks, kind)
 
 
 def reduce_config(rows: int, n: int, device) -> ReduceConfig:

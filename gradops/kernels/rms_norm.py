@@ -5,7 +5,7 @@ Same functions and canonical arguments as ``gradops.reference.rms_norm`` (see
 docs/backends.md). The organisation mirrors ``gradops.kernels.layer_norm`` (and
 docs/kernels-norm.md): whole rows in registers up to ``norm_config.max_fused_n``, column
 blocks beyond; int64 row offsets; masked lanes load 0; ACC is float32 (float64 for
-float64 inputs).
+float64 inputs); launch options from ``norm_config.launch_options``.
 
 The variants (``offset``, ``round_xhat``, ``residual``/``dres``; see the reference) are
 flags of the same kernels, so a Gemma, Llama or fused-residual norm costs one pass over
@@ -119,13 +119,14 @@ def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=N
     if norm_config.is_fused(n, x.device, "fwd"):
         cfg = norm_config.fused_config(m, n, x.device, kind="fwd", **shape)
         _rms_fwd_fused_kernel[(cfg.grid,)](
-            x, r, h, y, w, rstd, m, n, *strides, eps, offset, cfg.tiles_per_program, cfg.grid,
+            x, r, h, y, w, rstd, m, n, *strides, eps, offset,
+            cfg.tiles_per_program, cfg.grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **common)
     else:
-        cfg = norm_config.split_config(m, n, x.device, **shape)
+        cfg = norm_config.split_config(m, n, x.device, kind="fwd", **shape)
         _rms_fwd_wide_kernel[(m,)](
             x, r, h, y, w, rstd, n, *strides, eps, offset,
-            BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.row_num_warps, **common)
+            BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.row_launch(), **common)
     return y, rstd
 
 
@@ -276,9 +277,9 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False,
             r1 = min(m, r0 + cfg.chunk_rows)
             rows = slice(r0, r1)
             _rms_bwd_row_sums_kernel[(r1 - r0, segs)](
-                dy_rows[rows], x_rows[rows], w, c[rows], n, strides[0], strides[1], offset, cfg.segment_blocks, segs,
-                HAS_W=flags["HAS_W"], ACC=flags["ACC"], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-                num_warps=cfg.row_num_warps)
+                dy_rows[rows], x_rows[rows], w, c[rows], n, strides[0], strides[1], offset, cfg.segment_blocks,
+                segs, HAS_W=flags["HAS_W"], ACC=flags["ACC"], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+                **cfg.row_launch())
             _rms_bwd_cols_kernel[(cfg.col_blocks, cfg.row_groups)](
                 dy_rows[rows], x_rows[rows], w, rstd[rows], c[rows], dres_rows[rows], dx_buf[rows], partial,
                 r1 - r0, n, *strides, partial.stride(0), offset, cfg.tiles_per_group, cfg.row_groups, segs,
