@@ -278,6 +278,57 @@ def test_layer_norm_backward_writes_dw_db_in_the_grad_dtype(split, device, reque
 
 
 # ------------------------------------------------------------------ exact arithmetic
+def _record_launches(monkeypatch):
+    """Every Triton kernel launch from now on, compiled or interpreted, as (kernel name,
+    {argument: value} of its non-constexpr arguments)."""
+    import inspect
+
+    from triton.runtime import interpreter, jit
+
+    launches = []
+    for cls in (jit.JITFunction, interpreter.InterpretedFunction):
+        def run(self, *args, grid, warmup, _real=cls.run, **kwargs):
+            params = inspect.signature(self.fn).parameters
+            bound = dict(zip(self.arg_names, args), **{k: v for k, v in kwargs.items() if k in params})
+            launches.append((self.fn.__name__, {k: v for k, v in bound.items()
+                                                if "constexpr" not in str(params[k].annotation)}))
+            return _real(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(cls, "run", run)
+    return launches
+
+
+def test_float64_calls_give_the_kernels_every_float_in_float64(device, monkeypatch):
+    # Triton types a Python float kernel argument fp32 (mangle_type(1e-5) == "fp32"), so a
+    # float64 call would run with eps (RMSNorm's offset) rounded to float32 on a GPU: rstd
+    # 1.3e-8 off at eps = 1e-5, past float64's tolerance. The interpreter keeps the Python
+    # float, so on the CPU the numbers cannot show it; the arguments can: no scalar argument of
+    # any norm kernel launched by a float64 call may be one Triton types as a float.
+    from triton.runtime.jit import mangle_type
+
+    from gradops.kernels import _norm_common as NC
+
+    launches = _record_launches(monkeypatch)
+    f64 = torch.float64
+    for override in (None, 64):  # whole rows; the split-row kernels (n = 130 > 64)
+        monkeypatch.setattr(norm_config, "MAX_FUSED_N_OVERRIDE", override)
+        x, dy, w, b = ln_inputs(5, 130, f64, device)
+        res = rand((5, 130), f64, device)
+        _, mean, rstd = KLN.layer_norm(x, w, b, 1e-5)
+        KLN.layer_norm(x, w, b, 1e-5, residual=res, h_out=torch.empty_like(x))
+        KLN.layer_norm_backward(dy, x, mean, rstd, w, (True, True, True), dres=res)
+        var = x.var(dim=1, unbiased=False)
+        KLN.layer_norm_grad(dy, x, var, x.mean(dim=1), w, 1e-5, False)
+        KLN.layer_norm_grad_beta(x, dy, False)
+        _, rstd = KRN.rms_norm(x, w, 1e-6, offset=1 / 3, residual=res, h_out=torch.empty_like(x))
+        KRN.rms_norm_grad(dy, x, rstd, w, offset=1 / 3, dres=res)
+    every = {name for module in (KLN, KRN, NC) for name in dir(module) if name.endswith("_kernel")}
+    assert {name for name, _ in launches} == every  # the calls above reached every norm kernel
+    floats = [(name, arg, value) for name, args in launches for arg, value in args.items()
+              if not hasattr(value, "data_ptr") and mangle_type(value).startswith(("fp", "bf"))]
+    assert not floats, floats
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_width_one_gives_exact_zeros(split, device, monkeypatch):
     # At width 1 x-hat is 0: LayerNorm's dx = rstd * (g - mean(g)) and AscendC's
@@ -579,13 +630,16 @@ def test_gpu_width_sweep(n, dtype, device):
 # aligned pointers, widths and strides divisible by 16: what lets loads vectorise and the
 # pipeliner turn them into cp.async), with the launch parameters and options norm_config gives
 # at M = 32768 on an H100 (its launch dicts themselves, so the check compiles what the
-# launchers launch); a few odd widths (scalar loads) are checked for spills only.
+# launchers launch); a few odd widths (scalar loads) are checked for spills only. Float
+# scalars (eps, offset) are typed as the launchers pass them (_scalar_args).
 _SM90_CHECK = r"""
 import json, os, re, subprocess, sys, tempfile
 import torch, triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
 from gradops.kernels import layer_norm as KLN, rms_norm as KRN, norm_config as C, _norm_common as NC
+from gradops.kernels._scalar_args import float64_bits
 ptxas = sys.argv[1]
 C._sm_count = lambda index: 132  # an H100 SXM
 C._l2_bytes = lambda index: 50 * 2**20
@@ -594,6 +648,7 @@ M = 32768
 INT_RH = {"_sum_rows_kernel"}  # R is a row count there, H the AscendC row width
 INT_H = {"_ln_grad_fused_kernel", "_ln_grad_row_sums_kernel", "_ln_grad_cols_kernel"}
 STATS = {"Mean", "Rstd", "C1", "C2", "C", "DW_P", "DB_P", "P", "OUT_A", "OUT_B", "S", "PG_P", "PB_P"}
+SCALAR = mangle_type(float64_bits(1e-5))  # eps_bits, offset_bits
 cases = []  # (label, fn, constexprs, launch options, programs per SM, dtype, aligned)
 LN_BWD = dict(HAS_W=True, WANT_DX=True, WANT_DW=True, WANT_DB=True)
 for dt, eb, widths in (("bf16", 2, (1024, 4096, 8192)), ("fp32", 4, (8192,))):
@@ -664,7 +719,7 @@ cases.append(("ascendc beta 4096", KLN._ln_grad_beta_kernel,
 for label, fn, consts, opts, per_sm, dt, aligned in cases:
     if "ACC" in fn.arg_names:
         consts = dict(consts, ACC=tl.float32)
-    sig = {a: "constexpr" if a in consts else "fp32" if a in ("offset", "eps")
+    sig = {a: "constexpr" if a in consts else SCALAR if a.endswith("_bits")
            else "i32" if a in ("M", "N", "N_A") or a[0].islower() or (a == "R" and fn.__name__ in INT_RH)
            or (a == "H" and fn.__name__ in INT_H)
            else "*fp32" if a in STATS else f"*{dt}" for a in fn.arg_names}

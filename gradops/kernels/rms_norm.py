@@ -5,7 +5,8 @@ Same functions and canonical arguments as ``gradops.reference.rms_norm`` (see
 docs/backends.md). The organisation mirrors ``gradops.kernels.layer_norm`` (and
 docs/kernels-norm.md): whole rows in registers up to ``norm_config.max_fused_n``, column
 blocks beyond; int64 row offsets; masked lanes load 0; ACC is float32 (float64 for
-float64 inputs); launch options from ``norm_config.launch_options``.
+float64 inputs); eps and offset come as the bits of their float64 (``_scalar_args``); launch
+options from ``norm_config.launch_options``.
 
 The variants (``offset``, ``round_xhat``, ``residual``/``dres``; see the reference) are
 flags of the same kernels, so a Gemma, Llama or fused-residual norm costs one pass over
@@ -21,11 +22,12 @@ import triton.language as tl
 from ..ops._checks import stat_dtype
 from . import norm_config
 from ._norm_common import as_rows, dx_target, load_input, row_stride, sum_partial_rows, tl_acc, vector
+from ._scalar_args import float64_bits, unpack_float64
 
 
 # --------------------------------------------------------------------------- forward
-@triton.jit
-def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps, offset,
+@triton.jit(do_not_specialize=["eps_bits", "offset_bits"])
+def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps_bits, offset_bits,
                           tiles_per_program, num_programs,
                           HAS_W: tl.constexpr, HAS_RES: tl.constexpr, ROUND_XHAT: tl.constexpr,
                           ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -33,10 +35,11 @@ def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_
     # Persistent over row tiles p, p + P, ...: gamma is loaded once per program, and the
     # pipelined loop has the next tiles' x (and residual) in flight while this one reduces.
     pid = tl.program_id(0)
+    eps = unpack_float64(eps_bits, ACC)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + offset
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + unpack_float64(offset_bits, ACC)
     for i in tl.range(0, tiles_per_program, num_stages=NUM_STAGES):
         rows = (pid + i * num_programs) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
         rmask = rows < M
@@ -57,8 +60,8 @@ def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_
         tl.store(Rstd + rows, rstd.to(Rstd.dtype.element_ty), mask=rmask)
 
 
-@triton.jit
-def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps, offset,
+@triton.jit(do_not_specialize=["eps_bits", "offset_bits"])
+def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps_bits, offset_bits,
                          HAS_W: tl.constexpr, HAS_RES: tl.constexpr, ROUND_XHAT: tl.constexpr,
                          ACC: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     # One row per program: pass 1 sums squares (and writes h), pass 2 re-reads the row (just
@@ -75,7 +78,8 @@ def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, s
             tl.store(H + row * stride_h + cols, h, mask=cmask)
         h = h.to(ACC)
         ss += h * h
-    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / N + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / N + unpack_float64(eps_bits, ACC))
+    offset = unpack_float64(offset_bits, ACC)
     y_row = Y + row * stride_y
     for c0 in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
         cols = c0 + offs
@@ -89,16 +93,6 @@ def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, s
     tl.store(Rstd + row, rstd.to(Rstd.dtype.element_ty))
 
 
-def _gamma_and_offset(gamma, offset, acc):
-    """(gamma, offset) for the kernels: a float kernel argument is float32, so float64 rows
-    take their offset added to gamma here, exactly as the reference adds it."""
-    if gamma is None:
-        return None, 0.0
-    if offset and acc == torch.float64:
-        return gamma.to(acc) + offset, 0.0
-    return vector(gamma), float(offset)
-
-
 def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=None):
     m, n = x.shape
     x = as_rows(x)
@@ -108,8 +102,7 @@ def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=N
         return y, rstd
     if n == 0:
         return y, rstd.fill_(float("nan"))  # the mean of an empty row, as in the reference
-    gamma, offset = _gamma_and_offset(gamma, offset, stat_dtype(x.dtype))
-    w = gamma if gamma is not None else x
+    w = vector(gamma) if gamma is not None else x
     has_res = residual is not None
     r = as_rows(residual) if has_res else x
     h = h_out if has_res else x  # the ops layer passes a fresh contiguous h_out
@@ -119,21 +112,21 @@ def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=N
     if norm_config.is_fused(n, x.device, "fwd"):
         cfg = norm_config.fused_config(m, n, x.device, kind="fwd", **shape)
         _rms_fwd_fused_kernel[(cfg.grid,)](
-            x, r, h, y, w, rstd, m, n, *strides, eps, offset,
+            x, r, h, y, w, rstd, m, n, *strides, float64_bits(eps), float64_bits(offset),
             cfg.tiles_per_program, cfg.grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **common)
     else:
         cfg = norm_config.split_config(m, n, x.device, kind="fwd", **shape)
         _rms_fwd_wide_kernel[(m,)](
-            x, r, h, y, w, rstd, n, *strides, eps, offset,
+            x, r, h, y, w, rstd, n, *strides, float64_bits(eps), float64_bits(offset),
             BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.row_launch(), **common)
     return y, rstd
 
 
 # -------------------------------------------------------------------------- backward
-@triton.jit
+@triton.jit(do_not_specialize=["offset_bits"])
 def _rms_bwd_fused_kernel(DY, X, W, Rstd, DRES, DX, DW_P, M, N,
-                          stride_dy, stride_x, stride_dres, stride_dx, stride_p, offset,
+                          stride_dy, stride_x, stride_dres, stride_dx, stride_p, offset_bits,
                           tiles_per_program, num_programs, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr,
                           ROUND_XHAT: tl.constexpr, ACC: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
@@ -143,7 +136,7 @@ def _rms_bwd_fused_kernel(DY, X, W, Rstd, DRES, DX, DW_P, M, N,
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + offset
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + unpack_float64(offset_bits, ACC)
     acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
     # (a plain trip count, not range(pid, num_tiles, step): Triton 3.6's interpreter needs it;
     # num_stages makes the compiler prefetch the next tiles' loads with cp.async into shared
@@ -173,8 +166,8 @@ def _rms_bwd_fused_kernel(DY, X, W, Rstd, DRES, DX, DW_P, M, N,
     tl.store(DW_P + pid.to(tl.int64) * stride_p + cols, acc_dw, mask=cmask)
 
 
-@triton.jit
-def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset, segment_blocks, num_segments,
+@triton.jit(do_not_specialize=["offset_bits"])
+def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset_bits, segment_blocks, num_segments,
                              HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr,
                              NUM_STAGES: tl.constexpr):
     # Wide rows, step 1: program (row, segment) stores sum(dy * gamma * x) over its segment
@@ -183,6 +176,7 @@ def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset, segmen
     seg = tl.program_id(1)
     offs = tl.arange(0, BLOCK_N)
     s = tl.zeros([BLOCK_N], dtype=ACC)
+    offset = unpack_float64(offset_bits, ACC)
     for j in tl.range(0, segment_blocks, num_stages=NUM_STAGES):
         cols = (seg * segment_blocks + j) * BLOCK_N + offs
         cmask = cols < N
@@ -194,9 +188,9 @@ def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset, segmen
     tl.store(C + row * num_segments + seg, tl.sum(s, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["offset_bits"])
 def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DRES, DX, DW_P, M, N,
-                         stride_dy, stride_x, stride_dres, stride_dx, stride_p, offset,
+                         stride_dy, stride_x, stride_dres, stride_dx, stride_p, offset_bits,
                          tiles_per_group, num_row_groups, num_segments, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr,
                          ROUND_XHAT: tl.constexpr, ACCUMULATE: tl.constexpr, SEGMENTS: tl.constexpr, ACC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
@@ -208,7 +202,7 @@ def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DRES, DX, DW_P, M, N,
     cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + offset
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + unpack_float64(offset_bits, ACC)
     if ACCUMULATE:
         acc_dw = tl.load(DW_P + rg.to(tl.int64) * stride_p + cols, mask=cmask, other=0.0)
     else:
@@ -251,8 +245,8 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False,
         return dx, torch.zeros(n, dtype=acc, device=device)
     dy_rows, x_rows = as_rows(dy), as_rows(x)
     rstd = vector(rstd)
-    gamma, offset = _gamma_and_offset(gamma, offset, acc)
-    w = gamma if gamma is not None else x_rows
+    w = vector(gamma) if gamma is not None else x_rows
+    offset_bits = float64_bits(offset)
     dres_rows = as_rows(dres) if dres is not None else x_rows
     dx_buf, copy_back = dx_target(dx_out, x)
     flags = dict(HAS_W=gamma is not None, HAS_DRES=dres is not None, ROUND_XHAT=bool(round_xhat),
@@ -264,7 +258,7 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False,
         partial = torch.empty((cfg.grid, n), dtype=acc, device=device)
         _rms_bwd_fused_kernel[(cfg.grid,)](
             dy_rows, x_rows, w, rstd, dres_rows, dx_buf, partial, m, n, *strides,
-            partial.stride(0), offset, cfg.tiles_per_program, cfg.grid,
+            partial.stride(0), offset_bits, cfg.tiles_per_program, cfg.grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **flags)
     else:
         cfg = norm_config.split_config(m, n, device, **shape)
@@ -277,12 +271,12 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False,
             r1 = min(m, r0 + cfg.chunk_rows)
             rows = slice(r0, r1)
             _rms_bwd_row_sums_kernel[(r1 - r0, segs)](
-                dy_rows[rows], x_rows[rows], w, c[rows], n, strides[0], strides[1], offset, cfg.segment_blocks,
+                dy_rows[rows], x_rows[rows], w, c[rows], n, strides[0], strides[1], offset_bits, cfg.segment_blocks,
                 segs, HAS_W=flags["HAS_W"], ACC=flags["ACC"], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                 **cfg.row_launch())
             _rms_bwd_cols_kernel[(cfg.col_blocks, cfg.row_groups)](
                 dy_rows[rows], x_rows[rows], w, rstd[rows], c[rows], dres_rows[rows], dx_buf[rows], partial,
-                r1 - r0, n, *strides, partial.stride(0), offset, cfg.tiles_per_group, cfg.row_groups, segs,
+                r1 - r0, n, *strides, partial.stride(0), offset_bits, cfg.tiles_per_group, cfg.row_groups, segs,
                 ACCUMULATE=r0 > 0, SEGMENTS=norm_config.next_pow2(segs), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 NUM_STAGES=cfg.num_stages,
                 **cfg.launch(), **flags)
