@@ -349,6 +349,19 @@ def test_width_one_gives_exact_zeros(split, device, monkeypatch):
             assert torch.equal(pd_x, torch.zeros_like(pd_x)) and torch.equal(res, torch.zeros_like(res))
 
 
+def test_ascendc_kernel_tiles_do_not_depend_on_the_row_count():
+    # The AscendC kernel API (gradops.ascendc) runs LayerNormGrad once per tiling step, on
+    # fewer rows than the whole-tensor call; a row's results may not depend on the rows it
+    # runs with, so the reductions' layout (tile and warps) of the one-tile-per-program kernel
+    # follows the width only. (The split path's row sums run one row per program.) Configs
+    # only: an H100's is computed here too, with no GPU needed.
+    for dev in (torch.device("cpu"), torch.device("cuda")):
+        for h in (1, 16, 100, 1000, 4096):
+            layouts = {(c.block_m, c.block_n, c.num_warps)
+                       for c in (norm_config.fused_config(m, h, dev, persistent=False) for m in (1, 2, 9, 18, 127, 5000))}
+            assert len(layouts) == 1, (dev, h, layouts)
+
+
 # ------------------------------------------------------------------ weights
 def test_layer_norm_without_weight_or_bias(device):
     check_layer_norm(6, 130, F32, device, weight=False, bias=False)

@@ -224,13 +224,16 @@ def fused_config(m: int, n: int, device, *, persistent: bool = True, kind: str =
                  elem_bytes: int = 2, streams: int = 2) -> FusedConfig:
     """``kind``: "bwd" (the norm backward: x and dy held), "fwd" (x held). ``streams``: the
     row-sized tensors the tile loop loads (their bytes fill the pipeline's buffers).
-    ``persistent=False``: one program per tile, no loop (the AscendC kernels)."""
+    ``persistent=False``: one program per tile, no loop (the AscendC kernels), in a tile that
+    does not depend on ``m``: a row's reductions then run in the same order whatever rows come
+    with it, so the AscendC kernel API, which calls the kernel once per tiling step, gives the
+    rows the bits the whole-tensor call gives them."""
     gpu = _on_gpu(device)
     block_n = max(16, next_pow2(n))
     tile = GPU_TILE_ELEMS if gpu else CPU_TILE_ELEMS
     # Narrow rows are stacked so that every tile carries about `tile` elements; never more
-    # rows than there are (the tail tile is masked).
-    block_m = max(1, min(tile // block_n, next_pow2(max(m, 1)), 128))
+    # rows than there are (the tail tile is masked), except where the tile must not depend on m.
+    block_m = max(1, min(tile // block_n, next_pow2(max(m, 1)) if persistent else tile, 128))
     num_tiles = -(-m // block_m)
     if not gpu:
         grid = max(1, min(num_tiles, CPU_PROGRAMS)) if persistent else max(1, num_tiles)
