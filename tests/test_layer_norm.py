@@ -62,6 +62,115 @@ def test_float64_is_exact_to_1e_10_on_random_shapes(backend):
             assert_close(a, e, tol=1e-10)
 
 
+# ATen's CUDA LayerNorm forward for float32 rows of a multiple of 4 elements
+# (vectorized_layer_norm_kernel in aten/src/ATen/native/cuda/layer_norm_kernel.cu), emulated
+# in float32 after its source: 128 threads (4 warps) per row, each folding its 4-element
+# vectors by cuWelfordOnlineSum, then cuWelfordCombine down each warp (shuffles 16..1) and
+# across the warps (2, 1), nvcc contracting a * b + c into one FMA as it does by default. It
+# reproduces the constant-row statistics the H100 run logged (a row of 1234.5678 at eps =
+# 1e-12: rstd 1.706e4 at width 200, 2.479e4 at 300, where 1/sqrt(eps) = 1e6; a float16 row
+# of -3.699: the mean 2.4e-7 off).
+def _fma32(a, b, c):
+    import numpy as np
+
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+def _welford_online(val, wd):
+    import numpy as np
+
+    f32 = np.float32
+    mean, sigma2, count = wd
+    delta = f32(val - mean)
+    new_count = f32(count + f32(1))
+    new_mean = _fma32(delta, f32(f32(1) / new_count), mean)
+    return new_mean, _fma32(delta, f32(val - new_mean), sigma2), new_count
+
+
+def _welford_combine(b, a):
+    import numpy as np
+
+    f32 = np.float32
+    delta, count = f32(b[0] - a[0]), f32(a[2] + b[2])
+    if count <= 0:
+        return f32(0), f32(0), count
+    coef = f32(f32(1) / count)
+    n_a, n_b = f32(a[2] * coef), f32(b[2] * coef)
+    return (_fma32(n_a, a[0], f32(n_b * b[0])),
+            _fma32(f32(f32(delta * delta) * a[2]), n_b, f32(a[1] + b[1])), count)
+
+
+def _aten_cuda_row_statistics(row, eps):
+    """(mean, rstd) of one float32 row as ATen's vectorised CUDA kernel computes them."""
+    import numpy as np
+
+    f32 = np.float32
+    zero = (f32(0), f32(0), f32(0))
+    threads = [zero] * 128
+    for i in range(row.size // 4):
+        for v in row[4 * i: 4 * i + 4]:
+            threads[i % 128] = _welford_online(v, threads[i % 128])
+    warps = []
+    for w in range(4):
+        lanes = threads[32 * w: 32 * w + 32]
+        for offset in (16, 8, 4, 2, 1):
+            lanes = [_welford_combine(lanes[i], lanes[i + offset] if i + offset < 32 else lanes[i]) for i in range(32)]
+        warps.append(lanes[0])
+    for offset in (2, 1):
+        warps = [_welford_combine(warps[y], warps[y + offset]) if y < offset else warps[y] for y in range(4)]
+    mean, sigma2 = warps[0][0], f32(warps[0][1] / f32(row.size))
+    return mean, f32(1 / np.sqrt(np.float64(f32(sigma2 + f32(eps)))))  # (rsqrtf: within 2 ulp of this)
+
+
+def _native_layer_norm_as_on_cuda(x, normalized_shape, weight, bias, eps, _cpu=torch.native_layer_norm):
+    """torch.native_layer_norm with the statistics of ATen's CUDA kernel where that kernel is
+    the vectorised one (float32, width a multiple of 4); as on the CPU otherwise (float64 runs
+    ATen's Welford there too, exact on constant rows)."""
+    n = x.shape[-1]
+    if x.dtype != torch.float32 or n % 4 or len(normalized_shape) != 1:
+        return _cpu(x, normalized_shape, weight, bias, eps)
+    rows = x.reshape(-1, n).cpu().numpy()
+    stats = torch.tensor([_aten_cuda_row_statistics(r, eps) for r in rows], dtype=torch.float32).to(x.device)
+    mean, rstd = stats[:, :1], stats[:, 1:]
+    y = (x.reshape(-1, n) - mean) * rstd
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y.reshape(x.shape), mean.reshape(*x.shape[:-1], 1), rstd.reshape(*x.shape[:-1], 1)
+
+
+def test_reference_statistics_of_constant_rows_are_exact_on_every_device(device, monkeypatch):
+    """The reference is the golden: a constant row's mean is its value and its variance 0
+    (rstd = 1/sqrt(eps), y = bias) on every device (docs/operators.md section 1). On the CPU
+    it may take them from ATen, whose CPU kernel computes them so; ATen's CUDA kernel does not.
+    On a GPU run this checks the real thing; on the CPU the reference is made to take its path
+    for other devices, with torch.native_layer_norm computing as its CUDA kernel does."""
+    from gradops.reference import layer_norm as RLN
+
+    values = torch.tensor([0.1, -3.7, 1234.5678, 1e-3, 7.0, -0.3, -3.699, 1234.57], dtype=torch.float64)
+    if device == "cpu":
+        monkeypatch.setattr(RLN, "_aten_statistics", lambda dev: False)
+        monkeypatch.setattr(torch, "native_layer_norm", _native_layer_norm_as_on_cuda)
+        # (what the H100 run saw: ATen's CUDA statistics of these rows are not exact)
+        _, mean, rstd = _native_layer_norm_as_on_cuda(values.float()[:, None].expand(8, 200).contiguous(), [200],
+                                                      None, None, 1e-12)
+        assert not torch.equal(rstd.flatten(), torch.full((8,), 1e6))
+    for dtype in DTYPES:
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        v = values.to(dtype)
+        for n in (200, 300):
+            x = v[:, None].expand(8, n).contiguous().to(device)
+            w, b = rand((n,), dtype, device), rand((n,), dtype, device)
+            for eps in (1e-12, 1e-5):
+                y, mean, rstd = RLN.layer_norm(x, w, b, eps)
+                exact_rstd = torch.tensor(eps, dtype=acc).sqrt().reciprocal()  # the contract at variance 0
+                what = f"{dtype} width {n} eps {eps}"
+                assert torch.equal(mean.cpu(), v.to(acc)), what
+                assert torch.equal(rstd.cpu(), exact_rstd.expand(8)), what
+                assert torch.equal(y, b.expand(8, n)), what
+
+
 class _LayerNormFn(torch.autograd.Function):
     """Forward and backward both by gradops, so gradcheck checks the library's backward."""
 

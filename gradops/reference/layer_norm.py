@@ -12,6 +12,38 @@ from ..ops._checks import stat_dtype
 from ._rows import row_block
 
 
+def _aten_statistics(device: torch.device) -> bool:
+    """Whether the forward takes its statistics from ATen's ``native_layer_norm`` on this
+    device, or computes them itself (:func:`_statistics`). The one place that decides.
+
+    On the CPU ATen's kernel computes the contract's statistics (Welford's mean, exact for a
+    constant row, which is then centred to exact zeros; the biased variance; rstd =
+    1/sqrt(var + eps)), and it is the fastest CPU path (docs/backends.md, "The CPU path").
+    ATen's CUDA kernel is not exact on constant rows: its vectorised Welford merges partial
+    results as ``(nA / n) * meanA + (nB / n) * meanB``, which moves a constant row's mean by
+    an ulp, and the squared deltas of the later merges then give it a variance (a row of
+    1234.57 got rstd 1.7e4 instead of 1e6 at eps = 1e-12 on an H100), so everywhere else the
+    reference, being the golden, computes them itself."""
+    return device.type == "cpu"
+
+
+def _statistics(x, eps):
+    """mean, rstd ``[M, 1]`` and the centred rows of ``x [M, N]`` (acc), as the contract
+    defines them (docs/operators.md section 1): the corrected two-pass mean (the first pass's
+    rounding removed by the mean deviation from it: a constant row gets its value back
+    exactly, and centres to exact zeros), the biased variance of the centred rows, and rstd =
+    1/sqrt(var + eps) with an IEEE square root and division. An empty row gets mean 0 and
+    rstd NaN (the variance 0/0), as native_layer_norm."""
+    m, n = x.shape
+    if n == 0:
+        return x.new_zeros((m, 1)), x.new_full((m, 1), float("nan")), x
+    mean = x.mean(dim=1, keepdim=True)
+    mean += (x - mean).mean(dim=1, keepdim=True)
+    xc = x - mean
+    var = (xc * xc).mean(dim=1, keepdim=True)
+    return mean, torch.sqrt(var + eps).reciprocal_(), xc
+
+
 def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
     # residual: normalise h = x + residual (in x's dtype, as torch adds), written to h_out
     if residual is not None:
@@ -20,6 +52,14 @@ def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
     m, n = x.shape
     w = None if weight is None else weight.to(acc)
     b = None if bias is None else bias.to(acc)
+    if not _aten_statistics(x.device):
+        mean, rstd, y = _statistics(x.to(acc), eps)
+        y = y * rstd  # (x - mean) * rstd * w + b, y rounded once
+        if w is not None:
+            y.mul_(w)
+        if b is not None:
+            y.add_(b)
+        return y.to(x.dtype), mean.view(m), rstd.view(m)
     # ATen's float32/float64 kernel: Welford's mean (exact for a constant row, which is then
     # centred to exact zeros), the biased variance, y = (x * rstd - mean * rstd) * w + b; an
     # empty row gets mean 0 and rstd NaN. Half rows go through it as float32 copies (of row
