@@ -1,0 +1,83 @@
+"""One screen on a pytest run, from its JUnit XML (benchmarks/gpu_validate.sh writes it):
+
+    python3 benchmarks/test_summary.py junit.xml [--lines 50]
+
+the totals; per file, the tests that failed, errored or were skipped (files that only passed
+are counted in one line); each failure with the first line of its message; the skip reasons,
+counted; the slowest tests. Exit status: 1 when a test failed or errored, else 0.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import xml.etree.ElementTree as ET
+
+
+def read(path):
+    """(file, test name, outcome, first line of the message, seconds) per test case."""
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        parts = case.get("classname", "").split(".")
+        module = next((i for i, part in enumerate(parts) if part.startswith("test_")), len(parts) - 1)
+        file = case.get("file") or "/".join(parts[:module + 1]) + ".py"
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+                text = child.get("message") or (child.text or "")
+                message = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+                if outcome != "skipped":
+                    break
+        cases.append((file, case.get("name"), outcome, message, float(case.get("time") or 0)))
+    return cases
+
+
+def summary(cases, lines: int = 50) -> str:
+    out = []
+    totals = collections.Counter(outcome for _, _, outcome, _, _ in cases)
+    out.append(", ".join(f"{totals[k]} {k}" for k in ("passed", "failed", "error", "skipped") if totals[k])
+               + f" ({len(cases)} tests, {sum(c[4] for c in cases):.0f} s of test time)")
+    per_file = collections.defaultdict(collections.Counter)
+    for file, _, outcome, _, _ in cases:
+        per_file[file][outcome] += 1
+    clean = [f for f, c in per_file.items() if set(c) == {"passed"}]
+    out.append(f"{len(clean)} of {len(per_file)} files passed whole")
+    for file in sorted(f for f in per_file if f not in clean):
+        c = per_file[file]
+        out.append(f"  {file}: " + ", ".join(f"{c[k]} {k}" for k in ("passed", "failed", "error", "skipped") if c[k]))
+    bad = [c for c in cases if c[2] in ("failed", "error")]
+    if bad:
+        out.append(f"failures ({len(bad)}):")
+        room = max(5, lines // 3)
+        for file, name, outcome, message, _ in bad[:room]:
+            out.append(f"  {outcome.upper()} {file}::{name}: {message[:160]}")
+        if len(bad) > room:
+            out.append(f"  ... {len(bad) - room} more (junit.xml)")
+    skips = collections.Counter(c[3][:140] for c in cases if c[2] == "skipped")
+    if skips:
+        out.append("skip reasons:")
+        for reason, n in skips.most_common(8):
+            out.append(f"  {n:5d}  {reason}")
+    out.append("slowest:")
+    for file, name, _, _, seconds in sorted(cases, key=lambda c: -c[4])[:6]:
+        out.append(f"  {seconds:7.1f} s  {file}::{name}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("junit")
+    parser.add_argument("--lines", type=int, default=50, help="about how many lines (the failures' share)")
+    args = parser.parse_args(argv)
+    try:
+        cases = read(args.junit)
+    except (OSError, ET.ParseError) as e:
+        print(f"no test results in {args.junit}: {e}")
+        return 1
+    print(summary(cases, args.lines))
+    return 1 if any(c[2] in ("failed", "error") for c in cases) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
