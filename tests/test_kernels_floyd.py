@@ -410,12 +410,103 @@ def test_scale_reaches_the_kernels_exactly(dtype, scale, device):
 # local-memory spills (LDL/STL) from the SASS. Run in a child process: the interpreter is on
 # in this one. Prints one JSON line per kernel (pytest -s shows them; docs/kernels-floyd.md
 # records them).
+#
+# The same compiles say how each kernel sums a score's two products, which the interpreter
+# cannot: it never folds an add into a dot, while the compiler's combiner does, and on a GPU
+# the order of a dot's accumulation is part of its result (an FMA chain in float32, MMA for
+# 16-bit inputs). A one-hot P is exactly one-hot in a backward pass only if that pass
+# computes every score bitwise as the forward did. The TTIR (after the combiner) shows each
+# score and dP product as a ``tt.dot`` whose left operand is loaded from Q or dY and whose
+# right one from a key or value tensor; _score_chains traces every such dot to the kernel
+# arguments those loads read, and pairs it with the dot whose result it accumulates onto.
+def _score_chains(ttir):
+    """[(pointer argument of the accumulating dot's keys/values, of the dot it accumulates
+    onto), ...] for every score or dP product of a kernel's TTIR, and the number of such
+    products in no chain of two (products summed by an add the combiner left alone, or a
+    chain of another shape). Names are resolved to their nearest earlier definition, as
+    MLIR's scoping allows (sibling loop bodies may reuse a name; nested ones may not shadow)."""
+    import re
+
+    func = re.search(r"tt\.func public @\w+\((.*?)\) attributes", ttir)
+    args = set(re.findall(r"%([\w$.-]+): ", func.group(1)))
+    defs = {}  # name -> [(line number, op, operand names, text)]
+    for number, line in enumerate(ttir.splitlines()):
+        found = re.match(r"\s*%([\w$.-]+)(?::\d+)? = ([\w.]+)\b(.*)", line)
+        if found:
+            name, op, rest = found.groups()
+            operands = re.findall(r"%([\w$.-]+)", rest.split(" : ")[0].split(" loc(")[0])
+            defs.setdefault(name, []).append((number, op, operands, rest))
+
+    def definition(name, at):
+        earlier = [d for d in defs.get(name, ()) if d[0] < at]
+        return earlier[-1] if earlier else None
+
+    def through(name, at, ops):
+        """The op defining ``name`` once the ops in ``ops`` (data movement) are passed."""
+        d = definition(name, at)
+        while d is not None and d[1] in ops:
+            d = definition(d[2][0], d[0])
+        return d
+
+    def loaded_from(name, at, moves):
+        """The kernel argument whose pointer a value was loaded through, or None."""
+        d = through(name, at, moves)
+        if d is None or d[1] != "tt.load":
+            return None
+        ptr, at = d[2][0], d[0]
+        while ptr not in args:
+            d = definition(ptr, at)
+            if d is None or d[1] not in ("tt.addptr", "tt.splat", "tt.broadcast", "tt.expand_dims"):
+                return None
+            ptr, at = d[2][0], d[0]
+        return ptr
+
+    casts = ("arith.extf", "arith.truncf", "ttg.convert_layout")
+    products = {}  # line of a score/dP dot -> (its acc operand, the keys' or values' argument)
+    for number, op, operands, _ in (d for entries in defs.values() for d in entries):
+        if op == "tt.dot":
+            left = loaded_from(operands[0], number, casts + ("tt.trans",))
+            right = loaded_from(operands[1], number, casts)  # untransposed: batched as stored
+            if left in ("q_ptr", "dy_ptr") and right is not None:
+                products[number] = (operands[2], right)
+    chains, paired = [], set()
+    for number, (acc, right) in products.items():
+        inner = through(acc, number, casts + ("tt.trans",))
+        if inner is not None and inner[0] in products:
+            zero = through(products[inner[0]][0], inner[0], casts)
+            if zero is not None and zero[1] == "arith.constant" and re.search(r"dense<0\.0", zero[3]):
+                chains.append((right, products[inner[0]][1]))
+                paired.update({number, inner[0]})
+    return chains, len(products) - len(paired)
+
+
 _COMPILE_SM90 = r"""
-import json, sys, torch
+import json, sys, torch, triton
 from gradops.bench.floyd import compile_check
+
+compiled = []  # every triton.compile of compile_check, in order (None where it raised)
+real_compile = triton.compile
+
+
+def recording_compile(*args, **kwargs):
+    try:
+        result = real_compile(*args, **kwargs)
+    except Exception:
+        compiled.append(None)
+        raise
+    compiled.append(result)
+    return result
+
+
+triton.compile = recording_compile
 for case in sys.argv[1:]:
     dtype_name, head_dim = case.split(":")
-    for row in compile_check(getattr(torch, dtype_name), int(head_dim)):
+    del compiled[:]
+    rows = compile_check(getattr(torch, dtype_name), int(head_dim))
+    assert len(compiled) == len(rows)
+    for row, kernel in zip(rows, compiled):
+        if kernel is not None:
+            row["score_chains"], row["score_products_unchained"] = _score_chains(kernel.asm["ttir"])
         print(json.dumps(row), flush=True)
 """
 
@@ -428,10 +519,64 @@ SM90_CASES = ("bfloat16:16", "bfloat16:32", "bfloat16:64", "bfloat16:128", "floa
 def _shipped(dtype_name: str, head_dim: int) -> bool:
     """Whether floyd_config's rule gives calls of this dtype and head dim to the fused kernels
     at some size (float64, for checking, left out): there they must not spill."""
-    element_size = torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+    element_size = getattr(torch, dtype_name).itemsize
     big = config.CHUNKED_MIN_WORK  # N = M = K = 1 and B*H large: work past the threshold
     small = config.strategy(1, 1, 1, 1, 1, head_dim, element_size)
     return element_size < 8 and "fused" in (small, config.strategy(big, 1, 1, 1, 1, head_dim, element_size))
+
+
+def _recorded_launches(monkeypatch):
+    """{launch: which of K1, V1, K2, V2 each pointer argument of the launched kernel is}, from
+    one fused forward and backward on CPU; asserts that the launchers pass the constexprs and
+    launch options the compile check compiles with (floyd_config, _dkv_meta)."""
+    inputs, dy, mask = make_inputs(1, 1, 2, 3, 4, 8, torch.float32, "cpu", "random")
+    storages = {name: t.untyped_storage().data_ptr() for name, t in zip(("K1", "V1", "K2", "V2"), inputs[1:])}
+    seen = []
+
+    class Recorder:
+        def __init__(self, real):
+            self.real = real
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                sides = {arg: name for arg, t in zip(self.real.arg_names, args) if isinstance(t, torch.Tensor)
+                         for name, ptr in storages.items() if t.untyped_storage().data_ptr() == ptr}
+                seen.append((self.real, sides, kwargs))
+                return self.real[grid](*args, **kwargs)
+            return launch
+
+    with monkeypatch.context() as patch:
+        patch.setattr(config, "STRATEGY", "fused")
+        for name in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkv_kernel"):
+            patch.setattr(kernels, name, Recorder(getattr(kernels, name)))
+        run_kernels(inputs, dy, mask, 0.5)
+    launches = {}
+    for real, sides, kwargs in seen:
+        if real is kernels._bwd_dkv_kernel:
+            names = [n for n in ("bwd_dk1", "bwd_dk2")
+                     if kernels._dkv_meta(n, config.floyd_config(n, 8, 4)).items() <= kwargs.items()]
+        else:
+            names = [n for n in ("fwd", "bwd_dq") if (real is kernels._fwd_kernel) == (n == "fwd")
+                     and kernels._meta(config.floyd_config(n, 8, 4)).items() <= kwargs.items()]
+        assert len(names) == 1 and names[0] not in launches, (real, kwargs)
+        launches[names[0]] = sides
+    assert sorted(launches) == sorted(config.KERNELS)
+    return launches
+
+
+def _assert_scores_summed_alike(rows, launches):
+    """In every compiled kernel, each score and each dP is one chain of two dots: the product
+    batched over n (K1, V1) accumulated onto the product batched over m (K2, V2), computed
+    from zero; the forward holds one chain (S), the dQ kernel four (S, dP, in each of its two
+    walks), each dK/dV launch two."""
+    expected = {"fwd": 1, "bwd_dq": 4, "bwd_dk1": 2, "bwd_dk2": 2}
+    for row in rows:
+        sides = launches[row["kernel"]]
+        chains = [tuple(sides[arg] for arg in chain) for chain in row["score_chains"]]
+        assert row["score_products_unchained"] == 0 and len(chains) == expected[row["kernel"]], row
+        assert all(chain in (("K1", "K2"), ("V1", "V2")) for chain in chains), (
+            f"{row['kernel']} {row['dtype']} D={row['D']} sums its scores in another order than "
+            f"'n-batched onto m-batched' (accumulating product, product it accumulates onto): {chains}")
 
 
 @pytest.mark.slow
@@ -440,7 +585,12 @@ def test_kernels_compile_for_sm90_within_resources(triton_version, monkeypatch):
     """Every kernel compiles for an H100 at these configurations, within its shared memory;
     wherever floyd_config's rule ships the fused kernels (16-bit D <= 64, float32 D <= 16),
     without a register spill. (The spills of the configurations only a forced strategy
-    reaches are recorded in docs/kernels-floyd.md.)"""
+    reaches are recorded in docs/kernels-floyd.md.) And every pass computes each score and
+    dP the same way: the forward, the dQ kernel and both dK/dV launches, as the launchers
+    bind K1, V1, K2, V2 to each kernel's arguments, accumulate the n-batched product onto
+    the m-batched one (a one-hot P is then one-hot in every pass on a GPU, where the dK2/dV2
+    launch used to sum the other way round)."""
+    import inspect
     import json
     import os
 
@@ -456,7 +606,8 @@ def test_kernels_compile_for_sm90_within_resources(triton_version, monkeypatch):
         cases = tuple(c for c in cases if not c.startswith("float64"))
     monkeypatch.setattr(config, "STRATEGY", None)  # the rule itself says what ships
     monkeypatch.delenv("GRADOPS_FLOYD_STRATEGY", raising=False)
-    stdout = run_sm90_compile(_COMPILE_SM90, *cases, timeout=900, triton_version=triton_version)
+    script = inspect.getsource(_score_chains) + _COMPILE_SM90
+    stdout = run_sm90_compile(script, *cases, timeout=900, triton_version=triton_version)
     rows = [json.loads(line) for line in stdout.splitlines()]
     print("\n".join(map(json.dumps, rows)))
     assert len(rows) == 4 * len(cases)
@@ -465,3 +616,4 @@ def test_kernels_compile_for_sm90_within_resources(triton_version, monkeypatch):
         assert row["shared"] <= H100_SHARED, row
         if _shipped(row["dtype"], row["D"]):
             assert row["spill_loads"] == row["spill_stores"] == 0, row
+    _assert_scores_summed_alike(rows, _recorded_launches(monkeypatch))

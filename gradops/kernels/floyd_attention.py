@@ -31,8 +31,12 @@ docs/kernels-floyd.md.
   it writes for the other two, then dQ; ``_bwd_dkv_kernel``, launched twice: per (n-tile,
   k-tile) looping over m for dK1, dV1, and per (m-tile, k-tile) looping over n for dK2, dV2
   (the problem is symmetric under swapping n and m with the two key/value pairs). All three
-  recompute P and dP through one helper in one orientation, bitwise alike, so dS is exactly
-  zero in every kernel where it is in the dQ pass (a one-hot P, e.g. a single pivot).
+  recompute P and dP through one helper, in one orientation and with each score's two
+  products summed in one order (``_pair_dot``: the product batched over n accumulated onto
+  the one batched over m, written out, because on a GPU a dot's accumulation order is part
+  of its result), so every pass holds bitwise the forward's S and the same P and dP, and dS
+  is exactly zero in every kernel where it is in the dQ pass (a one-hot P, e.g. a single
+  pivot).
 
 Masking: a masked score is -FLT_MAX exactly as CANN, so a fully masked row has max -FLT_MAX,
 sum K and a uniform P. Tails (indices past N, M, K, D) are excluded entirely (their
@@ -111,18 +115,26 @@ def _masked_out(mask_ptr, i0, i1, s0, s1, n0, n1):
 
 @triton.jit
 def _pair_dot(a, a_t, x1, x2, PRECISION: tl.constexpr, ACC: tl.constexpr):
-    """``r[i, j, k] = a[i, j] . x1[i, :, k] + a[i, j] . x2[j, :, k]``, an [I, J, BK] tile.
+    """``r[n, m, k] = a[n, m] . x1[n, :, k] + a[n, m] . x2[m, :, k]``, an [BN, BM, BK] tile.
 
-    The first product is batched over i, the second over j (``a_t`` is ``a`` with i and j
-    swapped; its result is permuted back). Every kernel computes its scores (a = Q, x = K1
-    and K2 transposed) and dP (a = dY, x = V1 and V2) here, with a in the same operand role,
-    so the backward's recomputed scores are bitwise the forward's and all three backward
-    kernels hold bitwise the same P and dP (then dS is exactly zero wherever the dQ pass
-    finds it so, e.g. for a single pivot). In the dK2/dV2 launch x1 is K2 and x2 K1: the
-    sum is then taken the other way round, which IEEE addition does not notice."""
-    r = tl.dot(a, x1, input_precision=PRECISION, out_dtype=ACC)
-    r += tl.permute(tl.dot(a_t, x2, input_precision=PRECISION, out_dtype=ACC), (1, 0, 2))
-    return r
+    The first product is batched over n, the second over m (``a_t`` is ``a`` with n and m
+    swapped; its result is permuted back). Every pass computes its scores (a = Q, x = K1
+    and K2 transposed) and dP (a = dY, x = V1 and V2) here, in this orientation and in one
+    order: the product batched over m from zero, then the product batched over n
+    accumulated onto it (it is that dot's ``acc``).
+
+    The order is part of the result: a dot does not round its products before adding them
+    to its accumulator (an FMA chain in IEEE float32/float64, tensor-core MMA for 16-bit
+    inputs, whose accumulation is not even round-to-nearest), so "Q.K1 onto round(Q.K2)" and
+    "Q.K2 onto round(Q.K1)" differ in the last bits. Written as ``dot(a, x1) + dot(a_t,
+    x2)`` the order was Triton's: its combiner folds the add into the first dot's
+    accumulator when compiling for a GPU (the interpreter never folds), and the dK2/dV2
+    launch, whose first operand was K2, computed the other order, so a one-hot P was not
+    one-hot there. With the order and the orientation the same in every pass, the forward,
+    the dQ pass and both dK/dV launches hold bitwise the same S and dP, on a GPU as in the
+    interpreter (tests/test_kernels_floyd.py reads the order in the sm_90 TTIR)."""
+    by_m = tl.permute(tl.dot(a_t, x2, input_precision=PRECISION, out_dtype=ACC), (1, 0, 2))
+    return tl.dot(a, x1, by_m, input_precision=PRECISION, out_dtype=ACC)
 
 
 @triton.jit
@@ -225,18 +237,24 @@ def _fwd_kernel(
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _probs_and_dp(q, q_by_m, dy, dy_by_m, k1_t, k2_t, v1_t, v2_t, user, live, mx, inv_sum, scale,
-                  HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
-    """P and dP of one [BI, BJ, BK] tile (i, j = n, m or the dK/dV launches' own and looped
-    axes; ``user`` the mask tile, ``live`` the real pivots and rows, ``mx``, ``inv_sum`` the
-    row statistics [BI, BJ]). The one recomputation every backward kernel uses, so their
-    P and dP are bitwise equal (see ``_pair_dot``); masked pivots keep P (a fully masked row
-    is uniform), their dS is zeroed by the caller."""
-    s = _pair_dot(q, q_by_m, k1_t, k2_t, PRECISION, ACC) * scale
+                  HAS_MASK: tl.constexpr, BY_M: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """P and dP of one tile, from S and dP computed in the forward's orientation [BN, BM, BK]
+    (``_pair_dot``), returned in it or, with ``BY_M``, as [BM, BN, BK] (the dK2/dV2
+    launch's own axis first); ``user`` the mask tile, ``live`` the real pivots and rows,
+    ``mx``, ``inv_sum`` the row statistics, all in the returned orientation. The one
+    recomputation every backward kernel uses, so their P and dP are bitwise the same;
+    masked pivots keep P (a fully masked row is uniform), their dS is zeroed by the caller."""
+    s = _pair_dot(q, q_by_m, k1_t, k2_t, PRECISION, ACC)
+    if BY_M:
+        s = tl.permute(s, (1, 0, 2))
+    s = s * scale
     if HAS_MASK:
         s = tl.where(user, _NEG_FLT_MAX, s)
     s = tl.where(live, s, float("-inf"))  # tails: P = 0
     p = tl.exp(s - mx[:, :, None]) * inv_sum[:, :, None]
     dp = _pair_dot(dy, dy_by_m, v1_t, v2_t, PRECISION, ACC)
+    if BY_M:
+        dp = tl.permute(dp, (1, 0, 2))
     return p, dp
 
 
@@ -259,7 +277,7 @@ def _dq_pivot_tile(k0, q, q_by_m, dy, dy_by_m, mx, inv_sum, scale, n_idx, m_idx,
         user = tl.zeros([1, 1, BLOCK_K], tl.int1)
     live = (k_idx < K)[None, None, :]
     p, dp = _probs_and_dp(q, q_by_m, dy, dy_by_m, k1_t, k2_t, v1_t, v2_t, user, live, mx, inv_sum,
-                          scale, HAS_MASK, PRECISION, ACC)
+                          scale, HAS_MASK, False, PRECISION, ACC)
     return k1_t, k2_t, user | ~live, p, dp
 
 
@@ -351,7 +369,7 @@ def _bwd_dkv_kernel(
     sdr_b, sdr_h, sdr_own, sdr_loop,
     sg_b, sg_h, sg_own, sg_k, sg_d,  # dK and dV: the launcher's, same strides
     H, OWN, LOOP, K, D, scale,
-    HAS_MASK: tl.constexpr, MASK_ON_LOOP: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_MASK: tl.constexpr, N_IS_LOOP: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_OWN: tl.constexpr, BLOCK_LOOP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, IDX: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -362,12 +380,18 @@ def _bwd_dkv_kernel(
     j is the side's *own* axis (n for dK1/dV1, m for dK2/dV2) and l the *looped* axis (the
     other one); "own" keys/values are indexed [j, k], "other" ones [l, k], and Q, dY, the
     statistics and Dr [j, l], all through the strides the launcher permutes. Only the mask
-    [B,1,N,1,K] breaks the symmetry: ``MASK_ON_LOOP`` says that n is the looped axis, so the
-    mask is loaded per step rather than once.
+    [B,1,N,1,K] and the scores' arithmetic break the symmetry: ``N_IS_LOOP`` says that n is
+    the looped axis (the dK2/dV2 launch), so the mask is loaded per step rather than once,
+    and the scores are computed with the other side's tiles in the K1/V1 role.
 
-    The tile is computed as [BJ, BL, BK], the orientation of the dQ kernel, through the same
-    ``_probs_and_dp`` (so P, dP and dS are bitwise the dQ pass's), and P, dS are transposed
-    to [BJ, BK, BL] for the two reductions over l (batched products over j).
+    S and dP are computed as in the forward and the dQ pass, through the same
+    ``_probs_and_dp``: in the orientation [n, m, k] ([BJ, BL, BK] in the dK1/dV1 launch,
+    [BL, BJ, BK] in the dK2/dV2 launch, then transposed to [BJ, BL, BK]), with K1/V1 in
+    K1/V1's operand role, so each score's two products are summed in the one order of
+    every pass (``_pair_dot``) and P, dP and dS are bitwise the dQ pass's. P and dS are
+    then transposed to [BJ, BK, BL] for the two reductions over l (batched products over j).
+    The dK2/dV2 launch pays a transposition of S and dP that the dK1/dV1 launch does not:
+    its tile is smaller where registers are tight (floyd_config).
     """
     bh, tj, tk = _program_tile(tl.program_id(0), tl.cdiv(OWN, BLOCK_OWN), tl.cdiv(K, BLOCK_K), GROUP)
     scale = _unpack_scale(scale, ACC)
@@ -391,7 +415,7 @@ def _bwd_dkv_kernel(
                    OWN, D, K, UPCAST)
     # The mask's n is j here (this program's own tile, loaded once) or l (a tile per step).
     own_user = tl.zeros([1, 1, BLOCK_K], tl.int1)
-    if not MASK_ON_LOOP:
+    if not N_IS_LOOP:
         if HAS_MASK:
             own_user = _masked_out(mask_ptr, j_idx, k_idx, smk_n, smk_k, OWN, K)[:, None, :]  # [BJ,1,BK]
     k_ok = (k_idx < K)[None, None, :]
@@ -405,7 +429,7 @@ def _bwd_dkv_kernel(
         # [BL,BD,BK]
         other_k = _tile3(other_k_ptr, l_idx, d_idx, k_idx, sxk_loop, sxk_d, sxk_k, LOOP, D, K, UPCAST)
         other_v = _tile3(other_v_ptr, l_idx, d_idx, k_idx, sxv_loop, sxv_d, sxv_k, LOOP, D, K, UPCAST)
-        if MASK_ON_LOOP:
+        if N_IS_LOOP:
             user = tl.zeros([1, 1, BLOCK_K], tl.int1)
             if HAS_MASK:
                 user = _masked_out(mask_ptr, l_idx, k_idx, smk_n, smk_k, LOOP, K)[None, :, :]  # [1,BL,BK]
@@ -415,8 +439,13 @@ def _bwd_dkv_kernel(
         inv_sum = 1.0 / _tile2(sum_ptr, j_idx, l_idx, ssum_own, ssum_loop, OWN, LOOP, 1.0)
         dr = _tile2(dr_ptr, j_idx, l_idx, sdr_own, sdr_loop, OWN, LOOP, 0.0)
         live = k_ok & (l_idx < LOOP)[None, :, None]  # rows past the loop's end must add nothing
-        p, dp = _probs_and_dp(q, tl.permute(q, (1, 0, 2)), dy, tl.permute(dy, (1, 0, 2)), own_k, other_k,
-                              own_v, other_v, user, live, mx, inv_sum, scale, HAS_MASK, PRECISION, ACC)
+        # S and dP as the forward computes them: [n, m, k] is [j, l, k] here, or [l, j, k]
+        if N_IS_LOOP:
+            p, dp = _probs_and_dp(tl.permute(q, (1, 0, 2)), q, tl.permute(dy, (1, 0, 2)), dy, other_k, own_k,
+                                  other_v, own_v, user, live, mx, inv_sum, scale, HAS_MASK, True, PRECISION, ACC)
+        else:
+            p, dp = _probs_and_dp(q, tl.permute(q, (1, 0, 2)), dy, tl.permute(dy, (1, 0, 2)), own_k, other_k,
+                                  own_v, other_v, user, live, mx, inv_sum, scale, HAS_MASK, False, PRECISION, ACC)
         ds = tl.where(user, 0.0, p * (dp - dr[:, :, None]) * scale)
         dv = tl.dot(tl.permute(p, (0, 2, 1)).to(dy.dtype), dy, dv, input_precision=PRECISION, out_dtype=ACC)
         dk = tl.dot(tl.permute(ds, (0, 2, 1)).to(q.dtype), q, dk, input_precision=PRECISION, out_dtype=ACC)
@@ -466,7 +495,7 @@ def _dkv_meta(kernel: str, cfg):
     then belongs to the looped axis)."""
     n_is_loop = kernel == "bwd_dk2"
     block_own, block_loop = (cfg.block_m, cfg.block_n) if n_is_loop else (cfg.block_n, cfg.block_m)
-    return dict(MASK_ON_LOOP=n_is_loop, BLOCK_OWN=block_own, BLOCK_LOOP=block_loop, BLOCK_K=cfg.block_k,
+    return dict(N_IS_LOOP=n_is_loop, BLOCK_OWN=block_own, BLOCK_LOOP=block_loop, BLOCK_K=cfg.block_k,
                 BLOCK_D=cfg.block_d, GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

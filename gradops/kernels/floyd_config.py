@@ -37,7 +37,10 @@ memory (an H100 SM has 227 KiB):
 - where the rule (``strategy`` below) still gives a width to the fused kernels (16-bit
   D <= 64, float32 D <= 16), the kept tile is one without spills: hence dK1/dV1 at width 64
   takes 8x8 (16x8 spilled 3 pairs), its mirror dK2/dV2 keeps 16x8 (no spills), and dQ
-  grows from 8x8 to 16x8 (no spills, 160 KiB; the 16-row side fills the m16 MMA rows).
+  grows from 8x8 to 16x8 (no spills, 160 KiB; the 16-row side fills the m16 MMA rows);
+  dK2/dV2 takes 16x8 at width 32 too: it transposes S and dP, which the other kernels do
+  not (every pass sums a score's two products in one order, floyd_attention._pair_dot),
+  and 16x16 spilled 4 pairs at float32 D = 16.
 
 Wider elements are looked up by their byte width: float32 at D = 64 uses the bf16 row of
 D = 128 (``width = block_d * element_size / 2``). The sizes are not tuned for speed on a
@@ -65,7 +68,7 @@ TABLE: Dict[str, Dict[int, Tuple[int, int, int]]] = {
             512: (4, 4, 16)},
     "bwd_dq": {32: (16, 16, 16), 64: (16, 8, 16), 128: (8, 8, 16), 256: (4, 4, 16), 512: (2, 2, 16)},
     "bwd_dk1": {32: (16, 16, 16), 64: (8, 8, 16), 128: (8, 8, 16), 256: (4, 4, 16), 512: (2, 2, 16)},
-    "bwd_dk2": {32: (16, 16, 16), 64: (16, 8, 16), 128: (8, 8, 16), 256: (4, 4, 16), 512: (2, 2, 16)},
+    "bwd_dk2": {32: (16, 8, 16), 64: (16, 8, 16), 128: (8, 8, 16), 256: (4, 4, 16), 512: (2, 2, 16)},
 }
 NUM_WARPS = 8  # 4 warps spilled in every kernel at every tile the table keeps
 
