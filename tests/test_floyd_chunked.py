@@ -167,7 +167,7 @@ def test_one_hot_in_a_later_pivot_tile(spy, dtype, device):
     shift = 1050
     inputs = [inputs[0]] + [t.roll(shift, dims=3 if i < 2 else 2) for i, t in enumerate(inputs[1:])]
     assert all(config.row_config(k, m)["BLOCK_K"] <= (_winner(i, k) + shift) % k for i in range(n))
-    dy = torch.randn(b, h, n, m, d, generator=gen, dtype=F64).to(dtype).to(device)
+    dy = torch.randn(b, h, n, m, d, generator=gen, dtype=F64, device="cpu").to(dtype).to(device)
     out, mx, sm, (dq, dk1, dv1, dk2, dv2) = run_chunked(spy, inputs, dy, None, 0.8)
     assert torch.equal(sm, torch.ones_like(sm))
     for name, g in (("dq", dq), ("dk1", dk1), ("dk2", dk2)):
@@ -188,7 +188,7 @@ def test_nan_score_in_a_later_pivot_tile(spy, device):
     inputs[1][0, 1, 2, 1030, 0] = float("nan")
     mask[0, 0, 2, 0, 1030] = False
     out, mx, sm = (t.cpu() for t in run_chunked(spy, inputs, dy, mask)[:3])
-    rows = torch.zeros(b, h, n, m, dtype=torch.bool)
+    rows = torch.zeros(b, h, n, m, dtype=torch.bool, device="cpu")  # the results are moved to the CPU
     rows[0, 1, 2] = True
     y_ref, mx_ref = (t.cpu() for t in oracle(inputs, dy, mask, SCALE)[:2])
     assert torch.equal(torch.isnan(mx_ref), rows) and torch.equal(torch.isnan(mx), rows)
@@ -298,17 +298,17 @@ def test_one_hot_softmax_gives_exactly_zero_score_gradients(spy, monkeypatch, ki
     else:
         monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", slices_budget(3, (b, h, n, m, k, d), dtype))
     if kind == "K1":
-        inputs = [torch.randn(s, generator=gen, dtype=F64).to(dtype).to(device)
+        inputs = [torch.randn(s, generator=gen, dtype=F64, device="cpu").to(dtype).to(device)
                   for s in [(b, h, n, m, d), (b, h, n, k, d), (b, h, n, k, d), (b, h, k, m, d), (b, h, k, m, d)]]
-        mask = torch.rand(b, 1, n, 1, k, generator=gen) < 0.4
+        mask = torch.rand(b, 1, n, 1, k, generator=gen, device="cpu") < 0.4
     else:
         inputs = _one_hot_inputs(b, h, n, m, k, d, dtype, device, gen)
-        mask = torch.rand(b, 1, n, 1, k, generator=gen) < 0.4  # some of the losers
+        mask = torch.rand(b, 1, n, 1, k, generator=gen, device="cpu") < 0.4  # some of the losers
         for i in range(n):
             mask[:, :, i, :, _winner(i, k)] = False
     mask[0, 0, n - 1] = True  # a fully masked row: uniform P, dS zero by the mask
     mask = mask.to(device)
-    dy = torch.randn(b, h, n, m, d, generator=gen, dtype=F64).to(dtype).to(device)
+    dy = torch.randn(b, h, n, m, d, generator=gen, dtype=F64, device="cpu").to(dtype).to(device)
     out, mx, sm, (dq, dk1, dv1, dk2, dv2) = run_chunked(spy, inputs, dy, mask, 0.8)
     plan = spy.plans[0][2]
     assert spy.plans[1] == spy.plans[0]
@@ -408,7 +408,7 @@ def test_nan_in_q_stays_in_its_row(spy, monkeypatch, dtype, device):
     out, mx, sm, grads = out.cpu(), mx.cpu(), sm.cpu(), [g.cpu() for g in grads]
     plan = spy.plans[0][2]
     assert plan.block_n < n and plan.block_m < m and config.row_config(k, plan.block_m)["BLOCK_R"] > 1
-    row = torch.zeros(b, h, n, m, dtype=torch.bool)
+    row = torch.zeros(b, h, n, m, dtype=torch.bool, device="cpu")  # the results are moved to the CPU
     row[where] = True
     assert torch.equal(torch.isnan(mx), row) and torch.equal(torch.isnan(sm), row)
     assert torch.equal(torch.isnan(out).any(dim=-1), row) and torch.isnan(out[where]).all()
@@ -588,7 +588,7 @@ def test_scale_reaches_the_row_kernel_exactly(spy, dtype, scale, device):
     assert spy.launches == ["forward"]
     q, k1, _, k2, _ = (t.float().cpu()[..., 0] for t in inputs)
     s = q[..., None] * k1[:, :, :, None, :] + q[..., None] * k2.transpose(2, 3)[:, :, None]
-    assert torch.equal(mx.cpu(), (s * torch.tensor(scale, dtype=torch.float32)).amax(dim=-1))
+    assert torch.equal(mx.cpu(), (s * torch.tensor(scale, dtype=torch.float32, device="cpu")).amax(dim=-1))
 
 
 @pytest.mark.parametrize("shape", [(0, 2, 3, 4, 5, 8), (1, 1, 0, 4, 5, 8), (1, 1, 3, 0, 5, 8)])
@@ -791,7 +791,7 @@ def test_chunk_plan_invariants():
             assert all(a1 == b0 for (_, a1), (b0, _) in itertools.pairwise(ranges))
             assert all(0 < r1 - r0 <= block for r0, r1 in ranges)
         if len(walk) * len(n_ranges) <= 200:  # and, where small, by counting
-            count = torch.zeros(bh, n, m, dtype=torch.int32)
+            count = torch.zeros(bh, n, m, dtype=torch.int32, device="cpu")
             for g0, g1, m0, m1, ranges in walk:
                 for n0, n1 in ranges:
                     count[g0:g1, n0:n1, m0:m1] += 1

@@ -58,7 +58,7 @@ def make_inputs(b, h, n, m, k, d, dtype, device, mask_kind=None):
     gen = torch.Generator().manual_seed(b * 1000003 + h * 10007 + n * 101 + m * 11 + k + 7 * d)
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
+        return torch.randn(*shape, generator=gen, dtype=torch.float64, device="cpu").to(dtype).to(device)
 
     q = rnd(b, h, n, m, d)
     k1, v1 = rnd(b, h, n, k, d), rnd(b, h, n, k, d)
@@ -66,7 +66,7 @@ def make_inputs(b, h, n, m, k, d, dtype, device, mask_kind=None):
     dy = rnd(b, h, n, m, d)
     mask = None
     if mask_kind is not None:
-        mask = torch.rand(b, 1, n, 1, k, generator=gen) < 0.35
+        mask = torch.rand(b, 1, n, 1, k, generator=gen, device="cpu") < 0.35
         if mask_kind == "full_rows":  # every pivot of some rows masked: uniform softmax there
             mask[0, 0, 0] = True
             if n > 2:
@@ -380,29 +380,35 @@ def test_bench_quick_runs(capsys, tmp_path):
 def test_scale_reaches_the_kernels_exactly(dtype, scale, device):
     """The scores are multiplied by the scale rounded to float32 (16/32-bit inputs, as the
     reference's float32 multiply does) or by the float64 scale itself (float64 inputs: not
-    rounded to float32 on the way in). With D = 1 every score is one correctly rounded
-    expression, so the softmax max must equal, bitwise, that expression computed here."""
+    rounded to float32 on the way in). The inputs are small integers and D = 1, so each
+    score's two products and their sum are exact however a device accumulates them (IEEE
+    adds in the interpreter, an FMA chain or tensor-core MMA on a GPU): the multiply by the
+    scale is the only rounding, and the softmax max must equal it, bitwise."""
     skip_if_floyd_float64_refused("triton", device, dtype)
     b, h, n, m, k, d = 1, 2, 5, 19, 20, 1
-    inputs, _, _ = make_inputs(b, h, n, m, k, d, dtype, device)
+    gen = torch.Generator().manual_seed(17)
+    shapes = [(b, h, n, m, d), (b, h, n, k, d), (b, h, n, k, d), (b, h, k, m, d), (b, h, k, m, d)]
+    # |q k1 + q k2| <= 2 * 15 * 15: exact in every dtype's products and in float32 sums
+    exact = [torch.randint(-15, 16, s, generator=gen, device="cpu").double() for s in shapes]
+    inputs = [t.to(dtype).to(device) for t in exact]
     _, mx, _ = kernels.floyd_attention(*inputs, None, scale)
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    q, k1, _, k2, _ = (t.to(acc).cpu()[..., 0] for t in inputs)
+    q, k1, _, k2, _ = (t[..., 0] for t in exact)
     s = q[..., None] * k1[:, :, :, None, :] + q[..., None] * k2.transpose(2, 3)[:, :, None]  # [B,H,N,M,K]
-    expected = (s * torch.tensor(scale, dtype=acc)).amax(dim=-1)
+    if dtype == torch.float64:
+        expected = (s * scale).amax(dim=-1)
+        other = (s * float(torch.tensor(scale, dtype=torch.float32, device="cpu"))).amax(dim=-1)
+    else:  # s times the float32 scale is exact in float64: .float() is the one rounding
+        expected = (s * float(torch.tensor(scale, dtype=torch.float32, device="cpu"))).float().amax(dim=-1)
+        other = (s * scale).float().amax(dim=-1)
     assert torch.equal(mx.cpu(), expected)
     # ... and the test can tell: the other rounding of the scale gives other maxima
-    if acc == torch.float64:
-        other = (s * float(torch.tensor(scale, dtype=torch.float32))).amax(dim=-1)
-    else:
-        other = (s.double() * scale).float().amax(dim=-1)
     assert not torch.equal(other, expected)
     r_mx = reference.floyd_attention(*inputs, None, scale)[1]
     assert torch.equal(r_mx.cpu(), expected)
 
 
 # ---------------------------------------------------------------------------------------------
-# Ahead-of-time compile for an H100 (sm_90): resources at the shipped configurations
+# Ahead-of-time compile for an H100 (sm_90): resources, and the order of each score's sum
 # ---------------------------------------------------------------------------------------------
 # The interpreter says nothing about registers or shared memory. Compile each kernel for
 # sm_90 with Triton's bundled ptxas, specialised as the JIT specialises contiguous tensors
