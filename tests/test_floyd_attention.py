@@ -92,8 +92,8 @@ def test_output_dtypes(dtype, device):
 @pytest.mark.parametrize("seed", range(4))
 def test_random_shapes_float64_float32(seed, device):
     gen = torch.Generator().manual_seed(seed)
-    shape = [int(v) for v in torch.randint(1, 7, (6,), generator=gen)]
-    scale = float(torch.rand((), generator=gen)) * 2 - 0.5
+    shape = [int(v) for v in torch.randint(1, 7, (6,), generator=gen, device="cpu")]
+    scale = float(torch.rand((), generator=gen, device="cpu")) * 2 - 0.5
     for dtype in (torch.float64, torch.float32):
         inputs = make_inputs(*shape, dtype=dtype, device=device)
         mask = random_mask(shape[0], shape[2], shape[4], torch.uint8, device) if seed % 2 else None
@@ -285,7 +285,7 @@ def test_nan_propagation_forward(device):
     q_nan = q.clone()
     q_nan[0, 1, 0, 2, 1] = float("nan")  # one query: one output row
     out = attention(q_nan, k1, v1, k2, v2, mask=mask)[0]
-    expected = torch.zeros(h, n, m, dtype=torch.bool)
+    expected = torch.zeros(h, n, m, dtype=torch.bool, device="cpu")
     expected[1, 0, 2] = True
     assert torch.equal(nan_rows(out).cpu(), expected)
     assert torch.isnan(out[0, 1, 0, 2]).all()
@@ -293,14 +293,14 @@ def test_nan_propagation_forward(device):
     k1_nan = k1.clone()
     k1_nan[0, 0, 1, 3, 0] = float("nan")  # pivot 3 of row n=1: every m of that n
     out = attention(q, k1_nan, v1, k2, v2, mask=mask)[0]
-    expected = torch.zeros(h, n, m, dtype=torch.bool)
+    expected = torch.zeros(h, n, m, dtype=torch.bool, device="cpu")
     expected[0, 1, :] = True
     assert torch.equal(nan_rows(out).cpu(), expected)
 
     k2_nan = k2.clone()
     k2_nan[0, 1, 2, 3, 1] = float("nan")  # pivot 2 of column m=3: every n of that m
     out = attention(q, k1, v1, k2_nan, v2, mask=mask)[0]
-    expected = torch.zeros(h, n, m, dtype=torch.bool)
+    expected = torch.zeros(h, n, m, dtype=torch.bool, device="cpu")
     expected[1, :, 3] = True
     assert torch.equal(nan_rows(out).cpu(), expected)
 
@@ -438,7 +438,7 @@ def test_chunk_elements_setting_takes_effect(monkeypatch, device):
 def test_tiles_cover_every_pair_once():
     for b, h, n, m, k, budget in [(1, 1, 7, 9, 3, 1), (2, 3, 5, 8, 4, 50), (1, 2, 6, 4, 5, 10 ** 6),
                                   (1, 1, 13, 3, 2, 7)]:
-        count = torch.zeros(n, m, dtype=torch.int64)
+        count = torch.zeros(n, m, dtype=torch.int64, device="cpu")
         for m0, m1, n_tiles in reference_floyd.tiles(b, h, n, m, k, budget=budget):
             for n0, n1 in n_tiles:
                 assert (n1 - n0) * (m1 - m0) * b * h * k <= max(budget, b * h * k)
@@ -544,9 +544,9 @@ def test_mask_dtype_error(good, dtype):
     ("mask", (B, H, N, 1, K)), ("mask", (B, 1, N, M, K)), ("mask", (B, 1, N, K)), ("mask", (B, 1, N, 1, K + 1)),
     ("mask", (1, 1, N, 1, K)), ("mask", (B, 1, 1, 1, K)),
 ])
-def test_shape_errors_are_tiling(good, name, shape):
+def test_shape_errors_are_tiling(good, name, shape, device):
     dtype = torch.bool if name == "mask" else torch.float32
-    args = dict(good, **{name: torch.zeros(shape, dtype=dtype)})
+    args = dict(good, **{name: torch.zeros(shape, dtype=dtype, device=device)})
     for call in (fwd(args), bwd(args)):
         check_error(call, TILING, name)
 
@@ -556,20 +556,22 @@ def test_shape_errors_are_tiling(good, name, shape):
     ("softmax_max", (B, H, N, M, 4)), ("softmax_max", (B, H, N, M, 1)), ("softmax_max", (B, H, N, M + 1)),
     ("softmax_max", (B, H, N)), ("softmax_sum", (B, H, N, M, 16)), ("softmax_sum", (B, H, M, N)),
 ])
-def test_backward_shape_errors_are_tiling(good, name, shape):
-    check_error(bwd(dict(good, **{name: torch.zeros(shape)})), TILING, name)
+def test_backward_shape_errors_are_tiling(good, name, shape, device):
+    check_error(bwd(dict(good, **{name: torch.zeros(shape, device=device)})), TILING, name)
 
 
-def test_zero_pivots_is_a_tiling_error(good):
-    k1 = torch.zeros(B, H, N, 0, D)
-    k2 = torch.zeros(B, H, 0, M, D)
+def test_zero_pivots_is_a_tiling_error(good, device):
+    k1 = torch.zeros(B, H, N, 0, D, device=device)
+    k2 = torch.zeros(B, H, 0, M, D, device=device)
     args = dict(good, k1=k1, v1=k1, k2=k2, v2=k2, mask=None)
     for call in (fwd(args), bwd(args)):
         check_error(call, TILING, "k1", "K")
 
 
-@pytest.mark.parametrize("scale", ["1.0", [1.0], True, torch.tensor(1.0)])
-def test_scale_type_error(good, scale):
+@pytest.mark.parametrize("scale", ["1.0", [1.0], True, "tensor"], ids=["str", "list", "bool", "tensor"])
+def test_scale_type_error(good, scale, device):
+    if scale == "tensor":  # made here, on the test device: a tensor made at collection is a CPU one
+        scale = torch.tensor(1.0, device=device)
     args = dict(good, scale=scale)
     for call in (fwd(args), bwd(args)):
         check_error(call, INVALID, "scale")
@@ -581,15 +583,15 @@ def test_non_tensor_input(good, name):
     check_error(fwd(args), INVALID, name)
 
 
-def test_dtype_rules_come_before_tiling_shape_rules():
+def test_dtype_rules_come_before_tiling_shape_rules(device):
     """CANN reports a dtype error (161002) even when a shape is also wrong (561002)."""
-    q, k1, v1, k2, v2 = make_inputs(1, 1, 2, 3, 4, 5, torch.float32, "cpu")
-    out, smax, ssum = gradops.floyd_attention(q, k1, v1, k2, v2)
+    q, k1, v1, k2, v2 = make_inputs(1, 1, 2, 3, 4, 5, torch.float32, device)
+    out, smax, ssum = gradops.floyd_attention(q, k1, v1, k2, v2, backend=BACKEND)
     bad_shape = smax[..., :2]
     check_error(lambda: gradops.floyd_attention_grad(out, q, k1, v1, k2, v2, out, bad_shape.half(), ssum),
                 INVALID, "softmax_max", "dtype")
-    check_error(lambda: gradops.floyd_attention(q, k1[..., :2, :], v1, k2, v2, torch.ones(1, 1, 2, 1, 4)),
-                INVALID, "mask", "dtype")
+    float_mask = torch.ones(1, 1, 2, 1, 4, device=device)
+    check_error(lambda: gradops.floyd_attention(q, k1[..., :2, :], v1, k2, v2, float_mask), INVALID, "mask", "dtype")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,13 +633,13 @@ def _one_hot_inputs(b, h, n, m, k, d, dtype, device, gen):
     """Inputs whose softmax is exactly one-hot in the accumulation dtype: pivot _winner(n)
     of every row n scores > 10^3 above the others (exp of the gap underflows to 0 in float32
     and float64), so the exact dS rounds to zero everywhere."""
-    q = torch.rand(b, h, n, m, d, generator=gen, dtype=F64) + 0.5  # positive
-    k1 = torch.randn(b, h, n, k, d, generator=gen, dtype=F64)
-    k2 = torch.randn(b, h, k, m, d, generator=gen, dtype=F64)
+    q = torch.rand(b, h, n, m, d, generator=gen, dtype=F64, device="cpu") + 0.5  # positive
+    k1 = torch.randn(b, h, n, k, d, generator=gen, dtype=F64, device="cpu")
+    k2 = torch.randn(b, h, k, m, d, generator=gen, dtype=F64, device="cpu")
     for i in range(n):
         k1[:, :, i, _winner(i, k)] = 500.0
-    v1 = torch.randn(b, h, n, k, d, generator=gen, dtype=F64)
-    v2 = torch.randn(b, h, k, m, d, generator=gen, dtype=F64)
+    v1 = torch.randn(b, h, n, k, d, generator=gen, dtype=F64, device="cpu")
+    v2 = torch.randn(b, h, k, m, d, generator=gen, dtype=F64, device="cpu")
     return [t.to(dtype).to(device) for t in (q, k1, v1, k2, v2)]
 
 
@@ -660,21 +662,21 @@ def test_one_hot_softmax_gives_exactly_zero_score_gradients(floyd_backend, dtype
     b, h, n, m, d = 2, 2, 5, 19, 6
     k = 1 if kind == "K1" else 37
     if kind == "K1":
-        inputs = [torch.randn(s, generator=gen, dtype=F64).to(dtype).to(device)
+        inputs = [torch.randn(s, generator=gen, dtype=F64, device="cpu").to(dtype).to(device)
                   for s in [(b, h, n, m, d), (b, h, n, k, d), (b, h, n, k, d), (b, h, k, m, d), (b, h, k, m, d)]]
     else:
         inputs = _one_hot_inputs(b, h, n, m, k, d, dtype, device, gen)
     mask = None
     if masked:
         if kind == "K1":  # a row is either fully masked or not
-            mask = torch.rand(b, 1, n, 1, k, generator=gen) < 0.4
+            mask = torch.rand(b, 1, n, 1, k, generator=gen, device="cpu") < 0.4
         else:  # some of the losers
-            mask = torch.rand(b, 1, n, 1, k, generator=gen) < 0.4
+            mask = torch.rand(b, 1, n, 1, k, generator=gen, device="cpu") < 0.4
             for i in range(n):
                 mask[:, :, i, :, _winner(i, k)] = False
         mask[0, 0, n - 1] = True  # a fully masked row: uniform P, dS zero by the mask
         mask = mask.to(device)
-    dy = torch.randn(b, h, n, m, d, generator=gen, dtype=F64).to(dtype).to(device)
+    dy = torch.randn(b, h, n, m, d, generator=gen, dtype=F64, device="cpu").to(dtype).to(device)
     (out, smax, ssum), (dq, dk1, dv1, dk2, dv2) = _run(backend, inputs, dy, mask, 0.8)
     for name, g in (("dq", dq), ("dk1", dk1), ("dk2", dk2)):
         assert torch.equal(g, torch.zeros_like(g)), (name, g.abs().max().item())
@@ -696,18 +698,18 @@ def test_nan_in_q_stays_in_its_row(floyd_backend, dtype, mask_kind, device):
     backend = _backend_or_skip(floyd_backend)
     gen = torch.Generator().manual_seed(5)
     b, h, n, m, k, d = 2, 2, 5, 19, 20, 6  # tails past a 16-wide tile on m and on k
-    inputs = [torch.randn(s, generator=gen, dtype=F64).to(dtype).to(device)
+    inputs = [torch.randn(s, generator=gen, dtype=F64, device="cpu").to(dtype).to(device)
               for s in [(b, h, n, m, d), (b, h, n, k, d), (b, h, n, k, d), (b, h, k, m, d), (b, h, k, m, d)]]
     where = (1, 0, 3, 17)
     inputs[0][where + (2,)] = float("nan")
     mask = None
     if mask_kind is not None:
-        mask = torch.rand(b, 1, n, 1, k, generator=gen) < 0.3
+        mask = torch.rand(b, 1, n, 1, k, generator=gen, device="cpu") < 0.3
         mask[where[0], 0, where[2]] = mask_kind == "full_row"
         if mask_kind == "some":
             mask[where[0], 0, where[2], 0, :5] = True
         mask = mask.to(device)
-    dy = torch.randn(b, h, n, m, d, generator=gen, dtype=F64).to(dtype).to(device)
+    dy = torch.randn(b, h, n, m, d, generator=gen, dtype=F64, device="cpu").to(dtype).to(device)
     (out, smax, ssum), grads = _run(backend, inputs, dy, mask, 0.6)
     out_ref, smax_ref, ssum_ref = oracles.floyd_attention(*inputs, mask=mask, scale=0.6)
     grads_ref = oracles.floyd_attention_backward(dy, *inputs, mask=mask, scale=0.6)
@@ -716,7 +718,7 @@ def test_nan_in_q_stays_in_its_row(floyd_backend, dtype, mask_kind, device):
         for a, r in zip((out, smax, ssum, *grads), (*ref_fwd, *ref_grads)):
             assert torch.equal(torch.isnan(a), torch.isnan(r))
 
-    row = torch.zeros(b, h, n, m, dtype=torch.bool)
+    row = torch.zeros(b, h, n, m, dtype=torch.bool, device="cpu")  # compared with the results moved to the CPU
     row[where] = mask_kind != "full_row"
     for name, t, t_ref in (("out", out, out_ref), ("softmax_max", smax, smax_ref), ("softmax_sum", ssum, ssum_ref)):
         nan = torch.isnan(t).cpu()
