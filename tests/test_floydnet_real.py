@@ -18,6 +18,7 @@ from floydnet.transformer import PivotalAttentionBlock  # noqa: E402
 import gradops  # noqa: E402
 import gradops.nn.pivotal as pivotal_mod  # noqa: E402
 from gradops.nn import FloydAttention  # noqa: E402
+from conftest import TEST_DEVICE  # noqa: E402
 from helpers import autocast  # noqa: E402
 
 f64 = torch.float64
@@ -383,27 +384,52 @@ def test_swapped_floydnet_block_compiles_fullgraph(floyd_backend, monkeypatch):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_dropout_gradients_match_floydnet_under_same_rng(backend, compiled):
-    # the chunked path recomputes each tile in backward (checkpoint): the recomputed dropout
-    # mask must be the forward's, eagerly and under torch.compile, or gradients are silently wrong
+def test_dropout_gradients_match_floydnet_under_same_rng(backend, compiled, monkeypatch):
+    """The chunked path recomputes each tile in backward (checkpoint): the recomputed dropout
+    mask must be the forward's, eagerly and under torch.compile, or gradients are silently
+    wrong. The values show the dropped weights themselves: v_ij[i, j, :L_j] is the one-hot
+    of j and v_jk[..., :L_j] is 0, so y[..., :L_j] = P * keep / (1 - p) exactly, and
+    FloydNet's formula with that keep mask (its F.dropout replaced by it) is the oracle of y
+    and of every gradient.
+
+    Eagerly that mask is also FloydNet's own under the same seed (one tile: both draw the
+    same numbers in the same order), on any device. Compiled, only on a CPU: on CUDA,
+    AOTAutograd functionalises the RNG of a checkpointed region with generators of its own
+    (``graphsafe_rng_functionalization``), so compiled dropout masks are not eager ones
+    there; which numbers torch draws is not gradops' to decide, that its forward and
+    backward use the same ones is."""
     torch._dynamo.reset()
-    leaves = _leaves(li=4, lk=4, lj=4)
-    mask = torch.randn(4, 4, dtype=f64)
+    li, lk, lj = 4, 4, 4
+    d = lj + 2
+    leaves = [torch.randn(s, dtype=f64) for s in [(B, H, li, lk, d), (B, H, li, lj, d), (B, H, lj, lk, d),
+                                                   (B, H, li, lj, d), (B, H, lj, lk, d)]]
+    leaves[3][..., :lj] = torch.eye(lj, dtype=f64)
+    leaves[4][..., :lj] = 0.0
+    leaves = [t.requires_grad_() for t in leaves]
+    mask = torch.randn(lk, lj, dtype=f64)
+    p = 0.3
 
     def ours_fn(*t):
-        return gradops.pivotal_attention(*t, attn_mask=mask, dropout=0.3)
+        return gradops.pivotal_attention(*t, attn_mask=mask, dropout=p)
 
-    fn = torch.compile(ours_fn, fullgraph=True, backend="aot_eager") if compiled else ours_fn
-    results = []
-    for f in (fn, lambda *t: floyd_pivotal(*t, attn_mask=mask, dropout=0.3)):
+    def run(f, seed=11):
         for t in leaves:
             t.grad = None
-        torch.manual_seed(11)
+        torch.manual_seed(seed)
         y = f(*leaves)
-        y.backward(torch.ones_like(y))
-        results.append((y.detach(), [t.grad.clone() for t in leaves]))
+        y.backward(torch.cos(torch.arange(y.numel(), dtype=f64)).view_as(y))
+        return y.detach(), [t.grad.clone() for t in leaves]
+
+    ours = run(torch.compile(ours_fn, fullgraph=True, backend="aot_eager") if compiled else ours_fn)
     torch._dynamo.reset()
-    _assert_same(results[0], results[1], **F64_TOL)
+    keep = ours[0][..., :lj] != 0  # [B, H, L_i, L_k, L_j]: P > 0 everywhere
+    assert 0 < int(keep.sum()) < keep.numel()
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.nn.functional, "dropout", lambda attn, p, **_: attn * keep / (1 - p))
+        oracle = run(lambda *t: floyd_pivotal(*t, attn_mask=mask, dropout=p))
+    _assert_same(ours, oracle, **F64_TOL)
+    if not compiled or TEST_DEVICE == "cpu":
+        _assert_same(ours, run(lambda *t: floyd_pivotal(*t, attn_mask=mask, dropout=p)), **F64_TOL)
 
 
 def test_single_pivot_training_matches_floydnet(floyd_backend):
