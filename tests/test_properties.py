@@ -305,7 +305,12 @@ def test_floyd_attention_matches_float64_formula(backend_name):
     if skip_float64:
         dtypes = tuple(d for d in dtypes if d != torch.float64)
 
-    @_examples(backend_name, 50, 10)
+    # Each example of the triton run launches the fused kernels with new integer arguments
+    # and strides, so on a GPU each compiles new specialisations (on CPU, counted through the
+    # launches: 28 for 10 examples, 96 for 50, bfloat16 aside), seconds apiece: that is the
+    # test's time there, not the checks. Hence the interpreter's 10 examples on a GPU too (the
+    # same derandomized calls); the reference backend keeps 50.
+    @_examples(backend_name, 10 if backend_name == "triton" else 50, 10)
     @given(call=floyd_calls(dtypes))
     def check(call):
         q, k1, v1, k2, v2, mask, scale, dy = (call[n] for n in ("q", "k1", "v1", "k2", "v2", "mask", "scale", "dy"))
