@@ -88,7 +88,15 @@ def _layer_norm_backward(draw, weight_dtype=None):
     shape = LN_SHAPE[-1:]
     dx, dw, db = oracles.layer_norm_backward(dy, x, shape, w, EPS_LN)
     golden = {"dx": dx, "dweight": dw, "dbias": db}
-    _, (bdx, bdw, bdb) = _grad(lambda x_, w_, b_: F.layer_norm(x_, shape, w_, b_, EPS_LN), (x, w, b), dy)
+    if w.dtype == x.dtype:
+        layer_norm = F.layer_norm
+    else:
+        # half x beside a float32 weight: torch's LayerNorm takes the mix on the CPU only (its
+        # CUDA kernel refuses it); PyTorch's computation of it there, x promoted to float32 and
+        # y rounded to x's dtype, exists on both (and dx rounds once to x's dtype, as there)
+        def layer_norm(x_, shape_, w_, b_, eps):
+            return F.layer_norm(x_.float(), shape_, w_, b_, eps).to(x_.dtype)
+    _, (bdx, bdw, bdb) = _grad(lambda x_, w_, b_: layer_norm(x_, shape, w_, b_, EPS_LN), (x, w, b), dy)
     bench = {"dx": bdx, "dweight": bdw, "dbias": bdb}
     _, mean, rstd = oracles.layer_norm(x, shape, w, b, EPS_LN)  # float64 statistics, as float32
     mean, rstd = mean.float(), rstd.float()
@@ -158,11 +166,15 @@ def _layer_norm_grad(draw):
     pd_var = (-0.5 * x1 * x2 * r ** 3).sum(-1, keepdim=True)
     pd_mean = (-x1 * r).sum(-1, keepdim=True) + pd_var / h * (-2.0 * x2).sum(-1, keepdim=True)
     golden = {"pd_x": x1 * r + pd_var * (2.0 / h) * x2 + pd_mean / h, "res_for_gamma": x2 * r}
-    # benchmark: ATen's LayerNorm backward in T with the statistics LayerNormGrad is given (the
-    # literal formula in float16 overflows: pd_var carries rstd^3), and x-hat in T
+    # benchmark: ATen's LayerNorm backward with the statistics LayerNormGrad is given (the
+    # literal formula in float16 overflows: pd_var carries rstd^3), computed in float32 and
+    # rounded to T, as ATen's half kernels compute (in float) and round; and x-hat in T. (ATen's
+    # half kernel itself takes no statistics that exist on both devices: T on the CPU only,
+    # float32 on CUDA only.)
     rstd = torch.rsqrt(var + eps)
-    bdx = torch.ops.aten.native_layer_norm_backward(dy, x, [h], mean[..., None], rstd[..., None], gamma,
-                                                    None, [True, False, False])[0]
+    bdx = torch.ops.aten.native_layer_norm_backward(dy.float(), x.float(), [h], mean.float()[..., None],
+                                                    rstd.float()[..., None], gamma.float(), None,
+                                                    [True, False, False])[0].to(x.dtype)
     bench = {"pd_x": bdx, "res_for_gamma": (x - mean[..., None]) * rstd[..., None]}
 
     def call(backend, dy, x, var, mean, gamma):
