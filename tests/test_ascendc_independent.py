@@ -14,6 +14,7 @@ Where CANN's source differs from OPERATORS.md (OPERATORS.md wins):
   ND tiling needs (``36 * H`` bytes) when B*S == 1 or H == 1: that minimum is refused by the
   tiling (checked below as CANN's behaviour, not a gradops bug).
 """
+import dataclasses
 import itertools
 
 import numpy as np
@@ -402,46 +403,59 @@ def test_layer_norm_grad_beta_takes_a_padded_tiling(backend, dtype):
     assert bool((pd_gamma[13:] == 0).all()) and bool((pd_beta[13:] == 0).all())
 
 
-def _bad_kernel_calls():
-    import dataclasses
+def _kernel_args():
+    """What the refused kernel calls below are made of, made in the test (on its device)."""
+    import types
     shape = [2, 5, 8, 8]
     _, mn = GetLayerNormGradMaxMinTmpSize(shape, 4, False)
-    t = GetLayerNormGradNDTilingInfo(shape, mn, 4, False)
     x, dy = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
     var, mean, g = torch.rand(2, 5) + 0.5, torch.randn(2, 5), torch.randn(8)
-    buf = torch.zeros(mn, dtype=torch.uint8)
-    half_reuse = GetLayerNormGradNDTilingInfo(shape, 4096, 2, True)
-    NULL = 161001
-    return [
-        ("gamma None", NULL, lambda p, r: LayerNormGrad(p, r, dy, x, var, mean, None, buf, 1e-5, t)),
-        ("epsilon None", NULL, lambda p, r: LayerNormGrad(p, r, dy, x, var, mean, g, buf, None, t)),
-        ("tiling None", NULL, lambda p, r: LayerNormGrad(p, r, dy, x, var, mean, g, buf, 1e-5, None)),
-        ("x half", INVALID, lambda p, r: LayerNormGrad(p, r, dy, x.half(), var, mean, g, buf, 1e-5, t)),
-        ("variance shape", INVALID, lambda p, r: LayerNormGrad(p, r, dy, x, var[:, :4], mean, g, buf, 1e-5, t)),
-        ("beta tiling", INVALID, lambda p, r: LayerNormGrad(
-            p, r, dy, x, var, mean, g, buf, 1e-5, GetLayerNormGradBetaNDTilingInfo(shape, 1024, 4, False))),
-        ("buffer int8", INVALID, lambda p, r: LayerNormGrad(p, r, dy, x, var, mean, g, buf.to(torch.int8), 1e-5, t)),
-        ("buffer below min", INVALID, lambda p, r: LayerNormGrad(p, r, dy, x, var, mean, g, buf[:-1], 1e-5, t)),
-        ("tampered loopNum", INVALID, lambda p, r: LayerNormGrad(
-            p, r, dy, x, var, mean, g, buf, 1e-5, dataclasses.replace(t, loopNum=t.loopNum + 1))),
-        ("negative position", INVALID, lambda p, r: LayerNormGrad(
-            p, r, dy, x, var, mean, g, buf, 1e-5, dataclasses.replace(t, x3TensorPos=-1))),
-        ("reuse with half", INVALID, lambda p, r: LayerNormGrad(
-            p.half(), r.half(), dy.half(), x.half(), var.half(), mean.half(), g.half(), None, 1e-5, half_reuse,
-            isReuseSource=True)),
-        ("beta dy None", NULL, lambda p, r: LayerNormGradBeta(p[0, 0], r[0, 0], x, None, None,
-                                                                 GetLayerNormGradBetaNDTilingInfo(shape, 1024, 4))),
-        ("beta output shape", INVALID, lambda p, r: LayerNormGradBeta(
-            p[0, 0, :7], r[0, 0], x, dy, None, GetLayerNormGradBetaNDTilingInfo(shape, 1024, 4))),
-        ("beta buffer below min", INVALID, lambda p, r: LayerNormGradBeta(
-            p[0, 0], r[0, 0], x, dy, torch.zeros(63, dtype=torch.uint8), GetLayerNormGradBetaNDTilingInfo(shape, 64, 4))),
-    ]
+    return types.SimpleNamespace(
+        shape=shape, t=GetLayerNormGradNDTilingInfo(shape, mn, 4, False), x=x, dy=dy, var=var, mean=mean, g=g,
+        buf=torch.zeros(mn, dtype=torch.uint8), half_reuse=GetLayerNormGradNDTilingInfo(shape, 4096, 2, True))
 
 
-@pytest.mark.parametrize("name,status,call", _bad_kernel_calls(), ids=lambda v: v if isinstance(v, str) else "")
+def _beta_tiling(a, stack):
+    return GetLayerNormGradBetaNDTilingInfo(a.shape, stack, 4)
+
+
+# (the calls take their tensors from _kernel_args in the test: tensors in a parametrize table
+# would be made at collection, on the CPU, and a device error would stand in for the one
+# expected)
+NULL = 161001
+BAD_KERNEL_CALLS = [
+    ("gamma None", NULL, lambda p, r, a: LayerNormGrad(p, r, a.dy, a.x, a.var, a.mean, None, a.buf, 1e-5, a.t)),
+    ("epsilon None", NULL, lambda p, r, a: LayerNormGrad(p, r, a.dy, a.x, a.var, a.mean, a.g, a.buf, None, a.t)),
+    ("tiling None", NULL, lambda p, r, a: LayerNormGrad(p, r, a.dy, a.x, a.var, a.mean, a.g, a.buf, 1e-5, None)),
+    ("x half", INVALID, lambda p, r, a: LayerNormGrad(p, r, a.dy, a.x.half(), a.var, a.mean, a.g, a.buf, 1e-5, a.t)),
+    ("variance shape", INVALID, lambda p, r, a: LayerNormGrad(p, r, a.dy, a.x, a.var[:, :4], a.mean, a.g, a.buf,
+                                                              1e-5, a.t)),
+    ("beta tiling", INVALID, lambda p, r, a: LayerNormGrad(
+        p, r, a.dy, a.x, a.var, a.mean, a.g, a.buf, 1e-5, GetLayerNormGradBetaNDTilingInfo(a.shape, 1024, 4, False))),
+    ("buffer int8", INVALID, lambda p, r, a: LayerNormGrad(p, r, a.dy, a.x, a.var, a.mean, a.g,
+                                                           a.buf.to(torch.int8), 1e-5, a.t)),
+    ("buffer below min", INVALID, lambda p, r, a: LayerNormGrad(p, r, a.dy, a.x, a.var, a.mean, a.g, a.buf[:-1],
+                                                                1e-5, a.t)),
+    ("tampered loopNum", INVALID, lambda p, r, a: LayerNormGrad(
+        p, r, a.dy, a.x, a.var, a.mean, a.g, a.buf, 1e-5, dataclasses.replace(a.t, loopNum=a.t.loopNum + 1))),
+    ("negative position", INVALID, lambda p, r, a: LayerNormGrad(
+        p, r, a.dy, a.x, a.var, a.mean, a.g, a.buf, 1e-5, dataclasses.replace(a.t, x3TensorPos=-1))),
+    ("reuse with half", INVALID, lambda p, r, a: LayerNormGrad(
+        p.half(), r.half(), a.dy.half(), a.x.half(), a.var.half(), a.mean.half(), a.g.half(), None, 1e-5,
+        a.half_reuse, isReuseSource=True)),
+    ("beta dy None", NULL, lambda p, r, a: LayerNormGradBeta(p[0, 0], r[0, 0], a.x, None, None,
+                                                             _beta_tiling(a, 1024))),
+    ("beta output shape", INVALID, lambda p, r, a: LayerNormGradBeta(
+        p[0, 0, :7], r[0, 0], a.x, a.dy, None, _beta_tiling(a, 1024))),
+    ("beta buffer below min", INVALID, lambda p, r, a: LayerNormGradBeta(
+        p[0, 0], r[0, 0], a.x, a.dy, torch.zeros(63, dtype=torch.uint8), _beta_tiling(a, 64))),
+]
+
+
+@pytest.mark.parametrize("name,status,call", BAD_KERNEL_CALLS, ids=lambda v: v if isinstance(v, str) else "")
 def test_kernel_errors_status_and_nothing_written(backend, name, status, call):
     pd_x, res = torch.full((2, 5, 8), 7.0), torch.full((2, 5, 8), 7.0)
     with pytest.raises(gradops.AclnnError) as e:
-        call(pd_x, res)
+        call(pd_x, res, _kernel_args())
     assert e.value.status == status, str(e.value)
     assert bool((pd_x == 7).all()) and bool((res == 7).all())

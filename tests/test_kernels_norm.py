@@ -185,7 +185,8 @@ def test_wide_layer_norm_forward_mean_is_as_accurate_as_torch(device, force_spli
     # running merge gave 6.6e-4)
     monkeypatch.setattr(norm_config, "CPU_SPLIT_BLOCK_N", 2048)
     n = 70000
-    x = (torch.randn((2, n), dtype=torch.float64, generator=torch.Generator().manual_seed(0)) + 1000.0).to(F32)
+    x = (torch.randn((2, n), dtype=torch.float64, generator=torch.Generator().manual_seed(0), device="cpu")
+         + 1000.0).to(F32)
     x = x.to(device)
     _, mean, rstd = KLN.layer_norm(x, None, None, 1e-5)
     want = x.double().mean(dim=1)
@@ -223,9 +224,12 @@ def test_zero_rows(split, device, request):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_many_tiles_per_persistent_program_with_a_tail(dtype, device):
-    # 16 columns: many rows per tile, more tiles than programs, and a partial last tile.
-    dev = torch.device(device)
-    m, n = 1000 if dev.type == "cpu" else 100_003, 16
+    # 16 columns: many rows per tile, more tiles than programs, and a partial last tile. The
+    # device's programs (its SM count on a GPU) and tile rows, from the config of a call too
+    # large for one wave, give the rows that make three waves and a bit.
+    dev, n = torch.device(device), 16
+    full = norm_config.fused_config(1 << 30, n, dev, persistent=True)
+    m = 3 * full.grid * full.block_m + 7
     cfg = norm_config.fused_config(m, n, dev, persistent=True)
     assert cfg.num_tiles > 2 * cfg.grid and m % cfg.block_m
     check_layer_norm(m, n, dtype, device)
