@@ -275,6 +275,13 @@ def make_inputs(b, s, h, dtype):
     return dy, x, var, mean, gamma
 
 
+def half_ulps_apart(a, b):
+    """max |a - b| in units of the float16 ulp at b."""
+    b64 = b.double()
+    ulp = torch.exp2(torch.floor(torch.log2(b64.abs().clamp_min(2.0 ** -14))) - 10)
+    return ((a.double() - b64).abs() / ulp).max().item()
+
+
 def tol(dtype):
     # float32 inputs: a few float32 ulps of O(10) terms; half: one rounding of the result
     return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
@@ -304,14 +311,21 @@ def test_layer_norm_grad_kernel(backend, dtype, b, s, h, stack):
     torch.testing.assert_close(res.double(), want_res, **tol(dtype))
     for before, after in zip(originals, (dy, x, var, mean, gamma)):
         assert torch.equal(before, after)  # without isReuseSource no input changes
-    # Bitwise the Python API's numbers, on every device: the kernel runs the same engine step
-    # by step, on fewer rows at a time, and a row's results do not depend on the rows computed
-    # with it (the Triton kernel's tile follows the width only, test_kernels_norm's
+    # The Python API's numbers: the kernel runs the same engine step by step, on fewer rows at
+    # a time, and a row's results do not depend on the rows computed with it (the Triton
+    # kernel's tile follows the width only, test_kernels_norm's
     # test_ascendc_kernel_tiles_do_not_depend_on_the_row_count; the reference reduces each row
-    # of these widths on its own)
+    # of these widths on its own), so float32 is bitwise the API's, on every device. Half rows
+    # reach the engine as the float32 copies CANN's kernel makes, where the API call reads
+    # half: on a GPU that is another compiled kernel (its loads 16 bytes of half wide), whose
+    # float32 sums may differ in the last bit, so the results may differ by their final
+    # rounding to half: one half ulp at most.
     api_pdx, api_res = gradops.layer_norm_grad(dy, x, var, mean, gamma, eps)
-    torch.testing.assert_close(pd_x, api_pdx, rtol=0, atol=0)
-    torch.testing.assert_close(res, api_res, rtol=0, atol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(pd_x, api_pdx, rtol=0, atol=0)
+        torch.testing.assert_close(res, api_res, rtol=0, atol=0)
+    else:
+        assert half_ulps_apart(pd_x, api_pdx) <= 1 and half_ulps_apart(res, api_res) <= 1
 
 
 def test_layer_norm_grad_kernel_walks_the_tiling(backend, monkeypatch):
