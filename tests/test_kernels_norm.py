@@ -196,6 +196,23 @@ def test_wide_layer_norm_forward_mean_is_as_accurate_as_torch(device, force_spli
     assert_close(rstd, 1 / (x.double().var(dim=1, unbiased=False) + 1e-5).sqrt(), F32, what="rstd")
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_constant_rows_of_any_magnitude_have_zero_variance(split, device, monkeypatch):
+    # a constant row's mean is its value and its variance 0 (docs/operators.md), whatever its
+    # size: the wide kernel's merge once squared the first block's mean (inf past 1.8e19 in
+    # float32) and multiplied it by 0
+    if split:
+        monkeypatch.setattr(norm_config, "MAX_FUSED_N_OVERRIDE", 64)
+    for dtype, big in ((F32, 3e19), (torch.float64, 1e200)):
+        values = torch.tensor([big, -big, 1.0], dtype=dtype, device=device)
+        x = values[:, None].expand(3, 130).contiguous()
+        b = rand((130,), dtype, device)
+        y, mean, rstd = KLN.layer_norm(x, None, b, 1e-5)
+        assert torch.equal(mean, values)
+        assert_close(rstd, torch.full((3,), 1e-5 ** -0.5, dtype=torch.float64, device=device), dtype, what="rstd")
+        assert torch.equal(y, b.expand(3, 130))
+
+
 # ------------------------------------------------------------------ rows and programs
 @pytest.mark.parametrize("split", [False, True])
 def test_one_row(split, device, request):

@@ -116,7 +116,9 @@ def _ln_fwd_wide_kernel(X, R, H, Y, W, B, Mean, Rstd, N, stride_x, stride_r, str
         # exact divisions: the first block's n_b / total must be exactly 1, so that a constant
         # row's running mean is its value and every later delta exactly 0
         mean = mean + delta * div_rn(n_b, total, ACC)
-        m2 = m2 + m2_b + delta * delta * div_rn(count * n_b, total, ACC)
+        # (the first block has no cross term: its delta, the block's mean, squared overflows
+        # past sqrt of the dtype's max (1.8e19 in float32), and inf * 0 would be NaN)
+        m2 = m2 + m2_b + tl.where(count > 0, delta * delta * div_rn(count * n_b, total, ACC), 0.0)
         count = total
     mean = shift + tl.sum(dev, axis=0) / N
     var = m2 / N
