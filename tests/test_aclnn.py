@@ -25,13 +25,6 @@ def intact(*outs):
     return all(t is None or not isinstance(t, torch.Tensor) or bool(torch.all(t == SENTINEL)) for t in outs)
 
 
-def made(change):
-    """A table's change with its tensors made now: the tables hold ``lambda: tensor`` because a
-    tensor made at collection is on the CPU whatever the test device (and the backend fixture
-    makes the test device the default for tensors made in the test)."""
-    return {k: v() if callable(v) else v for k, v in change.items()}
-
-
 def run(get_ws, launch, args, stream=None):
     size, ex = get_ws(**args)
     ws = torch.empty(size, dtype=torch.uint8) if size else None
@@ -93,28 +86,30 @@ def test_layer_norm_casts_into_outputs_and_optional_stats(backend):
     assert torch.equal(a["rstdOutOptional"], rstd.reshape(2, 3).bfloat16())
 
 
+# (each change is made in the test, under the backend fixture: on the test device; a tensor in
+# a parametrize table would be made at collection, on the CPU)
 @pytest.mark.parametrize("change,status,word", [
-    (dict(input=None), NULLPTR, "input"),
-    (dict(normalizedShape=None), NULLPTR, "normalizedShape"),
-    (dict(eps=None), NULLPTR, "eps"),
-    (dict(out=None), NULLPTR, "out"),
-    (dict(input=lambda: rand(2, 3, 16, dtype=torch.float64)), INVALID, "dtype"),
-    (dict(input=lambda: torch.ones(2, 3, 16, dtype=torch.int32)), INVALID, "dtype"),
-    (dict(input=lambda: rand(*[1] * 8, 16), out=lambda: sentinel(*[1] * 8, 16)), INVALID, "input"),
-    (dict(normalizedShape=[]), INVALID, "normalizedShape"),
-    (dict(normalizedShape=[1] * 9), INVALID, "normalizedShape"),
-    (dict(normalizedShape=[8]), INVALID, "normalizedShape"),
-    (dict(normalizedShape=16), INVALID, "normalizedShape"),
-    (dict(weightOptional=lambda: rand(8)), INVALID, "weightOptional"),
-    (dict(weightOptional=lambda: rand(16, dtype=torch.float64)), INVALID, "dtype"),
-    (dict(biasOptional=lambda: rand(3, 16)), INVALID, "biasOptional"),
-    (dict(out=lambda: sentinel(2, 3, 8)), INVALID, "out"),
-    (dict(out=lambda: sentinel(2, 3, 16, dtype=torch.float64)), INVALID, "dtype"),
-    (dict(meanOutOptional=lambda: sentinel(2, 4)), INVALID, "meanOutOptional"),
-    (dict(rstdOutOptional=[1.0]), INVALID, "rstdOutOptional"),
+    (lambda: dict(input=None), NULLPTR, "input"),
+    (lambda: dict(normalizedShape=None), NULLPTR, "normalizedShape"),
+    (lambda: dict(eps=None), NULLPTR, "eps"),
+    (lambda: dict(out=None), NULLPTR, "out"),
+    (lambda: dict(input=rand(2, 3, 16, dtype=torch.float64)), INVALID, "dtype"),
+    (lambda: dict(input=torch.ones(2, 3, 16, dtype=torch.int32)), INVALID, "dtype"),
+    (lambda: dict(input=rand(*[1] * 8, 16), out=sentinel(*[1] * 8, 16)), INVALID, "input"),
+    (lambda: dict(normalizedShape=[]), INVALID, "normalizedShape"),
+    (lambda: dict(normalizedShape=[1] * 9), INVALID, "normalizedShape"),
+    (lambda: dict(normalizedShape=[8]), INVALID, "normalizedShape"),
+    (lambda: dict(normalizedShape=16), INVALID, "normalizedShape"),
+    (lambda: dict(weightOptional=rand(8)), INVALID, "weightOptional"),
+    (lambda: dict(weightOptional=rand(16, dtype=torch.float64)), INVALID, "dtype"),
+    (lambda: dict(biasOptional=rand(3, 16)), INVALID, "biasOptional"),
+    (lambda: dict(out=sentinel(2, 3, 8)), INVALID, "out"),
+    (lambda: dict(out=sentinel(2, 3, 16, dtype=torch.float64)), INVALID, "dtype"),
+    (lambda: dict(meanOutOptional=sentinel(2, 4)), INVALID, "meanOutOptional"),
+    (lambda: dict(rstdOutOptional=[1.0]), INVALID, "rstdOutOptional"),
 ])
 def test_layer_norm_errors(backend, change, status, word):
-    expect_error(A.aclnnLayerNormGetWorkspaceSize, ln_args(**made(change)), status, word, LN_OUTS)
+    expect_error(A.aclnnLayerNormGetWorkspaceSize, ln_args(**change()), status, word, LN_OUTS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -162,32 +157,32 @@ def test_layer_norm_backward_weight_none_and_empty_rows(backend):
 
 
 @pytest.mark.parametrize("change,status,word", [
-    (dict(gradOut=None), NULLPTR, "gradOut"),
-    (dict(input=None), NULLPTR, "input"),
-    (dict(normalizedShape=None), NULLPTR, "normalizedShape"),
-    (dict(mean=None), NULLPTR, "mean"),
-    (dict(rstd=None), NULLPTR, "rstd"),
-    (dict(outputMask=None), NULLPTR, "outputMask"),
-    (dict(gradInputOut=None), NULLPTR, "gradInputOut"),
-    (dict(gradBiasOut=None), NULLPTR, "gradBiasOut"),
-    (dict(outputMask=[True, True]), INVALID, "outputMask"),
-    (dict(input=lambda: rand(2, 3, 16, dtype=torch.float64)), INVALID, "dtype"),
-    (dict(gradOut=lambda: rand(2, 3, 16, dtype=torch.float16)), INVALID, "gradOut"),
-    (dict(mean=lambda: torch.zeros(2, 3, 1, dtype=torch.float64)), INVALID, "mean"),
-    (dict(rstd=lambda: torch.zeros(2, 3, 1, dtype=torch.int32)), INVALID, "rstd"),
-    (dict(gradOut=lambda: rand(2, 4, 16)), INVALID, "gradOut"),
-    (dict(mean=lambda: torch.zeros(7)), INVALID, "mean"),
-    (dict(rstd=lambda: torch.zeros(6)), INVALID, "rstd"),
-    (dict(normalizedShape=[1] * 9), INVALID, "normalizedShape"),
-    (dict(normalizedShape=[3, 8]), INVALID, "normalizedShape"),
-    (dict(weightOptional=lambda: rand(15)), INVALID, "weightOptional"),
-    (dict(biasOptional=lambda: rand(16, dtype=torch.float64)), INVALID, "dtype"),
-    (dict(gradInputOut=lambda: sentinel(2, 3, 15)), INVALID, "gradInputOut"),
-    (dict(gradWeightOut=lambda: sentinel(16, dtype=torch.float64)), INVALID, "gradWeightOut"),
-    (dict(gradBiasOut=lambda: sentinel(1, 16)), INVALID, "gradBiasOut"),
+    (lambda: dict(gradOut=None), NULLPTR, "gradOut"),
+    (lambda: dict(input=None), NULLPTR, "input"),
+    (lambda: dict(normalizedShape=None), NULLPTR, "normalizedShape"),
+    (lambda: dict(mean=None), NULLPTR, "mean"),
+    (lambda: dict(rstd=None), NULLPTR, "rstd"),
+    (lambda: dict(outputMask=None), NULLPTR, "outputMask"),
+    (lambda: dict(gradInputOut=None), NULLPTR, "gradInputOut"),
+    (lambda: dict(gradBiasOut=None), NULLPTR, "gradBiasOut"),
+    (lambda: dict(outputMask=[True, True]), INVALID, "outputMask"),
+    (lambda: dict(input=rand(2, 3, 16, dtype=torch.float64)), INVALID, "dtype"),
+    (lambda: dict(gradOut=rand(2, 3, 16, dtype=torch.float16)), INVALID, "gradOut"),
+    (lambda: dict(mean=torch.zeros(2, 3, 1, dtype=torch.float64)), INVALID, "mean"),
+    (lambda: dict(rstd=torch.zeros(2, 3, 1, dtype=torch.int32)), INVALID, "rstd"),
+    (lambda: dict(gradOut=rand(2, 4, 16)), INVALID, "gradOut"),
+    (lambda: dict(mean=torch.zeros(7)), INVALID, "mean"),
+    (lambda: dict(rstd=torch.zeros(6)), INVALID, "rstd"),
+    (lambda: dict(normalizedShape=[1] * 9), INVALID, "normalizedShape"),
+    (lambda: dict(normalizedShape=[3, 8]), INVALID, "normalizedShape"),
+    (lambda: dict(weightOptional=rand(15)), INVALID, "weightOptional"),
+    (lambda: dict(biasOptional=rand(16, dtype=torch.float64)), INVALID, "dtype"),
+    (lambda: dict(gradInputOut=sentinel(2, 3, 15)), INVALID, "gradInputOut"),
+    (lambda: dict(gradWeightOut=sentinel(16, dtype=torch.float64)), INVALID, "gradWeightOut"),
+    (lambda: dict(gradBiasOut=sentinel(1, 16)), INVALID, "gradBiasOut"),
 ])
 def test_layer_norm_backward_errors(backend, change, status, word):
-    expect_error(A.aclnnLayerNormBackwardGetWorkspaceSize, lnb_args(**made(change)), status, word, LNB_OUTS)
+    expect_error(A.aclnnLayerNormBackwardGetWorkspaceSize, lnb_args(**change()), status, word, LNB_OUTS)
 
 
 def test_layer_norm_backward_rank_limits(backend):
@@ -255,47 +250,47 @@ RMSG_OUTS = ["dxOut", "dgammaOut"]
 
 
 @pytest.mark.parametrize("change,status,word", [
-    (dict(x=None), NULLPTR, "x"),
-    (dict(gamma=None), NULLPTR, "gamma"),
-    (dict(epsilon=None), NULLPTR, "epsilon"),
-    (dict(yOut=None), NULLPTR, "yOut"),
-    (dict(rstdOut=None), NULLPTR, "rstdOut"),
-    (dict(x=lambda: rand(2, 3, 32, dtype=torch.float64), yOut=lambda: sentinel(2, 3, 32, dtype=torch.float64)), INVALID, "dtype"),
-    (dict(gamma=lambda: rand(32, dtype=torch.bfloat16)), INVALID, "gamma"),  # not in CANN's table beside f16
-    (dict(gamma=lambda: rand(16)), TILING, "gamma"),
-    (dict(x=lambda: rand(*[1] * 8, 32), yOut=lambda: sentinel(*[1] * 8, 32)), TILING, "x"),
-    (dict(x=lambda: rand(2, 3, 0), gamma=lambda: rand(0), yOut=lambda: sentinel(2, 3, 0)), TILING, "last dim"),
-    (dict(yOut=lambda: sentinel(2, 3, 32)), INVALID, "yOut"),
-    (dict(yOut=lambda: sentinel(2, 3, 31, dtype=torch.float16)), TILING, "yOut"),
-    (dict(rstdOut=lambda: sentinel(2, 3, 1, dtype=torch.float16)), INVALID, "rstdOut"),
-    (dict(rstdOut=lambda: sentinel(2, 1)), TILING, "rstdOut"),
+    (lambda: dict(x=None), NULLPTR, "x"),
+    (lambda: dict(gamma=None), NULLPTR, "gamma"),
+    (lambda: dict(epsilon=None), NULLPTR, "epsilon"),
+    (lambda: dict(yOut=None), NULLPTR, "yOut"),
+    (lambda: dict(rstdOut=None), NULLPTR, "rstdOut"),
+    (lambda: dict(x=rand(2, 3, 32, dtype=torch.float64), yOut=sentinel(2, 3, 32, dtype=torch.float64)), INVALID, "dtype"),
+    (lambda: dict(gamma=rand(32, dtype=torch.bfloat16)), INVALID, "gamma"),  # not in CANN's table beside f16
+    (lambda: dict(gamma=rand(16)), TILING, "gamma"),
+    (lambda: dict(x=rand(*[1] * 8, 32), yOut=sentinel(*[1] * 8, 32)), TILING, "x"),
+    (lambda: dict(x=rand(2, 3, 0), gamma=rand(0), yOut=sentinel(2, 3, 0)), TILING, "last dim"),
+    (lambda: dict(yOut=sentinel(2, 3, 32)), INVALID, "yOut"),
+    (lambda: dict(yOut=sentinel(2, 3, 31, dtype=torch.float16)), TILING, "yOut"),
+    (lambda: dict(rstdOut=sentinel(2, 3, 1, dtype=torch.float16)), INVALID, "rstdOut"),
+    (lambda: dict(rstdOut=sentinel(2, 1)), TILING, "rstdOut"),
 ])
 def test_rms_norm_errors(backend, change, status, word):
-    expect_error(A.aclnnRmsNormGetWorkspaceSize, rms_args(**made(change)), status, word, RMS_OUTS)
+    expect_error(A.aclnnRmsNormGetWorkspaceSize, rms_args(**change()), status, word, RMS_OUTS)
 
 
 @pytest.mark.parametrize("change,status,word", [
-    (dict(dy=None), NULLPTR, "dy"),
-    (dict(x=None), NULLPTR, "x"),
-    (dict(rstd=None), NULLPTR, "rstd"),
-    (dict(gamma=None), NULLPTR, "gamma"),
-    (dict(dxOut=None), NULLPTR, "dxOut"),
-    (dict(dgammaOut=None), NULLPTR, "dgammaOut"),
-    (dict(dy=lambda: rand(2, 3, 32, dtype=torch.float32)), INVALID, "dy"),
-    (dict(rstd=lambda: torch.ones(2, 3, 1, dtype=torch.float16)), INVALID, "rstd"),
-    (dict(x=lambda: rand(2, 3, 32, dtype=torch.float64), dy=lambda: rand(2, 3, 32, dtype=torch.float64)), INVALID, "dtype"),
-    (dict(gamma=lambda: rand(32, dtype=torch.float64)), INVALID, "gamma"),
-    (dict(dy=lambda: rand(32, dtype=torch.float16), x=lambda: rand(32, dtype=torch.float16), rstd=lambda: torch.ones(()),
-          dxOut=lambda: sentinel(32, dtype=torch.float16)), TILING, "dy"),  # CANN's grad: 2..8 dims
-    (dict(dy=lambda: rand(2, 4, 32, dtype=torch.float16)), TILING, "dy"),
-    (dict(rstd=lambda: torch.ones(3, 2)), TILING, "rstd"),
-    (dict(gamma=lambda: rand(3, 16)), TILING, "gamma"),
-    (dict(dxOut=lambda: sentinel(2, 3, 32)), INVALID, "dxOut"),
-    (dict(dgammaOut=lambda: sentinel(32, dtype=torch.float16)), INVALID, "dgammaOut"),
-    (dict(dgammaOut=lambda: sentinel(1, 32)), TILING, "dgammaOut"),
+    (lambda: dict(dy=None), NULLPTR, "dy"),
+    (lambda: dict(x=None), NULLPTR, "x"),
+    (lambda: dict(rstd=None), NULLPTR, "rstd"),
+    (lambda: dict(gamma=None), NULLPTR, "gamma"),
+    (lambda: dict(dxOut=None), NULLPTR, "dxOut"),
+    (lambda: dict(dgammaOut=None), NULLPTR, "dgammaOut"),
+    (lambda: dict(dy=rand(2, 3, 32, dtype=torch.float32)), INVALID, "dy"),
+    (lambda: dict(rstd=torch.ones(2, 3, 1, dtype=torch.float16)), INVALID, "rstd"),
+    (lambda: dict(x=rand(2, 3, 32, dtype=torch.float64), dy=rand(2, 3, 32, dtype=torch.float64)), INVALID, "dtype"),
+    (lambda: dict(gamma=rand(32, dtype=torch.float64)), INVALID, "gamma"),
+    (lambda: dict(dy=rand(32, dtype=torch.float16), x=rand(32, dtype=torch.float16), rstd=torch.ones(()),
+          dxOut=sentinel(32, dtype=torch.float16)), TILING, "dy"),  # CANN's grad: 2..8 dims
+    (lambda: dict(dy=rand(2, 4, 32, dtype=torch.float16)), TILING, "dy"),
+    (lambda: dict(rstd=torch.ones(3, 2)), TILING, "rstd"),
+    (lambda: dict(gamma=rand(3, 16)), TILING, "gamma"),
+    (lambda: dict(dxOut=sentinel(2, 3, 32)), INVALID, "dxOut"),
+    (lambda: dict(dgammaOut=sentinel(32, dtype=torch.float16)), INVALID, "dgammaOut"),
+    (lambda: dict(dgammaOut=sentinel(1, 32)), TILING, "dgammaOut"),
 ])
 def test_rms_norm_grad_errors(backend, change, status, word):
-    expect_error(A.aclnnRmsNormGradGetWorkspaceSize, rmsg_args(**made(change)), status, word, RMSG_OUTS)
+    expect_error(A.aclnnRmsNormGradGetWorkspaceSize, rmsg_args(**change()), status, word, RMSG_OUTS)
 
 
 def test_rms_norm_grad_table_rejects_float32_x_with_half_gamma(backend):
@@ -342,36 +337,38 @@ def test_nsa_compress_matches_python_api(backend, dtype):
     assert torch.equal(b["inputGradOut"], dx) and torch.equal(b["weightGradOut"], dw)
 
 
+# (each change is made in the test, under the backend fixture: on the test device; a tensor in
+# a parametrize table would be made at collection, on the CPU)
 @pytest.mark.parametrize("change,status,word", [
-    (dict(input=None), NULLPTR, "input"),
-    (dict(weight=None), NULLPTR, "weight"),
-    (dict(output=None), NULLPTR, "output"),
-    (dict(compressBlockSize=None), NULLPTR, "compressBlockSize"),
-    (dict(input=lambda: rand(112, 2, 16)), INVALID, "dtype"),
-    (dict(weight=lambda: rand(BLOCK, 2, dtype=torch.bfloat16)), INVALID, "weight"),
-    (dict(output=lambda: sentinel(C, 2, 16, dtype=torch.float32)), INVALID, "output"),
-    (dict(layoutOptional="BSND"), INVALID, "layoutOptional"),
-    (dict(layoutOptional=None), INVALID, "layoutOptional"),
-    (dict(actSeqLenOptional=None), INVALID, "actSeqLenOptional"),
-    (dict(actSeqLenOptional=[]), INVALID, "actSeqLenOptional"),
-    (dict(actSeqLenOptional=lambda: torch.tensor(ENDS, dtype=torch.int32)), INVALID, "int64"),
-    (dict(actSeqLenOptional=[64, 100]), INVALID, "actSeqLenOptional"),
-    (dict(actSeqLenOptional=[64, 48]), INVALID, "actSeqLenOptional"),
-    (dict(actSeqLenType=1), INVALID, "actSeqLenType"),
-    (dict(weight=lambda: rand(16, 2, dtype=torch.float16)), INVALID, "weight"),
-    (dict(weight=lambda: rand(BLOCK, 3, dtype=torch.float16)), INVALID, "weight"),
-    (dict(input=lambda: rand(112, 32, dtype=torch.float16)), INVALID, "input"),
-    (dict(output=lambda: sentinel(C + 1, 2, 16, dtype=torch.float16)), INVALID, "output"),
-    (dict(compressBlockSize=24, weight=lambda: rand(24, 2, dtype=torch.float16)), TILING, "compressBlockSize"),
-    (dict(compressBlockSize=144, weight=lambda: rand(144, 2, dtype=torch.float16), input=lambda: rand(288, 2, 16,
-          dtype=torch.float16), actSeqLenOptional=[288], output=lambda: sentinel(10, 2, 16, dtype=torch.float16)),
+    (lambda: dict(input=None), NULLPTR, "input"),
+    (lambda: dict(weight=None), NULLPTR, "weight"),
+    (lambda: dict(output=None), NULLPTR, "output"),
+    (lambda: dict(compressBlockSize=None), NULLPTR, "compressBlockSize"),
+    (lambda: dict(input=rand(112, 2, 16)), INVALID, "dtype"),
+    (lambda: dict(weight=rand(BLOCK, 2, dtype=torch.bfloat16)), INVALID, "weight"),
+    (lambda: dict(output=sentinel(C, 2, 16, dtype=torch.float32)), INVALID, "output"),
+    (lambda: dict(layoutOptional="BSND"), INVALID, "layoutOptional"),
+    (lambda: dict(layoutOptional=None), INVALID, "layoutOptional"),
+    (lambda: dict(actSeqLenOptional=None), INVALID, "actSeqLenOptional"),
+    (lambda: dict(actSeqLenOptional=[]), INVALID, "actSeqLenOptional"),
+    (lambda: dict(actSeqLenOptional=torch.tensor(ENDS, dtype=torch.int32)), INVALID, "int64"),
+    (lambda: dict(actSeqLenOptional=[64, 100]), INVALID, "actSeqLenOptional"),
+    (lambda: dict(actSeqLenOptional=[64, 48]), INVALID, "actSeqLenOptional"),
+    (lambda: dict(actSeqLenType=1), INVALID, "actSeqLenType"),
+    (lambda: dict(weight=rand(16, 2, dtype=torch.float16)), INVALID, "weight"),
+    (lambda: dict(weight=rand(BLOCK, 3, dtype=torch.float16)), INVALID, "weight"),
+    (lambda: dict(input=rand(112, 32, dtype=torch.float16)), INVALID, "input"),
+    (lambda: dict(output=sentinel(C + 1, 2, 16, dtype=torch.float16)), INVALID, "output"),
+    (lambda: dict(compressBlockSize=24, weight=rand(24, 2, dtype=torch.float16)), TILING, "compressBlockSize"),
+    (lambda: dict(compressBlockSize=144, weight=rand(144, 2, dtype=torch.float16), input=rand(288, 2, 16,
+          dtype=torch.float16), actSeqLenOptional=[288], output=sentinel(10, 2, 16, dtype=torch.float16)),
      TILING, "compressBlockSize"),
-    (dict(compressStride=8, output=lambda: sentinel(10, 2, 16, dtype=torch.float16)), TILING, "compressStride"),
-    (dict(compressStride=48, compressBlockSize=32, output=lambda: sentinel(2, 2, 16, dtype=torch.float16)), TILING,
+    (lambda: dict(compressStride=8, output=sentinel(10, 2, 16, dtype=torch.float16)), TILING, "compressStride"),
+    (lambda: dict(compressStride=48, compressBlockSize=32, output=sentinel(2, 2, 16, dtype=torch.float16)), TILING,
      "compressBlockSize"),
 ])
 def test_nsa_compress_errors(backend, change, status, word):
-    expect_error(A.aclnnNsaCompressGetWorkspaceSize, nsa_args(**made(change)), status, word, NSA_OUTS)
+    expect_error(A.aclnnNsaCompressGetWorkspaceSize, nsa_args(**change()), status, word, NSA_OUTS)
 
 
 @pytest.mark.parametrize("n,d,word", [(129, 16, "N"), (2, 24, "D"), (2, 272, "D")])
@@ -387,21 +384,21 @@ def test_nsa_compress_no_empty_tensors(backend):
 
 
 @pytest.mark.parametrize("change,status,word", [
-    (dict(outputGrad=None), NULLPTR, "outputGrad"),
-    (dict(inputGradOut=None), NULLPTR, "inputGradOut"),
-    (dict(weightGradOut=None), NULLPTR, "weightGradOut"),
-    (dict(outputGrad=lambda: rand(C, 2, 16, dtype=torch.bfloat16)), INVALID, "outputGrad"),
-    (dict(weightGradOut=lambda: sentinel(BLOCK, 2)), INVALID, "weightGradOut"),
-    (dict(layoutOptional="BNSD"), INVALID, "layoutOptional"),
-    (dict(actSeqLenOptional=None), INVALID, "actSeqLenOptional"),
-    (dict(actSeqLenType=1), INVALID, "actSeqLenType"),
-    (dict(outputGrad=lambda: rand(C + 1, 2, 16, dtype=torch.float16)), INVALID, "outputGrad"),
-    (dict(compressStride=32, outputGrad=lambda: rand(3, 2, 16, dtype=torch.float16)), TILING, "compressStride"),
-    (dict(inputGradOut=lambda: sentinel(111, 2, 16, dtype=torch.float16)), INVALID, "inputGradOut"),
-    (dict(weightGradOut=lambda: sentinel(BLOCK, 3, dtype=torch.float16)), INVALID, "weightGradOut"),
+    (lambda: dict(outputGrad=None), NULLPTR, "outputGrad"),
+    (lambda: dict(inputGradOut=None), NULLPTR, "inputGradOut"),
+    (lambda: dict(weightGradOut=None), NULLPTR, "weightGradOut"),
+    (lambda: dict(outputGrad=rand(C, 2, 16, dtype=torch.bfloat16)), INVALID, "outputGrad"),
+    (lambda: dict(weightGradOut=sentinel(BLOCK, 2)), INVALID, "weightGradOut"),
+    (lambda: dict(layoutOptional="BNSD"), INVALID, "layoutOptional"),
+    (lambda: dict(actSeqLenOptional=None), INVALID, "actSeqLenOptional"),
+    (lambda: dict(actSeqLenType=1), INVALID, "actSeqLenType"),
+    (lambda: dict(outputGrad=rand(C + 1, 2, 16, dtype=torch.float16)), INVALID, "outputGrad"),
+    (lambda: dict(compressStride=32, outputGrad=rand(3, 2, 16, dtype=torch.float16)), TILING, "compressStride"),
+    (lambda: dict(inputGradOut=sentinel(111, 2, 16, dtype=torch.float16)), INVALID, "inputGradOut"),
+    (lambda: dict(weightGradOut=sentinel(BLOCK, 3, dtype=torch.float16)), INVALID, "weightGradOut"),
 ])
 def test_nsa_compress_grad_errors(backend, change, status, word):
-    expect_error(A.aclnnNsaCompressGradGetWorkspaceSize, nsag_args(**made(change)), status, word, NSAG_OUTS)
+    expect_error(A.aclnnNsaCompressGradGetWorkspaceSize, nsag_args(**change()), status, word, NSAG_OUTS)
 
 
 # ---------------------------------------------------------------------------------------
@@ -488,26 +485,26 @@ def test_floyd_attention_grad_matches_python_api(floyd_backend):
 
 
 @pytest.mark.parametrize("change,status,word", [
-    (dict(query=None), NULLPTR, "query"),
-    (dict(value2=None), NULLPTR, "value2"),
-    (dict(scaleValue=None), NULLPTR, "scaleValue"),
-    (dict(softmaxMaxOut=None), NULLPTR, "softmaxMaxOut"),
-    (dict(attentionOutOut=None), NULLPTR, "attentionOutOut"),
-    (dict(query=lambda: rand(B, H, N, M, D)), INVALID, "dtype"),
-    (dict(key1=lambda: rand(B, H, N, K, D, dtype=torch.bfloat16)), INVALID, "key1"),
-    (dict(attenMaskOptional=lambda: torch.zeros(B, 1, N, 1, K, dtype=torch.float16)), INVALID, "attenMaskOptional"),
-    (dict(softmaxSumOut=lambda: sentinel(B, H, N, M, 8, dtype=torch.float16)), INVALID, "softmaxSumOut"),
-    (dict(attentionOutOut=lambda: sentinel(B, H, N, M, D)), INVALID, "attentionOutOut"),
-    (dict(attenMaskOptional=lambda: torch.zeros(B, 1, N, 1, K // 2, dtype=torch.bool)), TILING, "attenMaskOptional"),
-    (dict(attenMaskOptional=lambda: torch.zeros(B, N, K, dtype=torch.bool)), TILING, "attenMaskOptional"),
-    (dict(key1=lambda: rand(B, H, N, K, 64, dtype=torch.float16)), TILING, "key1"),
-    (dict(value2=lambda: rand(B, H, K, M - 1, D, dtype=torch.float16)), TILING, "value2"),
-    (dict(softmaxMaxOut=lambda: sentinel(B, H, N, M)), TILING, "softmaxMaxOut"),
-    (dict(softmaxSumOut=lambda: sentinel(B, H, N, M, 4)), TILING, "softmaxSumOut"),
-    (dict(attentionOutOut=lambda: sentinel(B, H, N, M, 64, dtype=torch.float16)), TILING, "attentionOutOut"),
+    (lambda: dict(query=None), NULLPTR, "query"),
+    (lambda: dict(value2=None), NULLPTR, "value2"),
+    (lambda: dict(scaleValue=None), NULLPTR, "scaleValue"),
+    (lambda: dict(softmaxMaxOut=None), NULLPTR, "softmaxMaxOut"),
+    (lambda: dict(attentionOutOut=None), NULLPTR, "attentionOutOut"),
+    (lambda: dict(query=rand(B, H, N, M, D)), INVALID, "dtype"),
+    (lambda: dict(key1=rand(B, H, N, K, D, dtype=torch.bfloat16)), INVALID, "key1"),
+    (lambda: dict(attenMaskOptional=torch.zeros(B, 1, N, 1, K, dtype=torch.float16)), INVALID, "attenMaskOptional"),
+    (lambda: dict(softmaxSumOut=sentinel(B, H, N, M, 8, dtype=torch.float16)), INVALID, "softmaxSumOut"),
+    (lambda: dict(attentionOutOut=sentinel(B, H, N, M, D)), INVALID, "attentionOutOut"),
+    (lambda: dict(attenMaskOptional=torch.zeros(B, 1, N, 1, K // 2, dtype=torch.bool)), TILING, "attenMaskOptional"),
+    (lambda: dict(attenMaskOptional=torch.zeros(B, N, K, dtype=torch.bool)), TILING, "attenMaskOptional"),
+    (lambda: dict(key1=rand(B, H, N, K, 64, dtype=torch.float16)), TILING, "key1"),
+    (lambda: dict(value2=rand(B, H, K, M - 1, D, dtype=torch.float16)), TILING, "value2"),
+    (lambda: dict(softmaxMaxOut=sentinel(B, H, N, M)), TILING, "softmaxMaxOut"),
+    (lambda: dict(softmaxSumOut=sentinel(B, H, N, M, 4)), TILING, "softmaxSumOut"),
+    (lambda: dict(attentionOutOut=sentinel(B, H, N, M, 64, dtype=torch.float16)), TILING, "attentionOutOut"),
 ])
 def test_floyd_attention_errors(backend, change, status, word):
-    expect_error(A.aclnnFusedFloydAttentionGetWorkspaceSize, fa_args(**made(change)), status, word, FA_OUTS)
+    expect_error(A.aclnnFusedFloydAttentionGetWorkspaceSize, fa_args(**change()), status, word, FA_OUTS)
 
 
 @pytest.mark.parametrize("dims,word", [
@@ -526,20 +523,20 @@ def test_floyd_attention_shape_limits(backend, dims, word):
 
 
 @pytest.mark.parametrize("change,status,word", [
-    (dict(dy=None), NULLPTR, "dy"),
-    (dict(softmaxMax=None), NULLPTR, "softmaxMax"),
-    (dict(attentionIn=None), NULLPTR, "attentionIn"),
-    (dict(dv2Out=None), NULLPTR, "dv2Out"),
-    (dict(dy=lambda: rand(B, H, N, M, D, dtype=torch.bfloat16)), INVALID, "dy"),
-    (dict(softmaxSum=lambda: torch.ones(B, H, N, M, 8, dtype=torch.float16)), INVALID, "softmaxSum"),
-    (dict(dqOut=lambda: sentinel(B, H, N, M, D)), INVALID, "dqOut"),
-    (dict(softmaxMax=lambda: torch.zeros(B, H, N, M)), TILING, "softmaxMax"),
-    (dict(softmaxSum=lambda: torch.ones(B, H, N, M, 4)), TILING, "softmaxSum"),
-    (dict(attentionIn=lambda: rand(B, H, N, M - 1, D, dtype=torch.float16)), TILING, "attentionIn"),
-    (dict(dk2Out=lambda: sentinel(B, H, K, M, 64, dtype=torch.float16)), TILING, "dk2Out"),
+    (lambda: dict(dy=None), NULLPTR, "dy"),
+    (lambda: dict(softmaxMax=None), NULLPTR, "softmaxMax"),
+    (lambda: dict(attentionIn=None), NULLPTR, "attentionIn"),
+    (lambda: dict(dv2Out=None), NULLPTR, "dv2Out"),
+    (lambda: dict(dy=rand(B, H, N, M, D, dtype=torch.bfloat16)), INVALID, "dy"),
+    (lambda: dict(softmaxSum=torch.ones(B, H, N, M, 8, dtype=torch.float16)), INVALID, "softmaxSum"),
+    (lambda: dict(dqOut=sentinel(B, H, N, M, D)), INVALID, "dqOut"),
+    (lambda: dict(softmaxMax=torch.zeros(B, H, N, M)), TILING, "softmaxMax"),
+    (lambda: dict(softmaxSum=torch.ones(B, H, N, M, 4)), TILING, "softmaxSum"),
+    (lambda: dict(attentionIn=rand(B, H, N, M - 1, D, dtype=torch.float16)), TILING, "attentionIn"),
+    (lambda: dict(dk2Out=sentinel(B, H, K, M, 64, dtype=torch.float16)), TILING, "dk2Out"),
 ])
 def test_floyd_attention_grad_errors(backend, change, status, word):
-    expect_error(A.aclnnFusedFloydAttentionGradGetWorkspaceSize, fag_args(**made(change)), status, word, FAG_OUTS)
+    expect_error(A.aclnnFusedFloydAttentionGradGetWorkspaceSize, fag_args(**change()), status, word, FAG_OUTS)
 
 
 def test_dtype_rule_wins_over_a_tiling_shape_rule(backend):

@@ -392,36 +392,36 @@ def test_dtype_errors(good, name, dtype):
 
 
 @pytest.mark.parametrize("change,name", [
-    (dict(x=lambda device: torch.randn(9, 6, device=device)), "x"),
-    (dict(x=lambda device: torch.randn(9, 2, 3, 1, device=device)), "x"),
-    (dict(weight=lambda device: torch.randn(3, 2, device=device)), "weight"),
-    (dict(weight=lambda device: torch.randn(4, 3, device=device)), "weight"),
-    (dict(weight=lambda device: torch.randn(4, device=device)), "weight"),
-    (dict(seq_lens=[5, 8]), "seq_lens"),            # last end != T
-    (dict(seq_lens=[5, 10]), "seq_lens"),
-    (dict(seq_lens=[6, 5, 9]), "seq_lens"),         # decreasing
-    (dict(seq_lens=[-1, 9]), "seq_lens"),
-    (dict(seq_lens=[]), "seq_lens"),               # no sequences but T = 9
-    (dict(seq_lens=[5, 3], seq_lens_type="lengths"), "seq_lens"),  # sum != T
-    (dict(seq_lens=[10, -1], seq_lens_type="lengths"), "seq_lens"),
-    (dict(seq_lens=[5.0, 9.0]), "seq_lens"),
-    (dict(seq_lens=[5, True]), "seq_lens"),
-    (dict(seq_lens=9), "seq_lens"),
-    (dict(seq_lens=lambda device: torch.tensor([5.0, 9.0], device="cpu")), "seq_lens"),
-    (dict(seq_lens=lambda device: torch.tensor([[5, 9]], device="cpu")), "seq_lens"),
-    (dict(seq_lens_type="bogus"), "seq_lens_type"),
-    (dict(seq_lens_type=2), "seq_lens_type"),
-    (dict(block_size=0), "block_size"),
-    (dict(block_size=-4), "block_size"),
-    (dict(block_size=4.0), "block_size"),
-    (dict(stride=0), "stride"),
-    (dict(stride=-1), "stride"),
-    (dict(stride=2.5), "stride"),
+    (lambda device: dict(x=torch.randn(9, 6, device=device)), "x"),
+    (lambda device: dict(x=torch.randn(9, 2, 3, 1, device=device)), "x"),
+    (lambda device: dict(weight=torch.randn(3, 2, device=device)), "weight"),
+    (lambda device: dict(weight=torch.randn(4, 3, device=device)), "weight"),
+    (lambda device: dict(weight=torch.randn(4, device=device)), "weight"),
+    (lambda device: dict(seq_lens=[5, 8]), "seq_lens"),            # last end != T
+    (lambda device: dict(seq_lens=[5, 10]), "seq_lens"),
+    (lambda device: dict(seq_lens=[6, 5, 9]), "seq_lens"),         # decreasing
+    (lambda device: dict(seq_lens=[-1, 9]), "seq_lens"),
+    (lambda device: dict(seq_lens=[]), "seq_lens"),               # no sequences but T = 9
+    (lambda device: dict(seq_lens=[5, 3], seq_lens_type="lengths"), "seq_lens"),  # sum != T
+    (lambda device: dict(seq_lens=[10, -1], seq_lens_type="lengths"), "seq_lens"),
+    (lambda device: dict(seq_lens=[5.0, 9.0]), "seq_lens"),
+    (lambda device: dict(seq_lens=[5, True]), "seq_lens"),
+    (lambda device: dict(seq_lens=9), "seq_lens"),
+    (lambda device: dict(seq_lens=torch.tensor([5.0, 9.0], device="cpu")), "seq_lens"),
+    (lambda device: dict(seq_lens=torch.tensor([[5, 9]], device="cpu")), "seq_lens"),
+    (lambda device: dict(seq_lens_type="bogus"), "seq_lens_type"),
+    (lambda device: dict(seq_lens_type=2), "seq_lens_type"),
+    (lambda device: dict(block_size=0), "block_size"),
+    (lambda device: dict(block_size=-4), "block_size"),
+    (lambda device: dict(block_size=4.0), "block_size"),
+    (lambda device: dict(stride=0), "stride"),
+    (lambda device: dict(stride=-1), "stride"),
+    (lambda device: dict(stride=2.5), "stride"),
 ])
 def test_shape_and_attribute_errors(good, change, name, device):
-    # tensors are made here, not in the table (made at collection, on the CPU); seq_lens
-    # tensors are host metadata
-    args = dict(good, **{k: v(device) if callable(v) else v for k, v in change.items()})
+    # the table's tensors are made here, on the test device (a tensor in a parametrize table
+    # would be made at collection, on the CPU); seq_lens tensors are host metadata
+    args = dict(good, **change(device))
     for call in (_fwd, _bwd):
         with _raises(INVALID, name):
             call(args)
