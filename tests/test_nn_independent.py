@@ -11,7 +11,7 @@ from gradops._backend import available_backends
 from gradops.nn import functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from helpers import interpreted
+from helpers import interpreted, promoted_layer_norm
 
 f64 = torch.float64
 
@@ -304,10 +304,11 @@ def test_norm_module_float32_params_with_bf16_input(backend, cls):
     x = torch.randn(4, 8, dtype=torch.bfloat16) * 0.05  # small rows: the default eps shows
     dy = torch.randn_like(x)
     yo, gxo, gpo = _fwd_bwd(ours, x, dy)
-    # torch's LayerNorm takes this mix on the CPU only (computing in float32, y rounded to x's
-    # dtype); its CUDA kernel refuses bf16 input with float32 weight and bias. The same
-    # computation spelled out, x promoted to float32, exists on both.
-    promoted = (lambda m, xi: m(xi.float()).to(xi.dtype)) if cls is gnn.LayerNorm else None
+    # no torch LayerNorm call for this mix exists on both devices (promoted_layer_norm says why)
+    promoted = None
+    if cls is gnn.LayerNorm:
+        def promoted(m, xi):
+            return promoted_layer_norm(xi, m.normalized_shape, m.weight, m.bias, m.eps)
     yt, gxt, gpt = _fwd_bwd(theirs, x, dy, promoted)
     assert yo.dtype == yt.dtype
     torch.testing.assert_close(yo.float(), yt.float(), **TOLS[torch.bfloat16])

@@ -32,6 +32,8 @@ import gradops
 from gradops import oracles
 from gradops.precision import compare, stress_normal
 
+from helpers import promoted_layer_norm
+
 F64 = torch.float64
 DTYPES = (torch.float16, torch.bfloat16)
 DISTS = ("normal", "stress")
@@ -88,14 +90,9 @@ def _layer_norm_backward(draw, weight_dtype=None):
     shape = LN_SHAPE[-1:]
     dx, dw, db = oracles.layer_norm_backward(dy, x, shape, w, EPS_LN)
     golden = {"dx": dx, "dweight": dw, "dbias": db}
-    if w.dtype == x.dtype:
-        layer_norm = F.layer_norm
-    else:
-        # half x beside a float32 weight: torch's LayerNorm takes the mix on the CPU only (its
-        # CUDA kernel refuses it); PyTorch's computation of it there, x promoted to float32 and
-        # y rounded to x's dtype, exists on both (and dx rounds once to x's dtype, as there)
-        def layer_norm(x_, shape_, w_, b_, eps):
-            return F.layer_norm(x_.float(), shape_, w_, b_, eps).to(x_.dtype)
+    # half x beside a float32 weight: PyTorch's float32 math on x's half values, rounded once,
+    # as no torch LayerNorm call for the mix exists on both devices (promoted_layer_norm says why)
+    layer_norm = F.layer_norm if w.dtype == x.dtype else promoted_layer_norm
     _, (bdx, bdw, bdb) = _grad(lambda x_, w_, b_: layer_norm(x_, shape, w_, b_, EPS_LN), (x, w, b), dy)
     bench = {"dx": bdx, "dweight": bdw, "dbias": bdb}
     _, mean, rstd = oracles.layer_norm(x, shape, w, b, EPS_LN)  # float64 statistics, as float32
