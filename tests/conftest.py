@@ -112,7 +112,8 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(autouse=True)
 def _device_guard(request):
-    """The first fixture of every test: the device guard (module docstring) over the test."""
+    """The device guard (module docstring) over the test: an autouse fixture, so it is set up
+    before the fixtures a test asks for (the backend fixture's default device included)."""
     marker = request.node.get_closest_marker("tensor_made_at_collection")
     if marker is not None:
         pytest.fail(f"parametrize argument(s) {', '.join(marker.args[0])} hold tensors made at collection (on the "

@@ -23,9 +23,16 @@ raises :class:`DeviceGuardError` where a GPU would raise:
 
 and a host tensor reports ``cpu:0`` as its device while the test device is the default, so
 every device rule (gradops' 161002, ``torch.testing.assert_close``) sees two devices as it
-would on a GPU. Tensors made outside the test (module constants) and tensors made by torch's
-C++ (autograd's outputs) carry no tag and are never blamed: the guard can miss a mix, but a
-failure it reports is one a GPU would report.
+would on a GPU.
+
+What it cannot place it leaves untagged, and an untagged tensor is never blamed: tensors made
+before the test (module constants, module- or session-scoped fixtures), by torch's C++
+(autograd's outputs, saved tensors), or moved to a device given as a plain ``torch.device``
+or a string made from the test device's name (``torch.device(device)``, ``str(device)``).
+So it can miss a mix; it aims never to report one a GPU would not. Its other limits: a CUDA
+generator drawing onto the host, values written into a test-device tensor from a host one
+(``index_put_``), and anything a GPU does differently for reasons other than placement (its
+SM count, its rounding, its RNG under torch.compile) are not modelled.
 
 ``tests/conftest.py`` installs it for CPU runs (``GRADOPS_DEVICE_GUARD=0`` turns it off);
 ``tests/test_device_guard.py`` shows what it catches.
@@ -73,7 +80,8 @@ def _set_tag(t, tag):
 
 
 _T = torch.Tensor
-_MOVES = {_T.copy_, _T.to, _T.cpu, _T.cuda, _T.set_, _T.__setitem__}
+# calls a GPU allows across devices: the moves, and Module._apply's type query
+_MOVES = {_T.copy_, _T.to, _T.cpu, _T.cuda, _T.set_, _T.__setitem__, torch._has_compatible_shallow_copy_type}
 _LN_FORWARD = {torch.nn.functional.layer_norm, torch.layer_norm, torch.native_layer_norm}
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -141,17 +149,18 @@ class DeviceGuard(TorchFunctionMode):
         return TEST if self.default_is_test_device else HOST
 
     def _target_of_move(self, func, args, kwargs):
-        """Where ``t.to(...)``, ``t.cpu()``, ``t.cuda()`` put ``t`` (None: where it is)."""
+        """(whether ``t.to(...)``, ``t.cpu()``, ``t.cuda()`` names a place, the tag of that
+        place: None where the guard cannot tell)."""
         if func is _T.cpu:
-            return HOST
+            return True, HOST
         if func is _T.cuda:
-            return TEST
+            return True, TEST
         for v in (*args[1:], *kwargs.values()):
             if isinstance(v, torch.Tensor):
-                return tag_of(v)
+                return True, tag_of(v)
             if isinstance(v, (str, torch.device)):
-                return self.device_tag(v)
-        return None
+                return True, self.device_tag(v)
+        return False, None
 
     # ---------------------------------------------------------------------------- the mode
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -168,20 +177,23 @@ class DeviceGuard(TorchFunctionMode):
         tags = {tag_of(t) for t in tensors}
         if func in (_T.to, _T.cpu, _T.cuda):
             return self._move(func, args, kwargs)
-        if not tensors:  # a factory
-            device = kwargs.get("device")
-            tag = self.device_tag(device) if device is not None else self._default_tag()
+        if kwargs.get("device") is not None:  # where the call puts its result, whatever it reads
+            tag = self.device_tag(kwargs["device"])
+        elif not tensors:  # a factory on the default device
+            tag = self._default_tag()
         elif TEST in tags:
             tag = TEST
         else:
             tag = HOST if HOST in tags else None
-        if func.__name__.startswith("new_") and isinstance(args[0], torch.Tensor) and kwargs.get("device") is not None:
-            tag = self.device_tag(kwargs["device"])
         self._check(func, args, kwargs, tensors, tags, tag, origin)
         out = func(*args, **kwargs)
+        if kwargs.get("device") is not None and any(out is u for u in tensors) and tag_of(out) != tag:
+            out = out.clone()  # as_tensor(t, device=...) of another device makes another tensor on a GPU
+            _set_tag(out, tag)
         if tag is not None:
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(t, torch.Tensor) and tag_of(t) is None:
+                # a result that is one of the inputs (in place, out=) stays where it was
+                if isinstance(t, torch.Tensor) and tag_of(t) is None and not any(t is u for u in tensors):
                     _set_tag(t, tag)
         return out
 
@@ -203,14 +215,15 @@ class DeviceGuard(TorchFunctionMode):
 
     def _move(self, func, args, kwargs):
         t = args[0]
-        target = self._target_of_move(func, args, kwargs)
+        named, target = self._target_of_move(func, args, kwargs)
         out = func(*args, **kwargs)
-        if target is None:
+        if not named:  # a dtype or layout change stays where it is
             target = tag_of(t)
-        elif out is t and tag_of(t) != target:
+        if out is t:
+            if tag_of(t) == target:
+                return out
             out = out.clone()  # on a GPU the moved tensor is another tensor; the original stays
-        if isinstance(out, torch.Tensor) and out is not t:
-            _set_tag(out, target)
+        _set_tag(out, target)  # a place the guard cannot tell leaves it untagged: never blamed
         return out
 
     def _check(self, func, args, kwargs, tensors, tags, tag, origin):
@@ -256,6 +269,8 @@ class DeviceGuard(TorchFunctionMode):
             return
         if not isinstance(x, torch.Tensor) or not self._on_test_device(x):
             return
+        if any(torch.is_autocast_enabled(kind) for kind in ("cpu", "cuda")):
+            return  # autocast runs layer_norm in float32: the inputs arrive cast
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         for t in rest:
             if isinstance(t, torch.Tensor) and t.dtype != x.dtype:
@@ -296,23 +311,53 @@ def _default_device(get_default_device):
     return wrapper
 
 
+def _parse_to(parse_to):
+    """``torch._C._nn._parse_to`` (how ``Module.to`` reads its arguments), which turns the test
+    device's name into a plain ``torch.device``: that device is the test device."""
+    def wrapper(*args, **kwargs):
+        out = parse_to(*args, **kwargs)
+        named = [v for v in (*args, kwargs.get("device")) if isinstance(v, DeviceName)]
+        if _active is not None and named and isinstance(out[0], torch.device):
+            _active._devices[id(out[0])] = (out[0], _active.device_tag(named[0]))
+        return out
+
+    return wrapper
+
+
+def _parameter_new(new):
+    """``nn.Parameter(data)`` makes another tensor object over ``data``: it is where data is."""
+    def wrapper(cls, data=None, requires_grad=True):
+        p = new(cls, data, requires_grad)
+        if data is not None:
+            _set_tag(p, tag_of(data))
+        return p
+
+    return wrapper
+
+
 @contextlib.contextmanager
 def guarding():
-    """The guard over one test."""
+    """The guard over one test; what no TorchFunctionMode sees (tensors from NumPy or bytes,
+    the default device, ``Module.to``'s arguments, ``nn.Parameter``) is wrapped for its time."""
     global _active
     guard = DeviceGuard()
-    originals = {name: getattr(torch, name) for name in ("from_numpy", "frombuffer", "get_default_device")}
+    patched = [(torch, "from_numpy", _made_on_the_host(torch.from_numpy)),
+               (torch, "frombuffer", _made_on_the_host(torch.frombuffer)),
+               (torch, "get_default_device", _default_device(torch.get_default_device)),
+               (torch._C._nn, "_parse_to", _parse_to(torch._C._nn._parse_to)),
+               (torch.nn.Parameter, "__new__", staticmethod(_parameter_new(torch.nn.Parameter.__new__)))]
+    originals = [(owner, name, owner.__dict__[name] if name in vars(owner) else getattr(owner, name))
+                 for owner, name, _ in patched]
     _active = guard
     try:
-        for name in ("from_numpy", "frombuffer"):
-            setattr(torch, name, _made_on_the_host(originals[name]))
-        torch.get_default_device = _default_device(originals["get_default_device"])
+        for owner, name, replacement in patched:
+            setattr(owner, name, replacement)
         with guard:
             yield guard
     finally:
         _active = None
-        for name, factory in originals.items():
-            setattr(torch, name, factory)
+        for owner, name, original in originals:
+            setattr(owner, name, original)
 
 
 @contextlib.contextmanager

@@ -122,3 +122,35 @@ def test_a_moved_tensor_is_another_tensor_as_on_a_gpu():
     moved.add_(1)
     assert torch.equal(host, torch.zeros(3, device="cpu"))
     assert device_guard.tag_of(moved) == device_guard.TEST and device_guard.tag_of(host) == device_guard.HOST
+
+
+def test_a_module_on_the_test_device_fed_a_host_input():
+    # the parameters are where their data was made, and Module.to(device) moves them
+    with default_to_test_device():
+        linear = torch.nn.Linear(4, 2)
+    with pytest.raises(DeviceGuardError, match="mixes tensors on the test device"):
+        linear(torch.ones(3, 4, device="cpu"))
+    host = torch.nn.Linear(4, 2)  # made outside the backend fixture: on the CPU on a GPU run too
+    with pytest.raises(DeviceGuardError, match="mixes tensors on the test device"):
+        host(torch.ones(3, 4, device=TEST_DEVICE))
+    moved = host.to(TEST_DEVICE)
+    assert device_guard.tag_of(moved.weight) == device_guard.TEST
+    moved(torch.ones(3, 4, device=TEST_DEVICE))
+
+
+def test_what_a_gpu_allows_is_not_reported():
+    with default_to_test_device():
+        x = torch.randn(4, 8)
+        # autocast runs torch's LayerNorm in float32 on a GPU: no dtype rule applies
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.nn.LayerNorm(8)(x.to(torch.bfloat16))
+        # a tensor written in place (copy_) stays where it is
+        buf = torch.empty(4, 8)
+        buf.copy_(torch.ones(4, 8, device="cpu"))
+        assert device_guard.tag_of(buf) == device_guard.TEST
+    # device= places the result whatever it reads
+    host = torch.ones(3, device="cpu")
+    assert device_guard.tag_of(torch.as_tensor(host, device=TEST_DEVICE)) == device_guard.TEST
+    assert device_guard.tag_of(torch.zeros_like(torch.ones(3, device=TEST_DEVICE), device="cpu")) == device_guard.HOST
+    # a place the guard cannot tell (a plain torch.device) leaves the moved tensor untagged
+    assert device_guard.tag_of(host.to(torch.device("cpu"))) is None
