@@ -2,10 +2,10 @@
 # Validate gradops on a CUDA machine (docs/gpu.md):
 #
 #   bash benchmarks/gpu_validate.sh tests   # install, the whole test suite on CUDA (one 10-minute call)
-#   bash benchmarks/gpu_validate.sh bench   # install, `gradops bench all` (216 s on an H100, 2026-11-25)
-#   bash benchmarks/gpu_validate.sh all     # in one call of CALL_SECONDS: the tests a GPU changes (the
-#                                           # suite less the CPU-only files, at most TESTS_SECONDS),
-#                                           # then the sweep in what is left
+#   bash benchmarks/gpu_validate.sh bench   # install, `gradops bench all` (194 s on an H100, 2026-11-25)
+#   bash benchmarks/gpu_validate.sh all     # in one call of CALL_SECONDS: the tests a GPU changes most
+#                                           # (GPU_TESTS, at most TESTS_SECONDS), then the sweep in
+#                                           # what is left
 #
 # Run from the repository root. Installs, without network, the wheels found in .whl/
 # (benchmarks/gpu_wheels.sh fetches them) and the checkout, then leaves in $OUT: info.txt,
@@ -20,9 +20,12 @@ case "$step" in tests|bench|all) ;; *) echo "usage: $0 [tests|bench|all]" >&2; e
 OUT=${OUT:-$PWD/gpu-out}
 CALL_SECONDS=${CALL_SECONDS:-570}    # `all` mode's limit: 10 minutes less a margin for packing
 TESTS_SECONDS=${TESTS_SECONDS:-300}  # the tests' share of an `all` call
+# `all`'s tests: every case of the Triton backend, and the kernel, compile, CUDA-graph and
+# host-sync tests (a pytest -k expression over the test ids); `tests` runs the whole suite.
+GPU_TESTS=${GPU_TESTS:-"triton or kernels or compile or cuda or host_sync"}
 # Files whose tests run on the CPU whatever the test device (the CPU path, the CLI and the
 # benchmarks' faces in fresh interpreters, gloo processes, the CPU memory harness, the CPU
-# guard): `all` leaves them out, `tests` runs them too.
+# guard): `all` leaves them out too.
 CPU_ONLY="test_cpu_path.py test_nsa_cpu_path.py test_bench_face.py test_bench_all.py test_bench_floyd.py
 test_bench_model.py test_cli.py test_ddp.py test_floyd_memory.py test_readme_snippets.py test_interpreter_fixes.py
 test_device_guard.py test_gpu_validate.py"
@@ -63,16 +66,19 @@ if [ "$step" != bench ]; then
     # kernels take up to tens of seconds each when 12 workers compile at once), so the limit
     # leaves room for that.
     $PY -c "import pytest_timeout" 2>/dev/null && plugins+=(--timeout 300)
-    ignore=()
+    select=()
     if [ "$step" = all ]; then
-        for f in $CPU_ONLY; do ignore+=(--ignore "tests/$f"); done
+        for f in $CPU_ONLY; do select+=(--ignore "tests/$f"); done
+        select+=(-k "$GPU_TESTS")
     fi
-    echo "== tests: GRADOPS_TEST_DEVICE=cuda pytest ${plugins[*]} ${TESTS:-tests} ${ignore:+(less the CPU-only files)} (at most ${limit} s)"
+    echo "== tests: GRADOPS_TEST_DEVICE=cuda pytest ${plugins[*]} ${TESTS:-tests} ${select:+-k \"$GPU_TESTS\" (less the CPU-only files)} (at most ${limit} s)"
+    # SIGINT at the limit: pytest stops as on Ctrl-C and still writes junit.xml (SIGTERM would not)
     # shellcheck disable=SC2086
-    GRADOPS_TEST_DEVICE=cuda timeout "$limit" $PY -m pytest -q -p no:cacheprovider "${plugins[@]}" "${ignore[@]}" \
-        --junitxml="$OUT/junit.xml" ${TESTS:-tests} >"$OUT/tests.log" 2>&1
+    GRADOPS_TEST_DEVICE=cuda timeout -s INT -k 30 "$limit" $PY -m pytest -q -p no:cacheprovider "${plugins[@]}" \
+        "${select[@]}" --junitxml="$OUT/junit.xml" ${TESTS:-tests} >"$OUT/tests.log" 2>&1
     rc=$?
-    [ "$rc" = 124 ] && echo "the suite was stopped at ${limit} s: run the 'tests' step alone" | tee -a "$OUT/tests.log"
+    [ "$rc" = 124 ] && echo "the tests were stopped at ${limit} s: the summary counts those that ran; run the 'tests' step alone" \
+        >>"$OUT/tests.log"
     tail -n 1 "$OUT/tests.log"
     $PY benchmarks/test_summary.py "$OUT/junit.xml" >"$OUT/tests-summary.txt" 2>&1
     cat "$OUT/tests-summary.txt"

@@ -18,9 +18,12 @@ def read(path):
     """(file, test name, outcome, first line of the message, seconds) per test case."""
     cases = []
     for case in ET.parse(path).getroot().iter("testcase"):
+        if not case.get("name"):  # a run stopped midway leaves empty entries
+            continue
         parts = case.get("classname", "").split(".")
         module = next((i for i, part in enumerate(parts) if part.startswith("test_")), len(parts) - 1)
         file = case.get("file") or "/".join(parts[:module + 1]) + ".py"
+        name = "::".join(parts[module + 1:] + [case.get("name")])  # Class::test, or test
         outcome, message = "passed", ""
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
@@ -29,7 +32,7 @@ def read(path):
                 message = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
                 if outcome != "skipped":
                     break
-        cases.append((file, case.get("name"), outcome, message, float(case.get("time") or 0)))
+        cases.append((file, name, outcome, message, float(case.get("time") or 0)))
     return cases
 
 
@@ -43,9 +46,14 @@ def summary(cases, lines: int = 50) -> str:
         per_file[file][outcome] += 1
     clean = [f for f, c in per_file.items() if set(c) == {"passed"}]
     out.append(f"{len(clean)} of {len(per_file)} files passed whole")
-    for file in sorted(f for f in per_file if f not in clean):
+    # the files with failures first, then those with skips; at most a third of the screen
+    others = sorted((f for f in per_file if f not in clean),
+                    key=lambda f: (-(per_file[f]["failed"] + per_file[f]["error"]), f))
+    for file in others[:max(5, lines // 3)]:
         c = per_file[file]
         out.append(f"  {file}: " + ", ".join(f"{c[k]} {k}" for k in ("passed", "failed", "error", "skipped") if c[k]))
+    if len(others) > max(5, lines // 3):
+        out.append(f"  ... {len(others) - max(5, lines // 3)} more files")
     bad = [c for c in cases if c[2] in ("failed", "error")]
     if bad:
         out.append(f"failures ({len(bad)}):")

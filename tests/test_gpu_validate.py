@@ -31,7 +31,7 @@ def test_summary_fits_a_screen_and_names_each_failure(tmp_path):
     assert "1 of 3 files passed whole" in out
     assert "tests/test_b.py: 1 failed, 1 error" in out and "tests/test_c.py: 2 skipped" in out
     assert "FAILED tests/test_b.py::test_bad: AssertionError: dk2 1.7e-06 != 0" in out
-    assert "ERROR tests/test_b.py::test_err: fixture failed" in out
+    assert "ERROR tests/test_b.py::TestGroup::test_err: fixture failed" in out  # the class kept
     assert re.search(r"^\s+2\s+needs a GPU$", out, re.M), out
     assert "7.2 s  tests/test_a.py::test_ok[reference]" in out.split("slowest:")[1].splitlines()[1]
     assert len(out.splitlines()) <= 50
