@@ -1,18 +1,76 @@
 """LayerNorm (aclnnLayerNorm/aclnnLayerNormBackward semantics) and the AscendC LayerNormGrad /
 LayerNormGradBeta semantics, against float64 oracles, on both backends (calls that name no
 backend take the ``backend`` fixture's)."""
+import importlib
+
 import pytest
 import torch
 
 import gradops
 from gradops import oracles
 from gradops.errors import ACLNN_ERR_PARAM_INVALID as INVALID, ACLNN_ERR_PARAM_NULLPTR as NULLPTR
+from gradops.reference import layer_norm as RLN
 
+from conftest import TEST_DEVICE, as_default_backend
 from helpers import DTYPES, assert_close, raises_status, rand
 
 SHAPES = [((1, 3), 1), ((4, 64), 1), ((3, 5, 33), 1), ((2, 3, 4, 5), 2), ((7, 1000), 1)]
 
 
+@pytest.fixture
+def off_cpu_statistics(request, monkeypatch):
+    """The reference LayerNorm forward as off the CPU (reference/layer_norm.py,
+    ``_aten_statistics``: its own statistics, y in one pass), which a CPU run reaches no other
+    way; a GPU run takes it anyway. Fails the test if it never reached that forward."""
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the test device is off the CPU: the test's other run takes this path")
+    if "backend" in request.fixturenames and request.getfixturevalue("backend") != "reference":
+        pytest.skip("the path is the reference backend's: the test's run with that backend takes it")
+    reached = []
+    monkeypatch.setattr(RLN, "_aten_statistics", lambda device: reached.append(device) or False)
+    yield
+    assert reached, "the reference LayerNorm forward was not reached"
+
+
+@pytest.fixture(params=["device", "off-cpu"])
+def statistics(request):
+    """The reference LayerNorm forward's statistics as the test device decides, then as off the
+    CPU (``off_cpu_statistics``)."""
+    if request.param == "off-cpu":
+        request.getfixturevalue("off_cpu_statistics")
+    return request.param
+
+
+def _combinations(test):
+    """Every combination of ``test``'s parametrize arguments, as keyword dicts."""
+    combos = [{}]
+    for mark in getattr(test, "pytestmark", []):
+        if mark.name == "parametrize":
+            names = mark.args[0].split(",") if isinstance(mark.args[0], str) else mark.args[0]
+            names = [n.strip() for n in names]
+            rows = [v if len(names) > 1 else (v,) for v in mark.args[1]]
+            combos = [{**c, **dict(zip(names, row))} for c in combos for row in rows]
+    return combos
+
+
+# The reference forward's checks in other files that give it what the tests here do not (test,
+# its fixtures' values): the fused residual add, and rows of width 0.
+ELSEWHERE = {
+    "residual": ("test_norm_variants", "test_fused_add_layer_norm_matches_float64_formula", {"row_path": "reference"}),
+    "width-0-rows": ("test_cpu_path", "test_layer_norm_forward_empty_rows_and_no_rows", {"blocks": 1}),
+}
+
+
+@pytest.mark.parametrize("check", ELSEWHERE)
+def test_forward_checks_elsewhere_with_off_cpu_statistics(request, off_cpu_statistics, check):
+    module, name, fixtures = ELSEWHERE[check]
+    test = getattr(importlib.import_module(module), name)
+    with as_default_backend(request, "reference"):
+        for args in _combinations(test):
+            test(**fixtures, **args)
+
+
+@pytest.mark.usefixtures("statistics")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,n_norm", SHAPES)
 def test_forward_and_backward_match_aten_float64(backend, shape, n_norm, dtype, device):
@@ -38,6 +96,7 @@ def test_forward_and_backward_match_aten_float64(backend, shape, n_norm, dtype, 
     assert_close(dw, adw, dtype, what="dw vs autograd")
 
 
+@pytest.mark.usefixtures("statistics")
 def test_width_one_normalises_to_zero_exactly(backend):
     """With one element per row x-hat is 0: dx and dw are exactly zero, db = dy summed."""
     x, dy, w = rand((5, 1)), rand((5, 1)), rand((1,))
@@ -48,6 +107,7 @@ def test_width_one_normalises_to_zero_exactly(backend):
     assert torch.allclose(db, dy.sum(0))
 
 
+@pytest.mark.usefixtures("statistics")
 def test_float64_is_exact_to_1e_10_on_random_shapes(backend):
     gen = torch.Generator().manual_seed(3)
     for _ in range(10):
@@ -146,8 +206,6 @@ def test_reference_statistics_of_constant_rows_are_exact_on_every_device(device,
     it may take them from ATen, whose CPU kernel computes them so; ATen's CUDA kernel does not.
     On a GPU run this checks the real thing; on the CPU the reference is made to take its path
     for other devices, with torch.native_layer_norm computing as its CUDA kernel does."""
-    from gradops.reference import layer_norm as RLN
-
     values = torch.tensor([0.1, -3.7, 1234.5678, 1e-3, 7.0, -0.3, -3.699, 1234.57], dtype=torch.float64)
     if device == "cpu":
         monkeypatch.setattr(RLN, "_aten_statistics", lambda dev: False)
@@ -186,6 +244,7 @@ class _LayerNormFn(torch.autograd.Function):
         return gradops.layer_norm_backward(dy.contiguous(), x, x.shape[-1:], mean, rstd, w, b)
 
 
+@pytest.mark.usefixtures("statistics")
 def test_gradcheck_finite_differences(backend):
     x = rand((3, 6), torch.float64).requires_grad_()
     w = rand((6,), torch.float64).requires_grad_()
@@ -193,6 +252,7 @@ def test_gradcheck_finite_differences(backend):
     assert torch.autograd.gradcheck(_LayerNormFn.apply, (x, w, b))
 
 
+@pytest.mark.usefixtures("statistics")
 def test_weight_none_returns_float32_dw_db_as_if_ones(backend, device):
     x, dy = rand((5, 12), torch.bfloat16, device), rand((5, 12), torch.bfloat16, device)
     _, mean, rstd = gradops.layer_norm(x, [12])
@@ -206,6 +266,7 @@ def test_weight_none_returns_float32_dw_db_as_if_ones(backend, device):
     assert gradops.layer_norm_backward(dy.double(), x.double(), [12], rstd64 * 0, rstd64)[1].dtype == torch.float64
 
 
+@pytest.mark.usefixtures("statistics")
 def test_float32_weight_with_half_activations(backend):
     x, dy = rand((4, 16), torch.float16), rand((4, 16), torch.float16)
     w = rand((16,), torch.float32)
@@ -257,6 +318,7 @@ def test_in_place_writes_dx_into_dy(backend):
     assert dxn is dyn and torch.allclose(dyn, want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.usefixtures("statistics")
 def test_empty_leading_dims_give_zero_weight_grads(backend):
     x = torch.empty(0, 7)
     _, mean, rstd = gradops.layer_norm(x, [7])
@@ -265,6 +327,7 @@ def test_empty_leading_dims_give_zero_weight_grads(backend):
     assert dx.shape == (0, 7) and torch.equal(dw, torch.zeros(7)) and torch.equal(db, torch.zeros(7))
 
 
+@pytest.mark.usefixtures("statistics")
 def test_non_contiguous_inputs(backend):
     base_x, base_dy = rand((8, 6, 4)), rand((8, 6, 4))
     x, dy = base_x.transpose(0, 1)[:, ::2], base_dy.transpose(0, 1)[:, ::2]  # [6, 4, 4]
@@ -278,6 +341,7 @@ def test_non_contiguous_inputs(backend):
         assert_close(a, e, torch.float32)
 
 
+@pytest.mark.usefixtures("statistics")
 def test_nan_propagates_to_its_row_only(backend):
     x, dy = rand((4, 8)), rand((4, 8))
     x[2, 3] = float("nan")
