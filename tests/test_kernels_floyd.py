@@ -427,10 +427,11 @@ def test_scale_reaches_the_kernels_exactly(dtype, scale, device):
 # arguments those loads read, and pairs it with the dot whose result it accumulates onto.
 def _score_chains(ttir):
     """[(pointer argument of the accumulating dot's keys/values, of the dot it accumulates
-    onto), ...] for every score or dP product of a kernel's TTIR, and the number of such
+    onto), ...] for every score or dP product of a kernel's TTIR, the number of such
     products in no chain of two (products summed by an add the combiner left alone, or a
-    chain of another shape). Names are resolved to their nearest earlier definition, as
-    MLIR's scoping allows (sibling loop bodies may reuse a name; nested ones may not shadow)."""
+    chain of another shape), and each product's source location (``_dot_locations``). Names
+    are resolved to their nearest earlier definition, as MLIR's scoping allows (sibling loop
+    bodies may reuse a name; nested ones may not shadow)."""
     import re
 
     func = re.search(r"tt\.func public @\w+\((.*?)\) attributes", ttir)
@@ -483,7 +484,68 @@ def _score_chains(ttir):
             if zero is not None and zero[1] == "arith.constant" and re.search(r"dense<0\.0", zero[3]):
                 chains.append((right, products[inner[0]][1]))
                 paired.update({number, inner[0]})
-    return chains, len(products) - len(paired)
+    where = _dot_locations(ttir)
+    return chains, len(products) - len(paired), [where[number] for number in sorted(products)]
+
+
+# How each score and dP dot is lowered for the GPU, which the TTIR does not say yet: the TTGIR
+# gives each dot its result encoding (#ttg.nvidia_mma: tensor-core MMA of that version;
+# #ttg.blocked: FMA) and its operands' types. Accumulation orders agree only where both the
+# kind of dot and the K each dot covers (the k-step over D) agree, so every pass must lower
+# its score and dP dots alike. The dots are matched to the TTIR's products by their source
+# location (names and call sites included), which lowering keeps.
+def _dot_locations(ir):
+    """{line number: source location spelled out} of every dot in an MLIR text."""
+    import re
+
+    aliases = dict(re.findall(r"^(#loc\d*) = loc\((.*)\)$", ir, re.M))
+    spelled = {}
+
+    def spell(alias):
+        if alias not in spelled:
+            spelled[alias] = re.sub(r"#loc\d*", lambda m: spell(m.group(0)), aliases[alias])
+        return spelled[alias]
+
+    found = {}
+    for number, line in enumerate(ir.splitlines()):
+        if re.match(r"\s*%[\w$.-]+(?::\d+)? = (tt\.dot|ttng\.warp_group_dot)\b", line):
+            found[number] = spell(re.search(r"loc\((#loc\d*)\)\s*$", line).group(1))
+    return found
+
+
+def _dot_lowerings(ttgir, locations):
+    """For each source location, how the TTGIR's dot there is lowered: "<op> <operand type>
+    K=<the operands' shared dimension> -> <result type> <encoding> <input precision>", the
+    encoding an MMA's version and instruction shape or "blocked" (FMA), the precision IEEE
+    where the TTGIR leaves out that default; "missing" or "ambiguous" where not exactly one
+    dot is there."""
+    import re
+
+    encodings = dict(re.findall(r"^(#[\w.]+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
+    lines = ttgir.splitlines()
+    at = {}
+    for number, where in _dot_locations(ttgir).items():
+        at.setdefault(where, []).append(lines[number])
+    lowered = []
+    for where in locations:
+        if len(at.get(where, ())) != 1:
+            lowered.append("missing" if where not in at else "ambiguous")
+            continue
+        line = at[where][0]
+        op = re.search(r"= ([\w.]+) ", line).group(1)
+        a_shape, a_type = re.search(r" : (?:tensor|!ttg\.memdesc)<([\dx]+)x(\w+)[,>]", line).groups()
+        out_type, out_encoding = re.search(r"-> tensor<[\dx]+x(\w+), (#[\w.]+)>", line).groups()
+        encoding = encodings[out_encoding]
+        if encoding.startswith("#ttg.nvidia_mma"):
+            version = ".".join(re.search(r"versionMajor = (\d+), versionMinor = (\d+)", encoding).groups())
+            shape = re.search(r"instrShape = (\[[^]]*\])", encoding).group(1)
+            kind = f"mma v{version} instrShape {shape}"
+        else:
+            kind = encoding.split("<")[0].removeprefix("#ttg.")
+        precision = re.search(r"inputPrecision = (\w+)", line)
+        lowered.append(f"{op} {a_type} K={a_shape.split('x')[-1]} -> {out_type} {kind}"
+                       + f" {precision.group(1) if precision else 'ieee'}")
+    return lowered
 
 
 _COMPILE_SM90 = r"""
@@ -512,7 +574,8 @@ for case in sys.argv[1:]:
     assert len(compiled) == len(rows)
     for row, kernel in zip(rows, compiled):
         if kernel is not None:
-            row["score_chains"], row["score_products_unchained"] = _score_chains(kernel.asm["ttir"])
+            row["score_chains"], row["score_products_unchained"], where = _score_chains(kernel.asm["ttir"])
+            row["score_dots"] = _dot_lowerings(kernel.asm["ttgir"], where)
         print(json.dumps(row), flush=True)
 """
 
@@ -595,7 +658,9 @@ def test_kernels_compile_for_sm90_within_resources(triton_version, monkeypatch):
     dP the same way: the forward, the dQ kernel and both dK/dV launches, as the launchers
     bind K1, V1, K2, V2 to each kernel's arguments, accumulate the n-batched product onto
     the m-batched one (a one-hot P is then one-hot in every pass on a GPU, where the dK2/dV2
-    launch used to sum the other way round)."""
+    launch used to sum the other way round), and lower those dots alike: one kind of dot over
+    one K per dtype and head dim, whatever each launch's tile (the dK2/dV2 launch's is 16x8 at
+    widths <= 32 where the others' are 16x16)."""
     import inspect
     import json
     import os
@@ -612,7 +677,7 @@ def test_kernels_compile_for_sm90_within_resources(triton_version, monkeypatch):
         cases = tuple(c for c in cases if not c.startswith("float64"))
     monkeypatch.setattr(config, "STRATEGY", None)  # the rule itself says what ships
     monkeypatch.delenv("GRADOPS_FLOYD_STRATEGY", raising=False)
-    script = inspect.getsource(_score_chains) + _COMPILE_SM90
+    script = "".join(inspect.getsource(f) for f in (_score_chains, _dot_locations, _dot_lowerings)) + _COMPILE_SM90
     stdout = run_sm90_compile(script, *cases, timeout=900, triton_version=triton_version)
     rows = [json.loads(line) for line in stdout.splitlines()]
     print("\n".join(map(json.dumps, rows)))
@@ -623,3 +688,18 @@ def test_kernels_compile_for_sm90_within_resources(triton_version, monkeypatch):
         if _shipped(row["dtype"], row["D"]):
             assert row["spill_loads"] == row["spill_stores"] == 0, row
     _assert_scores_summed_alike(rows, _recorded_launches(monkeypatch))
+    _assert_scores_lowered_alike(rows)
+
+
+def _assert_scores_lowered_alike(rows):
+    """Per dtype and head dim, every score and dP dot of the four kernels is lowered alike:
+    one kind of dot over one K (``_dot_lowerings``)."""
+    cases = {}
+    for row in rows:
+        assert len(row["score_dots"]) == 2 * len(row["score_chains"]), row
+        assert not {"missing", "ambiguous"} & set(row["score_dots"]), row
+        cases.setdefault((row["dtype"], row["D"]), {}).setdefault(row["kernel"], set()).update(row["score_dots"])
+    for (dtype, head_dim), kernels_lowered in cases.items():
+        assert len(set().union(*kernels_lowered.values())) == 1, (
+            f"{dtype} D={head_dim}: the score and dP dots are lowered differently across passes "
+            f"(their accumulation orders may differ on a GPU): {kernels_lowered}")
