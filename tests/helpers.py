@@ -143,3 +143,20 @@ def promoted_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     1.2e-2 in bfloat16, where this computation's are within 1.5e-7). It is the more accurate of
     the two, which is why it is the oracle on both devices."""
     return torch.nn.functional.layer_norm(x.float(), normalized_shape, weight, bias, eps).to(x.dtype)
+
+
+def record_launches(monkeypatch):
+    """Every Triton kernel launch from now on, compiled or through the interpreter, as
+    (the kernel's Python function, {parameter: value} of its arguments, the keyword arguments
+    of the launch: constexprs and launch options)."""
+    from triton.runtime import interpreter, jit
+
+    launches = []
+    for cls in (jit.JITFunction, interpreter.InterpretedFunction):
+        def run(self, *args, grid, warmup, _real=cls.run, **kwargs):
+            bound = dict(zip(self.arg_names, args), **{k: v for k, v in kwargs.items() if k in self.arg_names})
+            launches.append((self.fn, bound, kwargs))
+            return _real(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(cls, "run", run)
+    return launches

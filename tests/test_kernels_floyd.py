@@ -23,7 +23,7 @@ import gradops
 from gradops.kernels import floyd_config as config
 from gradops.reference import floyd_attention as reference
 
-from helpers import run_sm90_compile, skip_if_floyd_float64_refused
+from helpers import record_launches, run_sm90_compile, skip_if_floyd_float64_refused
 
 kernels = pytest.importorskip("gradops.kernels.floyd_attention")
 
@@ -600,27 +600,15 @@ def _recorded_launches(monkeypatch):
     launch options the compile check compiles with (floyd_config, _dkv_meta)."""
     inputs, dy, mask = make_inputs(1, 1, 2, 3, 4, 8, torch.float32, "cpu", "random")
     storages = {name: t.untyped_storage().data_ptr() for name, t in zip(("K1", "V1", "K2", "V2"), inputs[1:])}
-    seen = []
-
-    class Recorder:
-        def __init__(self, real):
-            self.real = real
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                sides = {arg: name for arg, t in zip(self.real.arg_names, args) if isinstance(t, torch.Tensor)
-                         for name, ptr in storages.items() if t.untyped_storage().data_ptr() == ptr}
-                seen.append((self.real, sides, kwargs))
-                return self.real[grid](*args, **kwargs)
-            return launch
-
     with monkeypatch.context() as patch:
         patch.setattr(config, "STRATEGY", "fused")
-        for name in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkv_kernel"):
-            patch.setattr(kernels, name, Recorder(getattr(kernels, name)))
+        seen = record_launches(patch)
         run_kernels(inputs, dy, mask, 0.5)
     launches = {}
-    for real, sides, kwargs in seen:
+    for fn, bound, kwargs in seen:
+        sides = {arg: name for arg, t in bound.items() if isinstance(t, torch.Tensor)
+                 for name, ptr in storages.items() if t.untyped_storage().data_ptr() == ptr}
+        real = getattr(kernels, fn.__name__)
         if real is kernels._bwd_dkv_kernel:
             names = [n for n in ("bwd_dk1", "bwd_dk2")
                      if kernels._dkv_meta(n, config.floyd_config(n, 8, 4)).items() <= kwargs.items()]

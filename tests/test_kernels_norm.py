@@ -12,6 +12,7 @@ T: 2e-5 for float32, 2e-3 for float16, 1.6e-2 for bfloat16. dweight/dbias/dgamma
 the same products on both sides, so they are held to float32's tolerance even for half
 inputs.
 """
+import inspect
 import os
 
 import pytest
@@ -27,7 +28,7 @@ from gradops.kernels import rms_norm as KRN  # noqa: E402
 from gradops.reference import layer_norm as RLN  # noqa: E402
 from gradops.reference import rms_norm as RRN  # noqa: E402
 
-from helpers import assert_close, rand, run_sm90_compile  # noqa: E402
+from helpers import assert_close, rand, record_launches, run_sm90_compile  # noqa: E402
 
 if os.environ.get("GRADOPS_TEST_DEVICE", "cpu") == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("Triton kernels on CPU need TRITON_INTERPRET=1 before triton is imported",
@@ -299,26 +300,6 @@ def test_layer_norm_backward_writes_dw_db_in_the_grad_dtype(split, device, reque
 
 
 # ------------------------------------------------------------------ exact arithmetic
-def _record_launches(monkeypatch):
-    """Every Triton kernel launch from now on, compiled or interpreted, as (kernel name,
-    {argument: value} of its non-constexpr arguments)."""
-    import inspect
-
-    from triton.runtime import interpreter, jit
-
-    launches = []
-    for cls in (jit.JITFunction, interpreter.InterpretedFunction):
-        def run(self, *args, grid, warmup, _real=cls.run, **kwargs):
-            params = inspect.signature(self.fn).parameters
-            bound = dict(zip(self.arg_names, args), **{k: v for k, v in kwargs.items() if k in params})
-            launches.append((self.fn.__name__, {k: v for k, v in bound.items()
-                                                if "constexpr" not in str(params[k].annotation)}))
-            return _real(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-        monkeypatch.setattr(cls, "run", run)
-    return launches
-
-
 def test_float64_calls_give_the_kernels_every_float_in_float64(device, monkeypatch):
     # Triton types a Python float kernel argument fp32 (mangle_type(1e-5) == "fp32"), so a
     # float64 call would run with eps (RMSNorm's offset) rounded to float32 on a GPU: rstd
@@ -329,7 +310,7 @@ def test_float64_calls_give_the_kernels_every_float_in_float64(device, monkeypat
 
     from gradops.kernels import _norm_common as NC
 
-    launches = _record_launches(monkeypatch)
+    recorded = record_launches(monkeypatch)
     f64 = torch.float64
     for override in (None, 64):  # whole rows; the split-row kernels (n = 130 > 64)
         monkeypatch.setattr(norm_config, "MAX_FUSED_N_OVERRIDE", override)
@@ -343,6 +324,9 @@ def test_float64_calls_give_the_kernels_every_float_in_float64(device, monkeypat
         KLN.layer_norm_grad_beta(x, dy, False)
         _, rstd = KRN.rms_norm(x, w, 1e-6, offset=1 / 3, residual=res, h_out=torch.empty_like(x))
         KRN.rms_norm_grad(dy, x, rstd, w, offset=1 / 3, dres=res)
+    launches = [(fn.__name__, {name: value for name, value in bound.items()
+                               if "constexpr" not in str(inspect.signature(fn).parameters[name].annotation)})
+                for fn, bound, _ in recorded]
     every = {name for module in (KLN, KRN, NC) for name in dir(module) if name.endswith("_kernel")}
     assert {name for name, _ in launches} == every  # the calls above reached every norm kernel
     floats = [(name, arg, value) for name, args in launches for arg, value in args.items()
