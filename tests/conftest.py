@@ -95,6 +95,28 @@ def floyd_backend(request, monkeypatch):
         yield backend
 
 
+@pytest.fixture(params=["device", "off-cpu"])
+def statistics(request, monkeypatch):
+    """The reference LayerNorm forward's statistics as the test device decides them, then as
+    off the CPU (gradops/reference/layer_norm.py ``_aten_statistics``: its own statistics, y
+    in one pass), which a CPU run reaches no other way; a GPU run takes that path anyway, and
+    a Triton run never. The off-CPU run fails if it never reached that forward."""
+    if request.param == "device":
+        yield request.param
+        return
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the test device is off the CPU: the test's other run takes this path")
+    for name in ("backend", "row_path"):  # the fixtures that choose gradops' default backend
+        if name in request.fixturenames and request.getfixturevalue(name).split("-")[0] != "reference":
+            pytest.skip("the path is the reference backend's: the test's run with that backend takes it")
+    from gradops.reference import layer_norm
+
+    reached = []
+    monkeypatch.setattr(layer_norm, "_aten_statistics", lambda device: reached.append(device) or False)
+    yield request.param
+    assert reached, "the reference LayerNorm forward was not reached"
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -134,6 +134,7 @@ def test_layer_norm_forward(blocks, dtype, affine, with_residual):
     assert ops.names.count("native_layer_norm") == (blocks if dtype in HALF else 1)
 
 
+@pytest.mark.usefixtures("statistics")
 def test_layer_norm_forward_empty_rows_and_no_rows(blocks):
     for dtype in DTYPES:
         y, mean, rstd = prepare_layer_norm(rand((3, 0), dtype), (0,), backend="reference").run()

@@ -1,8 +1,6 @@
 """LayerNorm (aclnnLayerNorm/aclnnLayerNormBackward semantics) and the AscendC LayerNormGrad /
 LayerNormGradBeta semantics, against float64 oracles, on both backends (calls that name no
 backend take the ``backend`` fixture's)."""
-import importlib
-
 import pytest
 import torch
 
@@ -11,63 +9,9 @@ from gradops import oracles
 from gradops.errors import ACLNN_ERR_PARAM_INVALID as INVALID, ACLNN_ERR_PARAM_NULLPTR as NULLPTR
 from gradops.reference import layer_norm as RLN
 
-from conftest import TEST_DEVICE, as_default_backend
 from helpers import DTYPES, assert_close, raises_status, rand
 
 SHAPES = [((1, 3), 1), ((4, 64), 1), ((3, 5, 33), 1), ((2, 3, 4, 5), 2), ((7, 1000), 1)]
-
-
-@pytest.fixture
-def off_cpu_statistics(request, monkeypatch):
-    """The reference LayerNorm forward as off the CPU (reference/layer_norm.py,
-    ``_aten_statistics``: its own statistics, y in one pass), which a CPU run reaches no other
-    way; a GPU run takes it anyway. Fails the test if it never reached that forward."""
-    if TEST_DEVICE != "cpu":
-        pytest.skip("the test device is off the CPU: the test's other run takes this path")
-    if "backend" in request.fixturenames and request.getfixturevalue("backend") != "reference":
-        pytest.skip("the path is the reference backend's: the test's run with that backend takes it")
-    reached = []
-    monkeypatch.setattr(RLN, "_aten_statistics", lambda device: reached.append(device) or False)
-    yield
-    assert reached, "the reference LayerNorm forward was not reached"
-
-
-@pytest.fixture(params=["device", "off-cpu"])
-def statistics(request):
-    """The reference LayerNorm forward's statistics as the test device decides, then as off the
-    CPU (``off_cpu_statistics``)."""
-    if request.param == "off-cpu":
-        request.getfixturevalue("off_cpu_statistics")
-    return request.param
-
-
-def _combinations(test):
-    """Every combination of ``test``'s parametrize arguments, as keyword dicts."""
-    combos = [{}]
-    for mark in getattr(test, "pytestmark", []):
-        if mark.name == "parametrize":
-            names = mark.args[0].split(",") if isinstance(mark.args[0], str) else mark.args[0]
-            names = [n.strip() for n in names]
-            rows = [v if len(names) > 1 else (v,) for v in mark.args[1]]
-            combos = [{**c, **dict(zip(names, row))} for c in combos for row in rows]
-    return combos
-
-
-# The reference forward's checks in other files that give it what the tests here do not (test,
-# its fixtures' values): the fused residual add, and rows of width 0.
-ELSEWHERE = {
-    "residual": ("test_norm_variants", "test_fused_add_layer_norm_matches_float64_formula", {"row_path": "reference"}),
-    "width-0-rows": ("test_cpu_path", "test_layer_norm_forward_empty_rows_and_no_rows", {"blocks": 1}),
-}
-
-
-@pytest.mark.parametrize("check", ELSEWHERE)
-def test_forward_checks_elsewhere_with_off_cpu_statistics(request, off_cpu_statistics, check):
-    module, name, fixtures = ELSEWHERE[check]
-    test = getattr(importlib.import_module(module), name)
-    with as_default_backend(request, "reference"):
-        for args in _combinations(test):
-            test(**fixtures, **args)
 
 
 @pytest.mark.usefixtures("statistics")

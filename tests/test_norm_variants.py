@@ -142,6 +142,7 @@ def test_rms_norm_without_weight(row_path, dtype, with_residual):
     assert_close(x_.grad, gx, dtype, what="dx")
 
 
+@pytest.mark.usefixtures("statistics")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "no-affine"])
 def test_fused_add_layer_norm_matches_float64_formula(row_path, dtype, affine):
