@@ -254,22 +254,23 @@ def test_many_tiles_per_persistent_program_with_a_tail(dtype, device):
     check_rms_norm(m, n, dtype, device)
 
 
-def test_split_path_with_several_row_groups_and_a_tail(device, force_split):
+def test_split_path_with_several_row_tiles_and_a_tail(device, force_split):
+    # each column program walks several row tiles, the last one partial, over several column blocks
     dev = torch.device(device)
     m, n = 37, (200 if dev.type == "cpu" else 4200)  # > 1 column block of the device's width
-    cfg = norm_config.split_config(m, n, dev)
-    assert cfg.row_groups > 1 and cfg.col_blocks > 1 and m % cfg.block_m
+    cfg = norm_config.split_config(m, n, dev, whole_columns=True)
+    assert cfg.row_groups == 1 and cfg.row_tiles > 1 and cfg.col_blocks > 1 and m % cfg.block_m
     check_layer_norm(m, n, F32, device)
     check_rms_norm(m, n, F32, device)
 
 
-def test_split_backward_over_several_row_chunks_and_segments(device, force_split):
-    # More rows than one chunk: the column-tiled kernel adds each chunk's dw/db to the
-    # partial rows of the chunks before it; rows are summed over several column segments.
+def test_split_backward_over_many_rows_and_segments(device, force_split):
+    # Many more rows than a column program's tile, each row summed over several column
+    # segments (added in a fixed order by the column-tiled kernel); every output combination.
     dev = torch.device(device)
     m, n = (75, 300) if dev.type == "cpu" else (3000, 70000)
-    cfg = norm_config.split_config(m, n, dev)
-    assert cfg.chunk_rows < m and m % cfg.chunk_rows and cfg.row_segments > 1
+    cfg = norm_config.split_config(m, n, dev, whole_columns=True)
+    assert cfg.row_tiles > 2 and m % cfg.block_m and cfg.row_segments > 1
     check_layer_norm(m, n, torch.bfloat16, device)
     check_rms_norm(m, n, torch.bfloat16, device)
     x, dy, w, _ = ln_inputs(m, n, F32, device)
@@ -660,7 +661,6 @@ from gradops.kernels import layer_norm as KLN, rms_norm as KRN, norm_config as C
 from gradops.kernels._scalar_args import float64_bits
 ptxas = sys.argv[1]
 C._sm_count = lambda index: 132  # an H100 SXM
-C._l2_bytes = lambda index: 50 * 2**20
 dev = torch.device("cuda", 0)
 M = 32768
 INT_RH = {"_sum_rows_kernel"}  # R is a row count there, H the AscendC row width
@@ -688,21 +688,21 @@ for n in (1024, 8192, 16384):
                       f.launch(), per_sm, "bf16", True))
         cases.append((f"fwd {n}", KRN._rms_fwd_fused_kernel, dict(HAS_W=True, HAS_RES=res, ROUND_XHAT=res, **b),
                       f.launch(), per_sm, "bf16", True))
-s = C.split_config(M, 65536, dev)
+s = C.split_config(M, 65536, dev, whole_columns=True)
 b = dict(BLOCK_M=s.block_m, BLOCK_N=s.block_n, NUM_STAGES=s.num_stages)
 per_sm = C.REGS_PER_SM // (C.GPU_BWD_MAX_REGS * 32 * s.num_warps)
 for dres in (False, True):
-    cases.append(("split bwd 65536", KLN._ln_bwd_cols_kernel, dict(LN_BWD, HAS_DRES=dres, ACCUMULATE=True, SEGMENTS=C.next_pow2(s.row_segments), **b),
+    cases.append(("split bwd 65536", KLN._ln_bwd_cols_kernel, dict(LN_BWD, HAS_DRES=dres, SEGMENTS=C.next_pow2(s.row_segments), **b),
                   s.launch(), per_sm, "bf16", True))
     cases.append(("split bwd 65536", KRN._rms_bwd_cols_kernel,
-                  dict(HAS_W=True, HAS_DRES=dres, ROUND_XHAT=dres, ACCUMULATE=True, SEGMENTS=C.next_pow2(s.row_segments), **b),
+                  dict(HAS_W=True, HAS_DRES=dres, ROUND_XHAT=dres, SEGMENTS=C.next_pow2(s.row_segments), **b),
                   s.launch(), per_sm, "bf16", True))
-rs = dict(HAS_W=True, BLOCK_N=s.block_n, NUM_STAGES=s.num_stages)
+rs = dict(HAS_W=True, BLOCK_N=s.row_block_n, NUM_STAGES=s.num_stages)
 cases.append(("split bwd 65536", KLN._ln_bwd_row_sums_kernel, rs, s.row_launch(), 1, "bf16", True))
 cases.append(("split bwd 65536", KRN._rms_bwd_row_sums_kernel, rs, s.row_launch(), 1, "bf16", True))
 for res in (False, True):
     w = C.split_config(M, 65536, dev, streams=2 if res else 1, kind="fwd")
-    wb = dict(BLOCK_N=w.block_n, NUM_STAGES=w.num_stages)
+    wb = dict(BLOCK_N=w.row_block_n, NUM_STAGES=w.num_stages)
     cases.append(("wide fwd 65536", KLN._ln_fwd_wide_kernel, dict(HAS_W=True, HAS_B=True, HAS_RES=res, **wb),
                   w.row_launch(), 1, "bf16", True))
     cases.append(("wide fwd 65536", KRN._rms_fwd_wide_kernel, dict(HAS_W=True, HAS_RES=res, ROUND_XHAT=res, **wb),
@@ -716,7 +716,7 @@ cases.append(("bwd 1000", KRN._rms_bwd_fused_kernel, dict(HAS_W=True, HAS_DRES=T
               f.launch(), f.grid // 132, "bf16", False))
 w = C.split_config(M, 65537, dev, streams=2, kind="fwd")
 cases.append(("wide fwd 65537", KLN._ln_fwd_wide_kernel,
-              dict(HAS_W=True, HAS_B=True, HAS_RES=True, BLOCK_N=w.block_n, NUM_STAGES=w.num_stages),
+              dict(HAS_W=True, HAS_B=True, HAS_RES=True, BLOCK_N=w.row_block_n, NUM_STAGES=w.num_stages),
               w.row_launch(), 1, "bf16", False))
 r = C.reduce_config(264, 2 * 8192, dev)
 cases.append(("reduce", NC._sum_rows_kernel, dict(BLOCK_R=r.block_r, BLOCK_N=r.block_n), r.launch(), 1,
@@ -726,11 +726,11 @@ f = C.fused_config(M, 4096, dev, persistent=False)
 cases.append(("ascendc 4096", KLN._ln_grad_fused_kernel, dict(REUSE=True, BLOCK_M=f.block_m, BLOCK_N=f.block_n),
               f.launch(), 1, "fp32", True))
 s = C.split_config(M, 65536, dev)
-cases.append(("ascendc 65536", KLN._ln_grad_row_sums_kernel, dict(BLOCK_N=s.block_n, NUM_STAGES=s.num_stages),
+cases.append(("ascendc 65536", KLN._ln_grad_row_sums_kernel, dict(BLOCK_N=s.row_block_n, NUM_STAGES=s.num_stages),
               s.row_launch(), 1, "fp32", True))
 cases.append(("ascendc 65536", KLN._ln_grad_cols_kernel, dict(REUSE=True, BLOCK_M=s.block_m, BLOCK_N=s.block_n),
               s.launch(), 1, "fp32", True))
-s = C.split_config(M, 4096, dev, elem_bytes=4, chunked=False)
+s = C.split_config(M, 4096, dev, elem_bytes=4)
 cases.append(("ascendc beta 4096", KLN._ln_grad_beta_kernel,
               dict(REUSE=True, BLOCK_M=s.block_m, BLOCK_N=s.block_n, NUM_STAGES=s.num_stages), s.launch(), 1,
               "fp32", True))

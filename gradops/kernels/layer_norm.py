@@ -170,7 +170,7 @@ def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
         cfg = norm_config.split_config(m, n, x.device, kind="fwd", **shape)
         _ln_fwd_wide_kernel[(m,)](
             x, r, h, y, w, b, mean, rstd, n, *strides, float64_bits(eps),
-            BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.row_launch(), **common)
+            BLOCK_N=cfg.row_block_n, NUM_STAGES=cfg.num_stages, **cfg.row_launch(), **common)
     return y, mean, rstd
 
 
@@ -259,34 +259,24 @@ def _ln_bwd_row_sums_kernel(DY, X, W, Mean, Rstd, C1, C2, N, stride_dy, stride_x
 
 
 @triton.jit
-def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DRES, DX, DW_P, DB_P,
-                        M, N, stride_dy, stride_x, stride_dres, stride_dx, stride_p, tiles_per_group,
-                        num_row_groups, num_segments, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr, WANT_DX: tl.constexpr,
-                        WANT_DW: tl.constexpr,
-                        WANT_DB: tl.constexpr, ACCUMULATE: tl.constexpr, SEGMENTS: tl.constexpr, ACC: tl.constexpr,
+def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DRES, DX, DW, DB,
+                        M, N, stride_dy, stride_x, stride_dres, stride_dx, row_tiles, num_segments,
+                        HAS_W: tl.constexpr, HAS_DRES: tl.constexpr, WANT_DX: tl.constexpr,
+                        WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, SEGMENTS: tl.constexpr, ACC: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
-    # Wide rows, step 2: program (column block, row group) owns BLOCK_N columns of every
-    # num_row_groups-th row tile. With the row reductions known it writes dx for its tiles
-    # and keeps dw/db for its columns in registers: one partial row per row group, which
-    # later chunks of rows (ACCUMULATE) add to in the same fixed order.
+    # Wide rows, step 2: program cb walks every row tile of its BLOCK_N columns in order.
+    # With the row reductions known it writes dx, and keeps dw/db for its columns in
+    # registers until it stores the finished sums (in DW/DB's dtype): no partial rows, no
+    # third launch, the same bits on every run.
     cb = tl.program_id(0)
-    rg = tl.program_id(1)
     cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
-    if ACCUMULATE:
-        acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
-        acc_db = tl.zeros([BLOCK_N], dtype=ACC)
-        if WANT_DW:
-            acc_dw = tl.load(DW_P + rg.to(tl.int64) * stride_p + cols, mask=cmask, other=0.0)
-        if WANT_DB:
-            acc_db = tl.load(DB_P + rg.to(tl.int64) * stride_p + cols, mask=cmask, other=0.0)
-    else:
-        acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
-        acc_db = tl.zeros([BLOCK_N], dtype=ACC)
-    for i in tl.range(0, tiles_per_group, num_stages=NUM_STAGES):
-        rows = (rg + i * num_row_groups) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
+    acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
+    acc_db = tl.zeros([BLOCK_N], dtype=ACC)
+    for i in tl.range(0, row_tiles, num_stages=NUM_STAGES):
+        rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
         mask = rmask[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
@@ -316,9 +306,9 @@ def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DRES, DX, DW_P, DB_P,
         if WANT_DB:
             acc_db += tl.sum(dy, axis=0)
     if WANT_DW:
-        tl.store(DW_P + rg.to(tl.int64) * stride_p + cols, acc_dw, mask=cmask)
+        tl.store(DW + cols, acc_dw.to(DW.dtype.element_ty), mask=cmask)
     if WANT_DB:
-        tl.store(DB_P + rg.to(tl.int64) * stride_p + cols, acc_db, mask=cmask)
+        tl.store(DB + cols, acc_db.to(DB.dtype.element_ty), mask=cmask)
 
 
 def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dres=None, grad_dtype=None):
@@ -355,55 +345,40 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
     strides = (row_stride(dy_rows), row_stride(x_rows), row_stride(dres_rows), row_stride(dx_buf))
     shape = dict(elem_bytes=x.element_size(), streams=3 if has_dres else 2)
 
-    fused = norm_config.is_fused(n, device)
-    if fused:
+    if norm_config.is_fused(n, device):
         cfg = norm_config.fused_config(m, n, device, **shape)
-        partial_rows = cfg.grid
-    else:
-        cfg = norm_config.split_config(m, n, device, **shape)
-        partial_rows = cfg.row_groups
-    # dw and db partials side by side in one buffer, summed by one reduction launch.
-    n_partials = int(want_dw) + int(want_db)
-    partial = torch.empty((partial_rows, n_partials * n) if n_partials else (1, 1), dtype=acc, device=device)
-    dw_p = partial
-    db_p = partial[:, n:] if want_dw else partial
-    stride_p = partial.stride(0)
-
-    if fused:
+        # dw and db partials side by side in one buffer, summed by one reduction launch.
+        n_partials = int(want_dw) + int(want_db)
+        partial = torch.empty((cfg.grid, n_partials * n) if n_partials else (1, 1), dtype=acc, device=device)
+        db_p = partial[:, n:] if want_dw else partial
         _ln_bwd_fused_kernel[(cfg.grid,)](
-            dy_rows, x_rows, w, mean, rstd, dres_rows, dx_buf, dw_p, db_p,
-            m, n, *strides, stride_p, cfg.tiles_per_program, cfg.grid,
+            dy_rows, x_rows, w, mean, rstd, dres_rows, dx_buf, partial, db_p,
+            m, n, *strides, partial.stride(0), cfg.tiles_per_program, cfg.grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **flags)
+        if n_partials == 2:
+            dw, db = sum_partial_rows(partial, out_dtype, parts=2)
+        elif n_partials:
+            sums = sum_partial_rows(partial, out_dtype)
+            dw, db = (sums, None) if want_dw else (None, sums)
     else:
+        cfg = norm_config.split_config(m, n, device, whole_columns=True, **shape)
         segs = cfg.row_segments
         c1 = c2 = mean[:, None]  # unused unless dx is wanted
         if want_dx:
             c1 = torch.empty((m, segs), dtype=acc, device=device)
             c2 = torch.empty((m, segs), dtype=acc, device=device)
-        # Chunks of rows small enough that the column-tiled kernel finds the x and dy the
-        # row-sums kernel has just read still in L2.
-        for r0 in range(0, m, cfg.chunk_rows):
-            r1 = min(m, r0 + cfg.chunk_rows)
-            rows = slice(r0, r1)
-            if want_dx:
-                _ln_bwd_row_sums_kernel[(r1 - r0, segs)](
-                    dy_rows[rows], x_rows[rows], w, mean[rows], rstd[rows], c1[rows], c2[rows], n,
-                    strides[0], strides[1], cfg.segment_blocks, segs, HAS_W=weight is not None, ACC=flags["ACC"], BLOCK_N=cfg.block_n,
-                    NUM_STAGES=cfg.num_stages, **cfg.row_launch())
-            _ln_bwd_cols_kernel[(cfg.col_blocks, cfg.row_groups)](
-                dy_rows[rows], x_rows[rows], w, mean[rows], rstd[rows], c1[rows], c2[rows], dres_rows[rows],
-                dx_buf[rows], dw_p, db_p, r1 - r0, n, *strides, stride_p, cfg.tiles_per_group, cfg.row_groups,
-                segs, ACCUMULATE=r0 > 0, SEGMENTS=norm_config.next_pow2(segs), BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-                **cfg.launch(), **flags)
-
+            _ln_bwd_row_sums_kernel[(m, segs)](
+                dy_rows, x_rows, w, mean, rstd, c1, c2, n, strides[0], strides[1], cfg.segment_blocks, segs,
+                HAS_W=weight is not None, ACC=flags["ACC"], BLOCK_N=cfg.row_block_n, NUM_STAGES=cfg.num_stages,
+                **cfg.row_launch())
+        dw = torch.empty(n, dtype=out_dtype, device=device) if want_dw else None
+        db = torch.empty(n, dtype=out_dtype, device=device) if want_db else None
+        _ln_bwd_cols_kernel[(cfg.col_blocks,)](
+            dy_rows, x_rows, w, mean, rstd, c1, c2, dres_rows, dx_buf, dw if want_dw else x_rows,
+            db if want_db else x_rows, m, n, *strides, cfg.row_tiles, segs, SEGMENTS=norm_config.next_pow2(segs),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **flags)
     if want_dx:
         dx = dx_out.copy_(dx_buf) if copy_back else dx_buf
-    if n_partials == 2:
-        dw, db = sum_partial_rows(partial, out_dtype, parts=2)
-    elif n_partials:
-        sums = sum_partial_rows(partial, out_dtype)
-        dw, db = (sums, None) if want_dw else (None, sums)
     return dx, dw, db
 
 
@@ -544,7 +519,7 @@ def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source):
         sums = torch.empty((r, 3), dtype=stat_dtype(x.dtype), device=device)
         _ln_grad_row_sums_kernel[(r,)](
             dy_rows, x_rows, mean, gamma, sums, h, row_stride(dy_rows), row_stride(x_rows),
-            ACC=acc, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.row_launch())
+            ACC=acc, BLOCK_N=cfg.row_block_n, NUM_STAGES=cfg.num_stages, **cfg.row_launch())
         _ln_grad_cols_kernel[(cfg.row_tiles, cfg.col_blocks)](
             dy_rows, x_rows, variance, mean, gamma, sums, pd_x, res, r, h,
             row_stride(dy_rows), row_stride(x_rows), row_stride(pd_x), row_stride(res), float64_bits(eps),
@@ -593,7 +568,7 @@ def layer_norm_grad_beta(res_for_gamma, dy, reuse_source):
         return torch.zeros(h, dtype=dy.dtype, device=device), torch.zeros(h, dtype=dy.dtype, device=device)
     res_rows, res_copied = _writable_rows(res_for_gamma)
     dy_rows = as_rows(dy)
-    cfg = norm_config.split_config(r, h, device, elem_bytes=dy.element_size(), chunked=False)
+    cfg = norm_config.split_config(r, h, device, elem_bytes=dy.element_size())
     partial = torch.empty((cfg.row_groups, 2 * h), dtype=acc, device=device)
     _ln_grad_beta_kernel[(cfg.col_blocks, cfg.row_groups)](
         res_rows, dy_rows, partial, partial[:, h:], r, h, row_stride(res_rows), row_stride(dy_rows),

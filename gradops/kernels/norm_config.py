@@ -15,8 +15,9 @@ Two regimes per direction, split at ``max_fused_n(device, kind)``:
   writes one float32 partial row per program.
 * **split rows** (N > max_fused_n): a row does not fit in registers without spilling, so
   the work is split: the forward takes one row per program in two passes (the second from
-  L2), the backward a row-statistics kernel and a 2-D grid of (row group x column block)
-  tiles, run over chunks of rows small enough for the second kernel to find its rows in L2.
+  L2), the backward a row-sums kernel and a column-tiled kernel whose programs each walk
+  every row of their columns, writing dx and finishing dweight/dbias: two launches at any
+  width and row count, never a loop of launches in Python.
   See docs/kernels-norm.md for the byte cost.
 
 On the CPU (Triton interpreter) every program runs sequentially in Python, so the limits
@@ -61,12 +62,11 @@ GPU_MAX_PROGRAMS_PER_SM = 4
 GPU_SMEM_BUDGET = 200 * 1024
 # Deepest software pipeline: stages - 1 tiles in flight ahead of the one being reduced.
 GPU_MAX_STAGES = 3
-# Column block of the split-row kernels and of the partial-sum reduction.
+# Column block of the one-row-per-program kernels (the wide forward, the row sums).
 GPU_SPLIT_BLOCK_N = 2048
-# The split backward runs its two kernels over chunks of rows whose x and dy take at most
-# this fraction of L2, so the second kernel re-reads them from L2 rather than HBM.
-GPU_L2_FRACTION = 0.375
-GPU_L2_BYTES_FALLBACK = 50 * 1024 * 1024  # H100 SXM
+# Narrowest column block of a column-tiled program that walks every row (the split
+# backward): 32 bf16 values are 64 bytes of a row, two full 32-byte sectors.
+GPU_MIN_COLUMN_BLOCK = 32
 
 # The interpreter runs programs one after another; small limits keep tests quick while
 # still taking every code path (the tests lower ``max_fused_n`` further to force the split
@@ -75,7 +75,6 @@ CPU_MAX_FUSED_N = 1024
 CPU_TILE_ELEMS = 1024
 CPU_PROGRAMS = 3
 CPU_SPLIT_BLOCK_N = 64
-CPU_SPLIT_CHUNK_ROWS = 32  # several chunks at the tests' row counts
 
 # Tests may set this to force the split-row path at small widths (None = the default).
 MAX_FUSED_N_OVERRIDE = None
@@ -96,11 +95,6 @@ def _index(device: torch.device) -> int:
 @lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@lru_cache(maxsize=None)
-def _l2_bytes(index: int) -> int:
-    return int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0)) or GPU_L2_BYTES_FALLBACK
 
 
 def sm_count(device: torch.device) -> int:
@@ -182,20 +176,20 @@ class FusedConfig:
 
 @dataclass(frozen=True)
 class SplitConfig:
-    """Rows wider than a register tile: column blocks of ``block_n``."""
-    block_n: int        # columns per step / per program
+    """Rows wider than a register tile, in column blocks."""
+    block_n: int        # columns per program of the column-tiled kernels
     block_m: int        # rows per step of the column-tiled kernels
     num_warps: int
     col_blocks: int
     row_groups: int     # programs along the rows in the column-tiled kernels
     row_tiles: int      # tiles of block_m rows
     tiles_per_group: int  # loop trip count of a row group (the last ones mask the tail)
-    row_num_warps: int  # warps of the one-row-per-program kernels (row statistics)
+    row_num_warps: int  # warps of the one-row-per-program kernels (row sums, the wide forward)
+    row_block_n: int    # columns per step of the one-row-per-program kernels
     num_stages: int = 1
     maxnreg: int | None = None
-    chunk_rows: int = 0  # rows per launch pair of the split backward (a multiple of block_m)
     row_segments: int = 1  # programs per row of the row-sums kernel (column segments)
-    segment_blocks: int = 1  # column blocks per segment
+    segment_blocks: int = 1  # column blocks (of row_block_n) per segment
     kind: str = "bwd"  # of the kernels it launches: "fwd" or "bwd"
 
     def launch(self) -> dict:
@@ -203,7 +197,7 @@ class SplitConfig:
         return launch_options(self.num_warps, self.maxnreg, self.kind)
 
     def row_launch(self) -> dict:
-        """Options of the one-row-per-program kernels (row statistics, the wide forward)."""
+        """Options of the one-row-per-program kernels (row sums, the wide forward)."""
         return launch_options(self.row_num_warps, None, self.kind)
 
 
@@ -260,50 +254,54 @@ def fused_config(m: int, n: int, device, *, persistent: bool = True, kind: str =
 
 
 def split_config(m: int, n: int, device, *, elem_bytes: int = 2, streams: int = 2,
-                 chunked: bool = True, kind: str = "bwd") -> SplitConfig:
-    """``chunked``: the column-tiled grid covers ``chunk_rows`` rows per launch (the split
-    backward); else all ``m`` rows in one launch. ``kind``: of the kernels launched, "fwd"
+                 whole_columns: bool = False, kind: str = "bwd") -> SplitConfig:
+    """Rows wider than a register tile. ``whole_columns``: every column-tiled program walks
+    all ``m`` rows (``row_groups`` 1), so it finishes its columns' sums itself and no
+    partial rows are left to reduce (the norm backwards' split path: one launch for the row
+    sums, one for dx and dweight/dbias); the column block then narrows until the column
+    programs alone fill the device. Else the rows are shared between row groups as well
+    (LayerNormGradBeta, AscendC LayerNormGrad). ``kind``: of the kernels launched, "fwd"
     (the wide forward) or "bwd"."""
     gpu = _on_gpu(device)
-    block_n = GPU_SPLIT_BLOCK_N if gpu else CPU_SPLIT_BLOCK_N
-    block_n = min(block_n, max(16, next_pow2(n)))
+    row_block_n = min(GPU_SPLIT_BLOCK_N if gpu else CPU_SPLIT_BLOCK_N, max(16, next_pow2(n)))
     tile = GPU_TILE_ELEMS if gpu else CPU_TILE_ELEMS
+    if gpu:
+        per_sm = max(1, min(GPU_MAX_PROGRAMS_PER_SM, REGS_PER_SM // (GPU_BWD_MAX_REGS * 32 * _warps_for(tile))))
+        target = sm_count(device) * per_sm  # one wave of column-tiled programs
+    else:
+        per_sm, target = 1, sm_count(device) * 4
+    block_n = row_block_n
+    if whole_columns and gpu:
+        # columns per program so that there are between target / 2 and target programs
+        block_n = max(GPU_MIN_COLUMN_BLOCK, min(row_block_n, next_pow2(-(-n // target))))
     block_m = max(1, min(tile // block_n, next_pow2(max(m, 1))))
     col_blocks = -(-n // block_n)
     if gpu:
         num_warps = _warps_for(block_m * block_n)
-        per_sm = max(1, min(GPU_MAX_PROGRAMS_PER_SM, REGS_PER_SM // (GPU_BWD_MAX_REGS * 32 * num_warps)))
         stages = _stages(block_m * block_n, elem_bytes, streams, per_sm)
         maxnreg = GPU_BWD_MAX_REGS
         if elem_bytes > 4:  # float64: as in fused_config
-            per_sm, stages, maxnreg = 1, 1, None
-        # x and dy of a chunk take at most GPU_L2_FRACTION of L2
-        row_bytes = max(1, n * elem_bytes * streams)
-        chunk = int(_l2_bytes(_index(torch.device(device))) * GPU_L2_FRACTION) // row_bytes
-        target = sm_count(device) * per_sm  # one wave of column-tiled programs per chunk
+            stages, maxnreg = 1, None
     else:
-        num_warps, per_sm, stages, maxnreg = 1, 1, 1, None
-        chunk = CPU_SPLIT_CHUNK_ROWS
-        target = sm_count(device) * 4
-    chunk_rows = max(block_m, chunk // block_m * block_m) if chunked else max(m, block_m)
-    rows = min(max(m, 1), chunk_rows)  # the column-tiled grid covers one chunk
+        num_warps, stages, maxnreg = 1, 1, None
     # Enough (row group x column block) programs to fill every SM, but no more row groups
-    # than row tiles: each row group writes (accumulates) one float32 partial row.
-    row_tiles = -(-rows // block_m)
-    row_groups = max(1, min(row_tiles, -(-target // col_blocks)))
+    # than row tiles: each row group writes one float32 partial row.
+    row_tiles = -(-max(m, 1) // block_m)
+    row_groups = 1 if whole_columns else max(1, min(row_tiles, -(-target // col_blocks)))
     # one-row-per-program kernels: 8 values per thread per tensor (at 16, 4 warps for 2048
     # columns, Triton 3.6 spills 8 bytes in the LayerNorm forward with the residual)
-    row_num_warps = min(GPU_MAX_WARPS, 2 * _warps_for(block_n)) if gpu else 1
+    row_num_warps = min(GPU_MAX_WARPS, 2 * _warps_for(row_block_n)) if gpu else 1
     # The row-sums kernel splits each row into column segments (their sums are added in a
-    # fixed order by the column-tiled kernel) so that a chunk of few wide rows still puts
-    # programs on every SM: one program per row would leave most SMs idle at 64K columns.
+    # fixed order by the column-tiled kernel) so that few wide rows still put programs on
+    # every SM: one program per row would leave most SMs idle at 64K columns.
     # (on the CPU two segments per row, to take that path in the tests)
-    row_programs = sm_count(device) * 2 * GPU_MAX_PROGRAMS_PER_SM if gpu else 2 * rows
-    segments = max(1, min(col_blocks, -(-row_programs // rows)))
-    segment_blocks = -(-col_blocks // segments)
-    segments = -(-col_blocks // segment_blocks)
-    return SplitConfig(block_n, block_m, num_warps, col_blocks, row_groups, -(-m // block_m),
-                       -(-row_tiles // row_groups), row_num_warps, stages, maxnreg, chunk_rows,
+    row_col_blocks = -(-n // row_block_n)
+    row_programs = sm_count(device) * 2 * GPU_MAX_PROGRAMS_PER_SM if gpu else 2 * max(m, 1)
+    segments = max(1, min(row_col_blocks, -(-row_programs // max(m, 1))))
+    segment_blocks = -(-row_col_blocks // segments)
+    segments = -(-row_col_blocks // segment_blocks)
+    return SplitConfig(block_n, block_m, num_warps, col_blocks, row_groups, row_tiles,
+                       -(-row_tiles // row_groups), row_num_warps, row_block_n, stages, maxnreg,
                        segments, segment_blocks, kind)
 
 

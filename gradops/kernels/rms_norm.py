@@ -119,7 +119,7 @@ def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=N
         cfg = norm_config.split_config(m, n, x.device, kind="fwd", **shape)
         _rms_fwd_wide_kernel[(m,)](
             x, r, h, y, w, rstd, n, *strides, float64_bits(eps), float64_bits(offset),
-            BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.row_launch(), **common)
+            BLOCK_N=cfg.row_block_n, NUM_STAGES=cfg.num_stages, **cfg.row_launch(), **common)
     return y, rstd
 
 
@@ -189,26 +189,22 @@ def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset_bits, s
 
 
 @triton.jit(do_not_specialize=["offset_bits"])
-def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DRES, DX, DW_P, M, N,
-                         stride_dy, stride_x, stride_dres, stride_dx, stride_p, offset_bits,
-                         tiles_per_group, num_row_groups, num_segments, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr,
-                         ROUND_XHAT: tl.constexpr, ACCUMULATE: tl.constexpr, SEGMENTS: tl.constexpr, ACC: tl.constexpr,
+def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DRES, DX, DW, M, N,
+                         stride_dy, stride_x, stride_dres, stride_dx, offset_bits, row_tiles, num_segments,
+                         HAS_W: tl.constexpr, HAS_DRES: tl.constexpr, ROUND_XHAT: tl.constexpr,
+                         SEGMENTS: tl.constexpr, ACC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
-    # Wide rows, step 2: program (column block, row group) writes dx for its tiles and keeps
-    # dgamma for its columns in registers: one partial row per row group, which later
-    # chunks of rows (ACCUMULATE) add to in the same fixed order.
+    # Wide rows, step 2: program cb walks every row tile of its BLOCK_N columns in order,
+    # writes dx, and keeps dgamma for its columns in registers until it stores the finished
+    # sum: no partial rows, no third launch, the same bits on every run.
     cb = tl.program_id(0)
-    rg = tl.program_id(1)
     cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + unpack_float64(offset_bits, ACC)
-    if ACCUMULATE:
-        acc_dw = tl.load(DW_P + rg.to(tl.int64) * stride_p + cols, mask=cmask, other=0.0)
-    else:
-        acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
-    for i in tl.range(0, tiles_per_group, num_stages=NUM_STAGES):
-        rows = (rg + i * num_row_groups) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
+    acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
+    for i in tl.range(0, row_tiles, num_stages=NUM_STAGES):
+        rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
         mask = rmask[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
@@ -231,7 +227,7 @@ def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DRES, DX, DW_P, M, N,
         if ROUND_XHAT:
             xhat = xhat.to(X.dtype.element_ty).to(ACC)
         acc_dw += tl.sum(dy * xhat, axis=0)
-    tl.store(DW_P + rg.to(tl.int64) * stride_p + cols, acc_dw, mask=cmask)
+    tl.store(DW + cols, acc_dw.to(DW.dtype.element_ty), mask=cmask)
 
 
 def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False, dres=None):
@@ -260,25 +256,19 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False,
             dy_rows, x_rows, w, rstd, dres_rows, dx_buf, partial, m, n, *strides,
             partial.stride(0), offset_bits, cfg.tiles_per_program, cfg.grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **flags)
+        dgamma = sum_partial_rows(partial, acc)
     else:
-        cfg = norm_config.split_config(m, n, device, **shape)
+        cfg = norm_config.split_config(m, n, device, whole_columns=True, **shape)
         segs = cfg.row_segments
         c = torch.empty((m, segs), dtype=acc, device=device)
-        partial = torch.empty((cfg.row_groups, n), dtype=acc, device=device)
-        # Chunks of rows small enough that the column-tiled kernel finds the x and dy the
-        # row-sums kernel has just read still in L2.
-        for r0 in range(0, m, cfg.chunk_rows):
-            r1 = min(m, r0 + cfg.chunk_rows)
-            rows = slice(r0, r1)
-            _rms_bwd_row_sums_kernel[(r1 - r0, segs)](
-                dy_rows[rows], x_rows[rows], w, c[rows], n, strides[0], strides[1], offset_bits, cfg.segment_blocks,
-                segs, HAS_W=flags["HAS_W"], ACC=flags["ACC"], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-                **cfg.row_launch())
-            _rms_bwd_cols_kernel[(cfg.col_blocks, cfg.row_groups)](
-                dy_rows[rows], x_rows[rows], w, rstd[rows], c[rows], dres_rows[rows], dx_buf[rows], partial,
-                r1 - r0, n, *strides, partial.stride(0), offset_bits, cfg.tiles_per_group, cfg.row_groups, segs,
-                ACCUMULATE=r0 > 0, SEGMENTS=norm_config.next_pow2(segs), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                NUM_STAGES=cfg.num_stages,
-                **cfg.launch(), **flags)
+        dgamma = torch.empty(n, dtype=acc, device=device)
+        _rms_bwd_row_sums_kernel[(m, segs)](
+            dy_rows, x_rows, w, c, n, strides[0], strides[1], offset_bits, cfg.segment_blocks, segs,
+            HAS_W=flags["HAS_W"], ACC=flags["ACC"], BLOCK_N=cfg.row_block_n, NUM_STAGES=cfg.num_stages,
+            **cfg.row_launch())
+        _rms_bwd_cols_kernel[(cfg.col_blocks,)](
+            dy_rows, x_rows, w, rstd, c, dres_rows, dx_buf, dgamma, m, n, *strides, offset_bits, cfg.row_tiles,
+            segs, SEGMENTS=norm_config.next_pow2(segs), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            NUM_STAGES=cfg.num_stages, **cfg.launch(), **flags)
     dx = dx_out.copy_(dx_buf) if copy_back else dx_buf
-    return dx, sum_partial_rows(partial, acc)
+    return dx, dgamma
