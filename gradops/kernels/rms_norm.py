@@ -230,15 +230,18 @@ def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DRES, DX, DW, M, N,
     tl.store(DW + cols, acc_dw.to(DW.dtype.element_ty), mask=cmask)
 
 
-def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False, dres=None):
+def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False, dres=None, grad_dtype=None):
+    """``grad_dtype``: the dtype dgamma is returned in (the accumulator dtype when None), rounded
+    into by the kernel that writes it: no conversion pass after it."""
     m, n = x.shape
     acc = stat_dtype(x.dtype)
+    out_dtype = grad_dtype or acc
     device = x.device
     if m == 0 or n == 0:
         dx = dx_out if dx_out is not None else torch.empty((m, n), dtype=x.dtype, device=device)
         if dres is not None:
             dx.copy_(dres)  # an empty row's norm gradient is empty; h's own gradient remains
-        return dx, torch.zeros(n, dtype=acc, device=device)
+        return dx, torch.zeros(n, dtype=out_dtype, device=device)
     dy_rows, x_rows = as_rows(dy), as_rows(x)
     rstd = vector(rstd)
     w = vector(gamma) if gamma is not None else x_rows
@@ -256,12 +259,12 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False,
             dy_rows, x_rows, w, rstd, dres_rows, dx_buf, partial, m, n, *strides,
             partial.stride(0), offset_bits, cfg.tiles_per_program, cfg.grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **flags)
-        dgamma = sum_partial_rows(partial, acc)
+        dgamma = sum_partial_rows(partial, out_dtype)
     else:
         cfg = norm_config.split_config(m, n, device, whole_columns=True, **shape)
         segs = cfg.row_segments
         c = torch.empty((m, segs), dtype=acc, device=device)
-        dgamma = torch.empty(n, dtype=acc, device=device)
+        dgamma = torch.empty(n, dtype=out_dtype, device=device)
         _rms_bwd_row_sums_kernel[(m, segs)](
             dy_rows, x_rows, w, c, n, strides[0], strides[1], offset_bits, cfg.segment_blocks, segs,
             HAS_W=flags["HAS_W"], ACC=flags["ACC"], BLOCK_N=cfg.row_block_n, NUM_STAGES=cfg.num_stages,

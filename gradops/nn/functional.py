@@ -412,7 +412,8 @@ def _rms_norm_grads(ctx, dy, dh, impl=None):
         with _autocast_off(x.device.type):
             dx, dgamma = _rms_ops.run_rms_norm_grad(
                 impl, dy, x, rstd, gamma, offset=ctx.offset,
-                round_xhat=_rms_ops.check_casting_mode("rms_norm_grad", ctx.casting_mode), dresidual=dh)
+                round_xhat=_rms_ops.check_casting_mode("rms_norm_grad", ctx.casting_mode), dresidual=dh,
+                grad_dtype=gamma.dtype)
     else:
         dx, dgamma = torch.ops.gradops.rms_norm_backward(dy, dh, x, rstd, gamma, ctx.offset, ctx.casting_mode,
                                                          ctx.backend)

@@ -140,14 +140,16 @@ def prepare_rms_norm_grad(dy, x, rstd, gamma, *, in_place=False, offset=0.0, cas
     return Prepared(op, x.device, impl, outputs, run)
 
 
-def run_rms_norm_grad(impl, dy, x, rstd, gamma, *, in_place=False, offset=0.0, round_xhat=False, dresidual=None):
+def run_rms_norm_grad(impl, dy, x, rstd, gamma, *, in_place=False, offset=0.0, round_xhat=False, dresidual=None,
+                      grad_dtype=None):
     """What a validated ``rms_norm_grad`` call computes, on backend module ``impl``.
     gradops.nn's eager backward calls it directly: autograd hands it a dy (and dresidual) of
-    the shape, dtype and device of the outputs whose inputs the forward validated."""
+    the shape, dtype and device of the outputs whose inputs the forward validated; it asks
+    for dgamma in the parameter's dtype (``grad_dtype``; the operator's is float32)."""
     rows, cols = rows_cols(x, gamma.dim())
     dy2 = dy.reshape(rows, cols)
     dx_out = in_place_rows(dy, dy2, in_place)
     dx, dgamma = impl.rms_norm_grad(dy2, x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols),
                                     dx_out, offset, round_xhat,
-                                    None if dresidual is None else dresidual.reshape(rows, cols))
+                                    None if dresidual is None else dresidual.reshape(rows, cols), grad_dtype)
     return finish_dx(dx, dy, dx_out, in_place, x.shape), dgamma.reshape(gamma.shape)

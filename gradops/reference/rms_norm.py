@@ -75,7 +75,13 @@ def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=N
     return y, rstd
 
 
-def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False, dres=None):
+def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False, dres=None, grad_dtype=None):
+    # grad_dtype: the dtype of dgamma (acc when None)
+    dx, dgamma = _rms_norm_grad(dy, x, rstd, gamma, dx_out, offset, round_xhat, dres)
+    return dx, dgamma if grad_dtype is None else dgamma.to(grad_dtype)
+
+
+def _rms_norm_grad(dy, x, rstd, gamma, dx_out, offset, round_xhat, dres):
     acc = stat_dtype(x.dtype)
     m, n = x.shape
     g = _scale(gamma, offset, acc)

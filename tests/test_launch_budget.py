@@ -1,0 +1,123 @@
+"""Kernel launches per call (issue 24): a norm forward is one launch and a backward at most two
+(the dweight/dbias partial rows and their reduction), at every width up to 256K, with more
+rows than any column program's tile; NSA launches a fixed number whatever its size. Counted
+through the user's entry points on the Triton backend, Triton launches and every ATen op that
+would launch a kernel on a GPU alike (``gradops.bench.overhead.kernels_launched``); the
+launches are recorded, not run, so the widest rows cost nothing here."""
+import pytest
+import torch
+
+import gradops
+import gradops.nn.functional as GF
+from gradops.bench.overhead import kernels_launched, stubbed_launches
+from gradops.kernels import norm_config
+from helpers import nsa_problem, rand
+
+pytestmark = pytest.mark.usefixtures("triton_backend")
+
+FORWARD_BUDGET = 1
+BACKWARD_BUDGET = 2
+
+
+@pytest.fixture
+def triton_backend():
+    with gradops.use_backend("triton"):
+        yield
+
+
+def widths(device):
+    """Narrow (many rows per register tile), the widest and twice the widest whole rows of
+    this device's backward, and 256K."""
+    widest = norm_config.max_fused_n(torch.device(device))
+    return [64, widest, 2 * widest, 262144]
+
+
+def rows_for(n, device):
+    # more rows than a column program's tile, than any tile of whole rows, and than the row
+    # chunks the split backward once launched one by one (32 on the CPU, 72 at 64K on an H100)
+    dev = torch.device(device)
+    tiles = (norm_config.split_config(1 << 20, n, dev, whole_columns=True).block_m,
+             norm_config.fused_config(1 << 20, min(n, 1024), dev).block_m)
+    return max(4 * max(tiles), 128) + 3
+
+
+def norm_calls(kind, x, w, b, res):
+    n = x.shape[-1]
+    if kind == "rms":
+        return lambda: GF.rms_norm(x, (n,), w, 1e-6)
+    if kind == "ln":
+        return lambda: GF.layer_norm(x, (n,), w, b, 1e-5)
+    if kind == "add_rms":
+        return lambda: torch.add(*GF.fused_add_rms_norm(x, res, (n,), w, 1e-6, casting_mode="llama"))
+    return lambda: torch.add(*GF.fused_add_layer_norm(x, res, (n,), w, b, 1e-5))
+
+
+@pytest.mark.parametrize("kind", ["rms", "ln", "add_rms", "add_ln"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_nn_functional_norm_launches(kind, dtype, device):
+    for n in widths(device):
+        m = rows_for(n, device)
+        x = rand((m, n), dtype, device).requires_grad_()
+        res = rand((m, n), dtype, device).requires_grad_()
+        w = rand((n,), dtype, device).requires_grad_()
+        b = rand((n,), dtype, device).requires_grad_()
+        call = norm_calls(kind, x, w, b, res)
+        fused_add = kind.startswith("add")
+        forward = kernels_launched(call)
+        # the fused forward's only other op is the test's own add of y and h
+        assert len(forward) == FORWARD_BUDGET + fused_add, (n, forward)
+        with stubbed_launches():  # the graph to differentiate, without running the kernels
+            out = call()
+        inputs = [t for t in (x, w, b if "ln" in kind else None, res if fused_add else None) if t is not None]
+        dy = rand(out.shape, dtype, device)
+        backward = kernels_launched(lambda: torch.autograd.grad(out, inputs, dy))
+        # the add's backward hands its gradient on without a kernel
+        assert len(backward) <= BACKWARD_BUDGET, (n, backward)
+        assert all(not k.startswith("aten::") for k in backward), (n, backward)
+
+
+def test_modules_launch_like_the_functions(device):
+    n = 2 * norm_config.max_fused_n(torch.device(device))
+    x = rand((rows_for(n, device), n), torch.bfloat16, device).requires_grad_()
+    for module in (gradops.nn.RMSNorm(n, dtype=torch.bfloat16), gradops.nn.LayerNorm(n, dtype=torch.bfloat16)):
+        module = module.to(device)
+        assert len(kernels_launched(lambda: module(x))) == FORWARD_BUDGET
+        with stubbed_launches():
+            y = module(x)
+        dy = torch.ones_like(y)
+        assert len(kernels_launched(lambda: torch.autograd.grad(y, [x, *module.parameters()], dy))) <= BACKWARD_BUDGET
+
+
+def test_api_norm_launches(device):
+    for n in widths(device):
+        m = rows_for(n, device)
+        x, dy = rand((m, n), torch.bfloat16, device), rand((m, n), torch.bfloat16, device)
+        w, b = rand((n,), torch.bfloat16, device), rand((n,), torch.bfloat16, device)
+        with stubbed_launches():  # statistics of the right shapes and dtypes; their values do not matter here
+            _, mean, rstd = gradops.layer_norm(x, (n,), w, b, 1e-5)
+            _, rrstd = gradops.rms_norm(x, w, 1e-6)
+        variance, mu = x.float().var(dim=-1, unbiased=False).to(x.dtype), x.mean(dim=-1)
+        calls = {
+            "layer_norm": (lambda: gradops.layer_norm(x, (n,), w, b, 1e-5), FORWARD_BUDGET),
+            "rms_norm": (lambda: gradops.rms_norm(x, w, 1e-6), FORWARD_BUDGET),
+            "layer_norm_backward": (lambda: gradops.layer_norm_backward(
+                dy, x, (n,), mean, rstd, w, b, output_mask=(True, True, True)), BACKWARD_BUDGET),
+            "rms_norm_grad": (lambda: gradops.rms_norm_grad(dy, x, rrstd, w), BACKWARD_BUDGET),
+            "layer_norm_grad": (lambda: gradops.layer_norm_grad(dy, x, variance, mu, w, 1e-5), BACKWARD_BUDGET),
+            "layer_norm_grad_beta": (lambda: gradops.layer_norm_grad_beta(x, dy), BACKWARD_BUDGET),
+        }
+        for name, (call, budget) in calls.items():
+            launched = kernels_launched(call)
+            assert 1 <= len(launched) <= budget, (name, n, launched)
+
+
+def test_nsa_launches_a_fixed_number_of_kernels(device):
+    counts = set()
+    for lengths, heads, dims in (([40, 70], 2, 16), ([300, 17, 900], 4, 32)):
+        ends, x, weight, dout = nsa_problem(lengths, heads, dims, 32, 16, torch.float32, device="cpu")
+        x, weight, dout = (t.to(device).requires_grad_() for t in (x, weight, dout))
+        forward = kernels_launched(lambda: GF.nsa_compress(x, weight, 32, 16, ends))
+        out = GF.nsa_compress(x, weight, 32, 16, ends)
+        backward = kernels_launched(lambda: torch.autograd.grad(out, (x, weight), dout))
+        counts.add((len(forward), len(backward)))
+    assert len(counts) == 1, counts
