@@ -176,15 +176,22 @@ def _signature(t: torch.Tensor):
 _STATUS_SUFFIX = re.compile(r" \[[A-Z_]+ \d+\]$")
 
 
-@contextlib.contextmanager
-def renamed_errors(names: Dict[str, str]):
+class renamed_errors:
     """Errors of the shared validator name the Python API's parameters (``x``, ``block_size``);
-    re-raise them naming the caller's (CANN's ``input``, ``compressBlockSize``), same status."""
-    try:
-        yield
-    except AclnnError as e:
+    re-raise them naming the caller's (CANN's ``input``, ``compressBlockSize``), same status.
+    (A class, not a generator context manager: gradops.nn enters it on every norm call.)"""
+
+    def __init__(self, names: Dict[str, str]):
+        self.names = names
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if kind is None or not issubclass(kind, AclnnError):
+            return False
         message = _STATUS_SUFFIX.sub("", str(e))
-        for py_name, cann_name in names.items():
+        for py_name, cann_name in self.names.items():
             message = re.sub(rf"(?<![\w.]){re.escape(py_name)}(?!\w)", cann_name, message)
         raise type(e)(e.status, message) from None  # an AclnnTypeError stays one
 

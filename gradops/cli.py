@@ -3,7 +3,7 @@
     gradops                 same as ``gradops selftest``
     gradops selftest        every operator, every available backend, against float64 oracles
     gradops info            versions, devices, backends
-    gradops bench FAMILY    benchmarks (norm, nsa, floyd, model): see ``gradops bench FAMILY --help``
+    gradops bench FAMILY    benchmarks (norm, nsa, floyd, model, overhead): see ``gradops bench FAMILY --help``
     gradops bench all       every family at its GPU shapes, one folder of results and a summary
 
 Every ``gradops bench`` command takes the same options (gradops.bench.harness.add_common_args),
@@ -96,7 +96,7 @@ def cmd_info(args) -> int:
     return 0
 
 
-BENCH_FAMILIES = ("norm", "nsa", "floyd", "model", "all")
+BENCH_FAMILIES = ("norm", "nsa", "floyd", "model", "overhead", "all")
 SELFTEST_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 

@@ -15,10 +15,10 @@ import pytest
 
 from gradops import cli
 from gradops.bench import all as bench_all
-from gradops.bench import floyd, harness, model, norm, nsa
+from gradops.bench import floyd, harness, model, norm, nsa, overhead
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODULES = {"norm": norm, "nsa": nsa, "floyd": floyd, "model": model, "all": bench_all}
+MODULES = {"norm": norm, "nsa": nsa, "floyd": floyd, "model": model, "overhead": overhead, "all": bench_all}
 FAST = ["--device", "cpu", "--quick", "--reps", "1", "--warmup", "1", "--max-seconds", "0.05", "--no-plot"]
 # the smallest case of each family (model: the quick GPT-2, the smaller of the two)
 TINY = {
@@ -26,11 +26,12 @@ TINY = {
     "nsa": ["--ops", "nsa_compress", "--peers", "reference"],
     "floyd": ["--shape", "1,1,4,5,6,8", "--impl", "reference", "einsum"],
     "model": ["--models", "gpt2"],
+    "overhead": [],
     "all": ["--only", "nsa"],
 }
 # nsa --quick and bench all on a CPU switch the Triton interpreter on for the process: not in a
 # suite whose other tests run compiled kernels on a GPU
-INTERPRETS = {"nsa", "all"}
+INTERPRETS = {"nsa", "overhead", "all"}
 on_cpu_suite = os.environ.get("GRADOPS_TEST_DEVICE", "cpu") == "cpu"
 
 
@@ -116,7 +117,7 @@ def test_every_command_takes_the_same_options(family, capsys):
 def test_bench_help_lists_the_families_and_the_shared_options(capsys):
     assert cli.main(["bench", "--help"]) == 0
     usage = capsys.readouterr().out
-    assert "norm,nsa,floyd,model,all" in usage and "--out DIR" in usage and "float32 (fp32)" in usage
+    assert "norm,nsa,floyd,model,overhead,all" in usage and "--out DIR" in usage and "float32 (fp32)" in usage
     assert cli.main(["bench"]) == 2  # no family: the same text, and a usage error
 
 

@@ -855,3 +855,40 @@ def test_bench_norm_times_the_fused_residual_add(tmp_path):
     bwd = next(r for r in records if r["op"] == "add_rms_bwd" and r["impl"] == "gradops")
     assert bwd["bytes"] == 4 * 64 * 64 * 2 + 2 * 64 * 2  # dy, h, dh in and dx out; dgamma
     assert bwd["extra"]["rel_error_vs_reference"] <= 1.6e-2
+
+
+def test_bench_norm_records_a_failing_peer_as_the_peers_error(device):
+    # Liger's forward raised at N = 262144 on the H100 while its backward case was being built,
+    # and `bench norm` recorded it as gradops' error: ours was never measured there
+    from gradops.bench import harness
+    from gradops.bench import norm as bench_norm
+
+    x, dy = rand((4, 64), F32, device), rand((4, 64), F32, device)
+
+    def peer_forward(a):
+        raise RuntimeError("the peer cannot take this width")
+
+    run = harness.Run("t", device)
+    fn = bench_norm._autograd_backward(peer_forward, [x], dy)  # building it does not raise
+    rec = run.time("rms_bwd", {"N": 64}, "liger", fn, reps=1, warmup=1)
+    assert rec.error == "RuntimeError: the peer cannot take this width"
+    run.time("rms_bwd", {"N": 64}, harness.OURS, lambda: KRN.rms_norm_grad(dy, x, torch.ones(4, device=device),
+                                                                            None), reps=1, warmup=1)
+    assert not run.failures() and run.records[-1].times_ms
+
+
+def test_bench_rates_divide_by_the_kernel_time_where_it_was_measured():
+    # a host-bound call's eager time is not its kernels' speed (the H100 run reported 150-300
+    # GB/s for backwards whose kernels ran at 1.9 TB/s): GB/s comes from the CUDA-graph time
+    from gradops.bench import harness
+
+    eager = harness.Record("rms_bwd", {}, harness.OURS, [2.0, 2.0, 2.0], bytes=1e9)
+    assert eager.gbps == pytest.approx(500.0)
+    split = harness.Record("rms_bwd", {}, harness.OURS, [2.0, 2.0, 2.0], bytes=1e9,
+                           extra={"kernel_ms": 0.5, "eager_ms": 2.0})
+    assert split.gbps == pytest.approx(2000.0)
+    run = harness.Run("t", "cpu")
+    run.add(split)
+    run.add(harness.Record("rms_bwd", {}, "aten", [1.0, 1.0], bytes=1e9, extra={"kernel_ms": 1.0}))
+    peer = run.ratios()[1]
+    assert peer["speedup_of_ours"] == pytest.approx(0.5) and peer["kernel_speedup_of_ours"] == pytest.approx(2.0)

@@ -121,3 +121,34 @@ def test_nsa_launches_a_fixed_number_of_kernels(device):
         backward = kernels_launched(lambda: torch.autograd.grad(out, (x, weight), dout))
         counts.add((len(forward), len(backward)))
     assert len(counts) == 1, counts
+
+
+def test_bench_overhead_times_each_entry_point_beside_torch_and_the_floor(tmp_path, capsys):
+    # On a CPU, with the Triton launches stubbed: what it times is gradops' Python. The figures
+    # themselves are for the benchmark (docs/benchmarks.md); here, that every entry point is
+    # timed with its launches counted, beside torch's call and the bare autograd.Function floor.
+    import json
+
+    from gradops.bench import overhead
+
+    rc = overhead.main(["--device", "cpu", "--quick", "--reps", "2", "--warmup", "1", "--no-plot",
+                        "--out", str(tmp_path), "--tag", "t"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    records = json.loads((tmp_path / "t.json").read_text())["records"]
+    by = {(r["op"], r["impl"]): r for r in records}
+    for op in ("F.rms_norm fwd+bwd", "F.layer_norm fwd+bwd", "nn.RMSNorm fwd+bwd", "nn.LayerNorm fwd+bwd"):
+        for impl in ("gradops", "torch", "floor"):
+            assert not by[(op, impl)]["error"] and min(by[(op, impl)]["times_ms"]) > 0, (op, impl)
+        assert 2 <= len(by[(op, "gradops")]["extra"]["launches"]) <= FORWARD_BUDGET + BACKWARD_BUDGET
+        assert len(by[(op, "floor")]["extra"]["launches"]) == 3
+    assert by[("gradops.rms_norm", "gradops")]["extra"]["launches"] == ["_rms_fwd_fused_kernel"]
+    assert "launches per call, F.rms_norm fwd+bwd:" in out
+
+
+def test_bench_overhead_lists_every_entry_point_it_times(device):
+    from gradops.bench import overhead
+
+    with stubbed_launches():
+        timed = overhead.entry_points(device, torch.float32)
+    assert tuple(timed) == overhead.ENTRY_POINTS

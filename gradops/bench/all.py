@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import harness
 
-FAMILIES = ("norm", "nsa", "floyd")
+FAMILIES = ("norm", "nsa", "floyd", "overhead")
 NORM_OPS = ("rms_bwd", "ln_bwd", "rms_fwd", "ln_fwd")
 
 
@@ -52,7 +52,7 @@ def _shapes(*shapes: str) -> Tuple[str, ...]:
 
 # The full validation on a GPU: 4 to 6.5 minutes by the arithmetic of docs/gpu.md (an estimate), and
 # by construction under 8: the budget, plus one measurement begun before its deadline, plus start-up.
-GPU_BUDGET = 400.0
+GPU_BUDGET = 410.0
 GPU_MAX_SECONDS = 1.0  # per measurement: warm-up and timed repetitions are each bounded by it
 GPU_PLAN = (
     Part("norm", "norm", ("--ops", *NORM_OPS, "--dtype", "bfloat16", "float32", "--widths", "1024", "4096", "16384",
@@ -67,6 +67,8 @@ GPU_PLAN = (
     Part("norm-compile", "norm", ("--ops", "rms_bwd", "ln_bwd", "--dtype", "bfloat16", "--widths", "4096",
                                   "--peers", "compile"), 40,
          "torch.compile at 32K x 4096 (one compilation per case)"),
+    Part("overhead", "overhead", ("--dtype", "bfloat16"), 10,
+         "host time per call of each entry point at 8x64 against torch's call and a bare autograd.Function"),
     Part("nsa", "nsa", ("--tokens", "65536", "--heads", "4", "16", "64", "--dims", "128", "--blocks", "32x16",
                         "64x32", "--dtype", "bfloat16", "--peers", "reference", "naive"), 50,
          "T = 64K packed, bfloat16"),
@@ -113,7 +115,7 @@ CPU_QUICK_PLAN = (
 # The CPU comparison (docs/benchmarks.md, "On a CPU"): our CPU path (the reference backend)
 # against ATen, autograd and torch.compile at the CPU shapes; timings, not a wiring check.
 # Calls take 0.05-1 s on a 2-core machine and every torch.compile case compiles anew.
-CPU_BUDGET = 900.0
+CPU_BUDGET = 920.0
 CPU_PLAN = (
     Part("norm", "norm", ("--ops", *NORM_OPS, "--dtype", "float32", "bfloat16", "--widths", "4096", "16384",
                           "--numel", str(32 * 2**20), "--peers", "autograd", "aten", "compile"), 640,
@@ -122,6 +124,8 @@ CPU_PLAN = (
     Part("norm-call", "norm", ("--ops", "ln_call", "rms_call", "--dtype", "float32", "bfloat16",
                                "--peers", "autograd"), 20,
          "the cost of a call: nn.functional fwd+bwd on tiny tensors against torch.nn.functional"),
+    Part("overhead", "overhead", ("--dtype", "float32"), 20,
+         "gradops' Python around its Triton launches (stubbed) against a bare autograd.Function and torch's call"),
     Part("nsa", "nsa", ("--tokens", "16384", "--heads", "8", "--dims", "128", "--blocks", "32x16",
                         "--dtype", "float32", "bfloat16", "--peers", "autograd", "naive", "compile"), 240,
          "our CPU path at T = 16K, N = 8, D = 128, against autograd of the same formula, the naive one "

@@ -298,6 +298,54 @@ def measure(fn: Callable[[], object], device: str, *, warmup: int = 3, reps: int
     return times
 
 
+def graph_times(fn: Callable[[], object], device: str, *, reps: int = 20, flush_l2: bool = True,
+                max_seconds: float = 10.0) -> List[float]:
+    """Kernel time of ``fn()`` in ms per repetition: ``fn`` captured once in a CUDA graph and
+    replayed, so no host work sits between its kernels (what the GPU spends on the call; a
+    call whose eager time is well above it is host-bound). Raises where ``fn`` cannot be
+    captured (a host synchronisation inside it, for one)."""
+    dev = torch.device(device)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # capture needs its warm-up off the default stream
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    start_all = time.perf_counter()
+    for _ in range(reps):
+        if flush_l2:
+            _flush_l2(dev)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        if time.perf_counter() - start_all > max_seconds and len(times) >= 3:
+            break
+    del graph
+    return times
+
+
+HOST_CALLS = 20  # calls queued back to back to time the host's share of one
+
+
+def host_ms(fn: Callable[[], object], device: str, calls: int = HOST_CALLS) -> float:
+    """The host's time per call of ``fn`` in ms: ``calls`` calls queued back to back without
+    waiting for the GPU (far fewer than fill CUDA's launch queue), timed on the host."""
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize(device)
+    return elapsed * 1e3 / calls
+
+
 def peak_memory(fn: Callable[[], object], device: str) -> Optional[int]:
     """Peak bytes allocated by ``fn()`` beyond what was allocated before (CUDA only)."""
     if not device.startswith("cuda"):
@@ -328,12 +376,19 @@ class Record:
         return statistics.median(self.times_ms) if self.times_ms else math.nan
 
     @property
+    def kernel_ms(self) -> float:
+        """The GPU's time for the call (CUDA-graph replay, ``extra["kernel_ms"]``) where it was
+        measured, else the call's own time: the rates below divide by it, so a host-bound
+        call's launch gaps are never reported as a kernel's speed."""
+        return self.extra.get("kernel_ms") or self.median_ms
+
+    @property
     def gbps(self) -> Optional[float]:
-        return None if self.bytes is None or not self.times_ms else self.bytes / (self.median_ms * 1e-3) / 1e9
+        return None if self.bytes is None or not self.times_ms else self.bytes / (self.kernel_ms * 1e-3) / 1e9
 
     @property
     def tflops(self) -> Optional[float]:
-        return None if self.flops is None or not self.times_ms else self.flops / (self.median_ms * 1e-3) / 1e12
+        return None if self.flops is None or not self.times_ms else self.flops / (self.kernel_ms * 1e-3) / 1e12
 
 
 def progress(items: Iterable, desc: str):
@@ -378,8 +433,9 @@ class Run:
 
     def time(self, op: str, case: dict, impl: str, fn: Callable[[], object], *,
              bytes: Optional[float] = None, flops: Optional[float] = None,
-             memory: bool = False, **measure_kw) -> Record:
-        """Measure ``fn`` and add the record; an exception (e.g. out of memory) is recorded."""
+             memory: bool = False, costs: bool = False, **measure_kw) -> Record:
+        """Measure ``fn`` and add the record; an exception (e.g. out of memory) is recorded.
+        ``costs`` (on a GPU): also its kernel and host time (:meth:`_split_costs`)."""
         if self.out_of_time():
             return self.add(Record(op, case, impl, [], bytes, flops, error="skipped: the time budget was spent",
                                    skipped=True))
@@ -391,25 +447,55 @@ class Run:
             rec = Record(op, case, impl, [], bytes, flops, None, error=f"{type(e).__name__}: {e}"[:300])
             if self.device.startswith("cuda"):
                 torch.cuda.empty_cache()
+        if costs and not rec.error and self.device.startswith("cuda"):
+            self._split_costs(rec, fn, measure_kw)
         return self.add(rec)
 
+    def _split_costs(self, rec: Record, fn: Callable[[], object], measure_kw: dict) -> None:
+        """The call's time as the GPU spends it and as the host does, beside the eager time
+        (``times_ms``, CUDA events around each call): ``extra`` gains ``eager_ms``,
+        ``kernel_ms`` (CUDA-graph replay) and ``host_ms`` (per call, queued back to back), and
+        ``host_bound`` when the eager time exceeds the kernel time by more than 20 %. A call
+        that cannot be captured keeps its eager time as its rate's basis and says why."""
+        rec.extra["eager_ms"] = rec.median_ms
+        kw = {k: measure_kw[k] for k in ("reps", "flush_l2", "max_seconds") if k in measure_kw}
+        try:
+            rec.extra["kernel_ms"] = statistics.median(graph_times(fn, self.device, **kw))
+        except Exception as e:
+            rec.extra["kernel_ms_error"] = f"{type(e).__name__}: {e}"[:200]
+            torch.cuda.synchronize(self.device)
+        try:
+            rec.extra["host_ms"] = host_ms(fn, self.device)
+        except Exception as e:
+            rec.extra["host_ms_error"] = f"{type(e).__name__}: {e}"[:200]
+        if rec.extra.get("kernel_ms"):
+            rec.extra["kernel_over_eager"] = rec.extra["kernel_ms"] / rec.median_ms
+            rec.extra["host_bound"] = rec.median_ms > 1.2 * rec.extra["kernel_ms"]
+
     def ratios(self) -> List[dict]:
-        """For every record of a peer: its median time over ours (> 1 means we are faster)."""
+        """For every record of a peer: its median time over ours (> 1 means we are faster), as
+        the call takes it (eager), and where both were captured, its kernel time over ours."""
         ours = {(r.op, json.dumps(r.case, sort_keys=True)): r for r in self.records if r.impl == OURS}
         rows = []
         for r in self.records:
             o = ours.get((r.op, json.dumps(r.case, sort_keys=True)))
-            ratio = None
+            ratio = kernel_ratio = None
             if o is not None and r is not o and r.times_ms and o.times_ms:
                 ratio = r.median_ms / o.median_ms
+                if r.extra.get("kernel_ms") and o.extra.get("kernel_ms"):
+                    kernel_ratio = r.extra["kernel_ms"] / o.extra["kernel_ms"]
             rows.append({"op": r.op, "case": r.case, "impl": r.impl, "median_ms": r.median_ms,
+                         "kernel_ms": r.extra.get("kernel_ms"), "host_ms": r.extra.get("host_ms"),
                          "gbps": r.gbps, "tflops": r.tflops, "peak_bytes": r.peak_bytes,
-                         "speedup_of_ours": ratio, "error": r.error, "extra": r.extra})
+                         "speedup_of_ours": ratio, "kernel_speedup_of_ours": kernel_ratio,
+                         "error": r.error, "extra": r.extra})
         return rows
 
     def table(self) -> str:
-        lines = [f"{'op':<22} {'case':<44} {'impl':<22} {'ms':>10} {'GB/s':>8} {'TFLOP/s':>8} "
-                 f"{'peak MiB':>9} {'ours x':>7}"]
+        # ms: the call as a user makes it; kernel ms: its CUDA-graph replay; host ms: the host's
+        # time per call (both on a GPU where measured); GB/s and TFLOP/s divide by kernel ms
+        lines = [f"{'op':<22} {'case':<44} {'impl':<22} {'ms':>10} {'kernel ms':>10} {'host ms':>9} {'GB/s':>8} "
+                 f"{'TFLOP/s':>8} {'peak MiB':>9} {'ours x':>7}"]
         for row in self.ratios():
             case = ",".join(f"{k}={v}" for k, v in row["case"].items())
             if row["error"]:
@@ -419,6 +505,7 @@ class Run:
             peak = row["peak_bytes"] / 2**20 if row["peak_bytes"] is not None else None
             lines.append(
                 f"{row['op']:<22} {case:<44} {row['impl']:<22} {row['median_ms']:>10.4f} "
+                f"{fmt(row['kernel_ms'], '%10.4f'):>10} {fmt(row['host_ms'], '%9.4f'):>9} "
                 f"{fmt(row['gbps'], '%8.1f'):>8} {fmt(row['tflops'], '%8.2f'):>8} "
                 f"{fmt(peak, '%9.1f'):>9} {fmt(row['speedup_of_ours'], '%6.2fx'):>7}")
         return "\n".join(lines)

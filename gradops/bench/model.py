@@ -13,7 +13,9 @@ batch):
 * ``liger norms``: Liger-Kernel's ``_apply_liger_kernel_to_instance(model, rms_norm=True,
   everything else False)``, its RMSNorm only, what gradops.patch replaces;
 * ``liger all``: the same with Liger's defaults (RMSNorm, RoPE, SwiGLU, fused linear
-  cross-entropy), for scale.
+  cross-entropy), for scale;
+* with ``--compile``: ``unpatched`` and ``gradops`` again under ``torch.compile`` (their cases
+  say ``compiled=True``), the ratio a torch.compile user sees.
 
 Liger needs ``liger_kernel`` and a GPU (its Triton kernels would run on a CPU only through the
 Triton interpreter, whose times mean nothing) and has no patch for GPT-2: where it cannot
@@ -148,8 +150,9 @@ def run(args) -> Run:
     measure_kw = dict(reps=args.reps, warmup=args.warmup, max_seconds=args.max_seconds, flush_l2=False,
                       memory=device == "cuda")
 
-    def case_of(name, dt):
-        return {"model": name, "dtype": dt, "hidden": hidden, "layers": layers, "batch": batch, "seq": seq}
+    def case_of(name, dt, compiled=False):
+        case = {"model": name, "dtype": dt, "hidden": hidden, "layers": layers, "batch": batch, "seq": seq}
+        return dict(case, compiled=True) if compiled else case
 
     def make_inputs():
         gen = torch.Generator(device="cpu").manual_seed(1)
@@ -186,9 +189,17 @@ def run(args) -> Run:
         measure(case, "unpatched", copy.deepcopy(base), None, {})
         model = copy.deepcopy(base)
         report = gradops.patch(model)
-        measure(case, OURS, model, backend, {"patched": len(report.replaced),
-                                             "left": [f"{r.name}: {r.reason}" for r in report.left]})
+        patched = {"patched": len(report.replaced), "left": [f"{r.name}: {r.reason}" for r in report.left]}
+        measure(case, OURS, model, backend, patched)
         del model
+        if args.compile:
+            # torch.compile of each: gradops' norms reach Inductor as custom ops (issue 24)
+            compiled_case = case_of(name, dt, compiled=True)
+            measure(compiled_case, "unpatched", torch.compile(copy.deepcopy(base)), None, {})
+            model = copy.deepcopy(base)
+            gradops.patch(model)
+            measure(compiled_case, OURS, torch.compile(model), backend, patched)
+            del model
     for impl in LIGER:
         for name, dt in cases(args):
             case = case_of(name, dt)
@@ -254,6 +265,8 @@ def parse_args(argv):
     p.add_argument("--vocab", type=int, default=None, help=f"vocabulary (default {GPU_SIZE[4]} on a GPU)")
     p.add_argument("--backend", choices=("triton", "reference"), default=None,
                    help="gradops' backend (default: triton on a GPU or with --interpret, reference on a CPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time both under torch.compile (unpatched and gradops-patched; cases with compiled=True)")
     return p.parse_args(argv)
 
 

@@ -86,6 +86,11 @@ GOALS = (
          lambda c: _MN(c) >= 16 * 2**20),
     Goal("small shapes (M*N <= 1M) within 1.3x of the fastest peer", NORM_OPS, "speedup:fastest", 1 / 1.3,
          lambda c: _MN(c) <= 2**20, gpu=None),
+    # issue 24: the call as a user makes it, not only its kernels
+    Goal("eager time within 1.2x of the CUDA-graph replay of the same call at M*N >= 32M", NORM_OPS,
+         "extra:kernel_over_eager", 1 / 1.2, lambda c: _MN(c) >= 32 * 2**20, gpu=None),
+    Goal("eager at least ATen's speed at 8192x16384 and 2048x65536", NORM_OPS, "speedup:aten fwd|aten bwd", 1.0,
+         lambda c: (c["M"], c["N"]) in ((8192, 16384), (2048, 65536)), gpu=None),
     # on any device: the cost of a call is Python and dispatch, not the kernels
     Goal("nn.functional fwd+bwd on tiny tensors within 1.3x of torch.nn.functional", CALL_OPS,
          f"speedup:{CALL_PEER}", 1 / 1.3, gpu=None, device="any"),
@@ -149,8 +154,18 @@ def _ln_backward_formula(dy, x, mean, rstd, w):
 
 
 def _autograd_backward(forward: Callable, inputs: List[torch.Tensor], dy: torch.Tensor) -> Callable:
+    """The backward alone, through autograd, of a peer's ``forward`` run once here. A forward
+    that raises gives a callable that raises the same: timed, it is recorded as that peer's
+    error, never as ours (Liger's forward at N = 262144 took gradops' case with it)."""
     leaves = [t.detach().requires_grad_(True) for t in inputs]
-    out = forward(*leaves)
+    try:
+        out = forward(*leaves)
+    except Exception as e:
+        error = e
+
+        def failed():
+            raise error
+        return failed
     return lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True)
 
 
@@ -436,7 +451,7 @@ def run(args) -> Run:
         kw = dict(measure_kw, reps=CALL_REPS_SCALE * args.reps, warmup=CALL_REPS_SCALE * args.warmup,
                   wall_clock=True) if op in CALL_OPS else measure_kw
         for name, fn in impls.items():
-            rec = result.time(op, case, name, fn, bytes=nbytes, **kw)
+            rec = result.time(op, case, name, fn, bytes=nbytes, costs=True, **kw)
             if args.check and name == OURS and not rec.error:
                 try:
                     rec.extra["rel_error_vs_reference"] = check_against_reference(

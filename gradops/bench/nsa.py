@@ -235,7 +235,7 @@ def run(args) -> Run:
         nbytes = traffic_bytes(op, t, c, n, d, l, dtype.itemsize)
         impls = build_impls(op, x, weight, dout, l, s, cu, args.peers, device, backend)
         for name, fn in impls.items():
-            rec = bench.time(op, case, name, fn, bytes=nbytes, warmup=args.warmup, reps=args.reps,
+            rec = bench.time(op, case, name, fn, bytes=nbytes, costs=True, warmup=args.warmup, reps=args.reps,
                              max_seconds=args.max_seconds)
             if peak is not None and rec.gbps is not None:
                 rec.extra["fraction_of_hbm_peak"] = rec.gbps / peak

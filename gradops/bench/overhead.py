@@ -15,8 +15,16 @@ ours / floor is the Python gradops adds per launch budget (goal: within 2x).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
-from typing import Callable, Iterator, List
+import sys
+import time
+from typing import Callable, Dict, Iterator, List
+
+import torch
+
+from . import harness
+from .harness import OURS, Goal, Record, Run
 
 
 @contextlib.contextmanager
@@ -24,7 +32,6 @@ def stubbed_launches(mark: bool = False) -> Iterator[List[str]]:
     """Record every Triton kernel launch (``kernel[grid](...)``) as the kernel's name, and
     run nothing: nothing is compiled, interpreted or written, the launch returns at once.
     ``mark``: each launch also leaves a ``triton::<name>`` range in the profiler's trace."""
-    import torch
     from triton.runtime import interpreter, jit
 
     log: List[str] = []
@@ -61,8 +68,6 @@ def kernels_launched(fn: Callable[[], object]) -> List[str]:
     whose own ATen children does) as ``aten::name``. Read from the profiler's op tree, so it
     counts the same on a CPU as on a GPU; Triton launches are recorded, not run
     (:func:`stubbed_launches`)."""
-    import torch
-
     found: List[str] = []
 
     def walk(ev):
@@ -84,3 +89,312 @@ def kernels_launched(fn: Callable[[], object]) -> List[str]:
         if ev.cpu_parent is None:
             walk(ev)
     return found
+
+
+# --------------------------------------------------------------------------- the benchmark
+FAMILY = "overhead"
+SHAPE = (8, 64)  # the goal's shape: a call whose kernels are negligible, so a call is its host cost
+CALLS_PER_REP = 200  # calls timed back to back in one repetition (one sync at its end on a GPU)
+PLOT = dict(x_key="N", metric="median_ms")
+
+GOALS = (
+    Goal("on a CPU, gradops' Python around a Triton launch within 2x the bare autograd.Function floor "
+         "(nn.functional rms_norm and layer_norm, forward + backward)", ("F.rms_norm fwd+bwd", "F.layer_norm fwd+bwd"),
+         "speedup:floor", 0.5, device="cpu", gpu=None),
+    Goal("host time of an nn.functional rms_norm / layer_norm forward + backward at 8x64 within 1.5x torch's",
+         ("F.rms_norm fwd+bwd", "F.layer_norm fwd+bwd"), "speedup:torch", 1 / 1.5),
+)
+
+
+class _FloorRmsNorm(torch.autograd.Function):
+    """The least an RMSNorm autograd.Function can do: allocate its outputs and launch gradops'
+    kernels, with a config computed once, outside the call."""
+
+    @staticmethod
+    def forward(ctx, x, w, fwd, bwd, red):
+        from ..kernels import rms_norm as K
+        import triton.language as tl
+
+        from ..kernels._scalar_args import float64_bits
+
+        m, n = x.shape
+        y = torch.empty_like(x)
+        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+        K._rms_fwd_fused_kernel[(fwd.grid,)](x, x, x, y, w, rstd, m, n, n, n, n, n, float64_bits(1e-6), 0,
+                                            fwd.tiles_per_program, fwd.grid, HAS_W=True, HAS_RES=False,
+                                            ROUND_XHAT=False, ACC=tl.float32, BLOCK_M=fwd.block_m,
+                                            BLOCK_N=fwd.block_n, NUM_STAGES=fwd.num_stages, **fwd.launch())
+        ctx.save_for_backward(x, w, rstd)
+        ctx.cfg = bwd, red
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from ..kernels import rms_norm as K
+        import triton.language as tl
+
+        from ..kernels._norm_common import _sum_rows_kernel
+
+        x, w, rstd = ctx.saved_tensors
+        bwd, red = ctx.cfg
+        m, n = x.shape
+        dx = torch.empty_like(x)
+        partial = torch.empty((bwd.grid, n), dtype=torch.float32, device=x.device)
+        dw = torch.empty(n, dtype=w.dtype, device=x.device)
+        K._rms_bwd_fused_kernel[(bwd.grid,)](dy, x, w, rstd, x, dx, partial, m, n, n, n, n, n, n, 0,
+                                            bwd.tiles_per_program, bwd.grid, HAS_W=True, HAS_DRES=False,
+                                            ROUND_XHAT=False, ACC=tl.float32, BLOCK_M=bwd.block_m,
+                                            BLOCK_N=bwd.block_n, NUM_STAGES=bwd.num_stages, **bwd.launch())
+        _sum_rows_kernel[(red.grid,)](partial, dw, dw, bwd.grid, n, n, n, BLOCK_R=red.block_r,
+                                      BLOCK_N=red.block_n, **red.launch())
+        return dx, dw, None, None, None
+
+
+class _FloorLayerNorm(torch.autograd.Function):
+    """As :class:`_FloorRmsNorm`, for LayerNorm with weight and bias."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, fwd, bwd, red):
+        from ..kernels import layer_norm as K
+        import triton.language as tl
+
+        from ..kernels._scalar_args import float64_bits
+
+        m, n = x.shape
+        y = torch.empty_like(x)
+        mean = torch.empty(m, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+        K._ln_fwd_fused_kernel[(fwd.grid,)](x, x, x, y, w, b, mean, rstd, m, n, n, n, n, n, float64_bits(1e-5),
+                                           fwd.tiles_per_program, fwd.grid, HAS_W=True, HAS_B=True, HAS_RES=False,
+                                           ACC=tl.float32, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n,
+                                           NUM_STAGES=fwd.num_stages, **fwd.launch())
+        ctx.save_for_backward(x, w, mean, rstd)
+        ctx.cfg = bwd, red
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from ..kernels import layer_norm as K
+        import triton.language as tl
+
+        from ..kernels._norm_common import _sum_rows_kernel
+
+        x, w, mean, rstd = ctx.saved_tensors
+        bwd, red = ctx.cfg
+        m, n = x.shape
+        dx = torch.empty_like(x)
+        partial = torch.empty((bwd.grid, 2 * n), dtype=torch.float32, device=x.device)
+        dw = torch.empty(n, dtype=w.dtype, device=x.device)
+        db = torch.empty(n, dtype=w.dtype, device=x.device)
+        K._ln_bwd_fused_kernel[(bwd.grid,)](dy, x, w, mean, rstd, x, dx, partial, partial[:, n:], m, n, n, n, n, n,
+                                           2 * n, bwd.tiles_per_program, bwd.grid, HAS_W=True, HAS_DRES=False,
+                                           WANT_DX=True, WANT_DW=True, WANT_DB=True, ACC=tl.float32,
+                                           BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n, NUM_STAGES=bwd.num_stages,
+                                           **bwd.launch())
+        _sum_rows_kernel[(red.grid,)](partial, dw, db, bwd.grid, 2 * n, n, 2 * n, BLOCK_R=red.block_r,
+                                      BLOCK_N=red.block_n, **red.launch())
+        return dx, dw, db, None, None, None
+
+
+def _configs(m: int, n: int, device):
+    from ..kernels import norm_config as C
+
+    bwd = C.fused_config(m, n, device)
+    return C.fused_config(m, n, device, kind="fwd", streams=1), bwd, C.reduce_config(bwd.grid, 2 * n, device)
+
+
+ENTRY_POINTS = ("F.rms_norm fwd+bwd", "F.layer_norm fwd+bwd", "nn.RMSNorm fwd+bwd", "nn.LayerNorm fwd+bwd",
+                "gradops.rms_norm", "gradops.layer_norm", "gradops.layer_norm_backward", "gradops.rms_norm_grad",
+                "F.nsa_compress fwd+bwd")
+
+
+def cases(args) -> List[tuple]:
+    """(entry point, dtype) of a run (``gradops bench all --dry-run`` counts them)."""
+    return [(op, dt) for dt in args.dtypes for op in ENTRY_POINTS]
+
+
+def impl_names(args) -> List[str]:
+    return [OURS, "torch", "floor"]
+
+
+def optional_peers(device: str) -> Dict[str, str]:
+    return {}  # torch's calls and the floor run wherever gradops does
+
+
+def _no_grad(call: Callable[[], object]) -> Callable[[], object]:
+    def wrapped():
+        with torch.no_grad():
+            return call()
+    return wrapped
+
+
+def _fwd_bwd(forward: Callable[[], torch.Tensor], inputs, dy) -> Callable[[], object]:
+    def step():
+        torch.autograd.grad(forward(), inputs, dy)
+    return step
+
+
+def entry_points(device: str, dtype: torch.dtype):
+    """{op: {impl: callable}}: each public entry point (ours), torch's nearest call and the floor."""
+    import gradops
+    import gradops.nn.functional as GF
+    import torch.nn.functional as F
+
+    m, n = SHAPE
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, n, generator=gen).to(device=dev, dtype=dtype).requires_grad_()
+    w = torch.randn(n, generator=gen).to(device=dev, dtype=dtype).requires_grad_()
+    b = torch.randn(n, generator=gen).to(device=dev, dtype=dtype).requires_grad_()
+    dy = torch.randn(m, n, generator=gen).to(device=dev, dtype=dtype)
+    xd, wd, bd = x.detach(), w.detach(), b.detach()
+    fwd, bwd, red = _configs(m, n, dev)
+    _, mean, rstd = torch.native_layer_norm(xd, (n,), wd, bd, 1e-5)
+    rms_rstd = torch.rsqrt(xd.float().pow(2).mean(-1) + 1e-6)
+    rms_module = gradops.nn.RMSNorm(n, eps=1e-6, device=dev, dtype=dtype)
+    ln_module = gradops.nn.LayerNorm(n, device=dev, dtype=dtype)
+    torch_rms_module = torch.nn.RMSNorm(n, eps=1e-6, device=dev, dtype=dtype)
+    torch_ln_module = torch.nn.LayerNorm(n, device=dev, dtype=dtype)
+    floor_fwd = lambda function, *args: _no_grad(lambda: function.apply(*args))  # noqa: E731
+    ends = [40, 100]
+    xs = torch.randn(100, 4, 16, generator=gen).to(device=dev, dtype=dtype).requires_grad_()
+    nsa_w = torch.randn(32, 4, generator=gen).to(device=dev, dtype=dtype).requires_grad_()
+    with stubbed_launches():  # its shape and dtype
+        nsa_dy = torch.ones_like(GF.nsa_compress(xs, nsa_w, 32, 16, ends))
+
+    return {
+        "F.rms_norm fwd+bwd": {
+            OURS: _fwd_bwd(lambda: GF.rms_norm(x, (n,), w, 1e-6), (x, w), dy),
+            "torch": _fwd_bwd(lambda: F.rms_norm(x, (n,), w, 1e-6), (x, w), dy),
+            "floor": _fwd_bwd(lambda: _FloorRmsNorm.apply(x, w, fwd, bwd, red), (x, w), dy)},
+        "F.layer_norm fwd+bwd": {
+            OURS: _fwd_bwd(lambda: GF.layer_norm(x, (n,), w, b, 1e-5), (x, w, b), dy),
+            "torch": _fwd_bwd(lambda: F.layer_norm(x, (n,), w, b, 1e-5), (x, w, b), dy),
+            "floor": _fwd_bwd(lambda: _FloorLayerNorm.apply(x, w, b, fwd, bwd, red), (x, w, b), dy)},
+        "nn.RMSNorm fwd+bwd": {
+            OURS: _fwd_bwd(lambda: rms_module(x), (x, rms_module.weight), dy),
+            "torch": _fwd_bwd(lambda: torch_rms_module(x), (x, torch_rms_module.weight), dy),
+            "floor": _fwd_bwd(lambda: _FloorRmsNorm.apply(x, w, fwd, bwd, red), (x, w), dy)},
+        "nn.LayerNorm fwd+bwd": {
+            OURS: _fwd_bwd(lambda: ln_module(x), (x, ln_module.weight, ln_module.bias), dy),
+            "torch": _fwd_bwd(lambda: torch_ln_module(x), (x, torch_ln_module.weight, torch_ln_module.bias), dy),
+            "floor": _fwd_bwd(lambda: _FloorLayerNorm.apply(x, w, b, fwd, bwd, red), (x, w, b), dy)},
+        "gradops.rms_norm": {
+            OURS: lambda: gradops.rms_norm(xd, wd, 1e-6),
+            "torch": _no_grad(lambda: F.rms_norm(xd, (n,), wd, 1e-6)),
+            "floor": floor_fwd(_FloorRmsNorm, xd, wd, fwd, bwd, red)},
+        "gradops.layer_norm": {
+            OURS: lambda: gradops.layer_norm(xd, (n,), wd, bd, 1e-5),
+            "torch": lambda: torch.native_layer_norm(xd, (n,), wd, bd, 1e-5),
+            "floor": floor_fwd(_FloorLayerNorm, xd, wd, bd, fwd, bwd, red)},
+        "gradops.layer_norm_backward": {
+            OURS: lambda: gradops.layer_norm_backward(dy, xd, (n,), mean, rstd, wd, bd,
+                                                      output_mask=(True, True, True)),
+            "torch": lambda: torch.ops.aten.native_layer_norm_backward(dy, xd, (n,), mean, rstd, wd, bd,
+                                                                       (True, True, True))},
+        "gradops.rms_norm_grad": {
+            OURS: lambda: gradops.rms_norm_grad(dy, xd, rms_rstd, wd)},
+        "F.nsa_compress fwd+bwd": {
+            OURS: _fwd_bwd(lambda: GF.nsa_compress(xs, nsa_w, 32, 16, ends), (xs, nsa_w), nsa_dy)},
+    }
+
+
+def _timed_calls(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
+    """ms per call of ``calls`` calls of ``fn`` back to back, then one ``sync``: with kernels
+    shorter than the host's work the GPU queue never backs up, so this is what the host spends."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def host_times(impls: Dict[str, Callable[[], object]], args) -> Dict[str, List[float]]:
+    """Per-call host time (ms) of each implementation, one value per repetition. The
+    implementations take turns within each repetition, so a slow spell of the machine (a
+    shared host's noise) falls on all of them alike rather than on whichever ran then."""
+    calls = max(1, CALLS_PER_REP // (10 if args.quick else 1))
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    times: Dict[str, List[float]] = {name: [] for name in impls}
+    for fn in impls.values():
+        for _ in range(max(1, args.warmup)):
+            fn()
+    start = time.perf_counter()
+    for rep in range(args.reps):
+        for name, fn in impls.items():
+            times[name].append(_timed_calls(fn, calls, sync))
+        if rep >= 2 and time.perf_counter() - start > args.max_seconds:
+            break
+    return times
+
+
+def run(args) -> Run:
+    import gradops
+
+    result = Run(f"gradops bench {FAMILY}", args.device, getattr(args, "deadline", None))
+    on_cpu = args.device != "cuda"
+    result.meta["backend_ours"] = "triton, launches stubbed (Python only)" if on_cpu else "triton"
+    result.meta["shape"] = list(SHAPE)
+    result.meta["calls_per_rep"] = CALLS_PER_REP
+    with gradops.use_backend("triton"):
+        for dtype_name in args.dtypes:
+            dtype = harness.DTYPES[dtype_name]
+            case = {"M": SHAPE[0], "N": SHAPE[1], "dtype": dtype_name}
+            for op, impls in entry_points(args.device, dtype).items():
+                if result.out_of_time():
+                    for impl in impls:
+                        result.skip([op], case, impl)
+                    continue
+                working, failed = {}, {}
+                for name, fn in impls.items():  # one call each first: a peer's failure is the peer's record
+                    try:
+                        with stubbed_launches() if on_cpu else contextlib.nullcontext():
+                            fn()
+                        working[name] = fn
+                    except Exception as e:
+                        failed[name] = f"{type(e).__name__}: {e}"[:300]
+                with stubbed_launches() if on_cpu else contextlib.nullcontext():
+                    times = host_times(working, args)
+                for name in impls:
+                    if name in failed:
+                        result.add(Record(op, case, name, [], error=failed[name]))
+                    else:
+                        launches = kernels_launched(impls[name])
+                        result.add(Record(op, case, name, times[name], extra={"launches": launches}))
+    return result
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="gradops bench overhead", description=__doc__.split("\n\n")[0])
+    harness.add_common_args(p, dtype_help="default: bfloat16 on a GPU, float32 on a CPU")
+    return p.parse_args(argv)
+
+
+def prepare(args, need_device: bool = True):
+    args.device = args.device or harness.default_device()
+    # gradops runs its Triton path on a CPU only under the interpreter, which is switched on; the
+    # launches are stubbed all the same, so nothing is interpreted
+    args.interpret = args.device != "cuda"
+    harness.prepare(args, reps=21, warmup=20, max_seconds=20.0, quick_reps=3, quick_warmup=3,
+                    need_device=need_device, gpu_dtypes=("bfloat16",), cpu_dtypes=("float32",))
+    args.interpret = False  # (for the CPU caveat: nothing is interpreted)
+    return args
+
+
+def main(argv=None) -> int:
+    args = prepare(parse_args(sys.argv[1:] if argv is None else list(argv)))
+    harness.announce(args, FAMILY)
+    if args.device != "cuda":
+        print("note: on a CPU every Triton launch is stubbed (recorded, not run): ours and the floor time "
+              "the Python around the launches; torch runs its CPU kernels", flush=True)
+    result = run(args)
+    harness.finish(result, args, FAMILY, PLOT, GOALS)
+    for row in result.ratios():
+        launches = row["extra"].get("launches")
+        if launches is not None and row["impl"] == OURS:
+            print(f"launches per call, {row['op']}: {len(launches)} ({', '.join(launches)})")
+    return result.exit_status()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -85,7 +85,7 @@ def next_pow2(n: int) -> int:
 
 
 def _on_gpu(device: torch.device) -> bool:
-    return torch.device(device).type == "cuda"
+    return (device if isinstance(device, torch.device) else torch.device(device)).type == "cuda"
 
 
 def _index(device: torch.device) -> int:
@@ -170,8 +170,11 @@ class FusedConfig:
     maxnreg: int | None = None  # ptxas register cap (None on the CPU)
     kind: str = "bwd"  # of the kernels it launches: "fwd" or "bwd"
 
+    def __post_init__(self):
+        object.__setattr__(self, "_launch", launch_options(self.num_warps, self.maxnreg, self.kind))
+
     def launch(self) -> dict:
-        return launch_options(self.num_warps, self.maxnreg, self.kind)
+        return self._launch
 
 
 @dataclass(frozen=True)
@@ -192,13 +195,17 @@ class SplitConfig:
     segment_blocks: int = 1  # column blocks (of row_block_n) per segment
     kind: str = "bwd"  # of the kernels it launches: "fwd" or "bwd"
 
+    def __post_init__(self):
+        object.__setattr__(self, "_launch", launch_options(self.num_warps, self.maxnreg, self.kind))
+        object.__setattr__(self, "_row_launch", launch_options(self.row_num_warps, None, self.kind))
+
     def launch(self) -> dict:
         """Options of the column-tiled kernels."""
-        return launch_options(self.num_warps, self.maxnreg, self.kind)
+        return self._launch
 
     def row_launch(self) -> dict:
         """Options of the one-row-per-program kernels (row sums, the wide forward)."""
-        return launch_options(self.row_num_warps, None, self.kind)
+        return self._row_launch
 
 
 @dataclass(frozen=True)
@@ -208,14 +215,18 @@ class ReduceConfig:
     num_warps: int
     grid: int
 
+    def __post_init__(self):  # the backwards' dweight/dbias sums
+        object.__setattr__(self, "_launch", launch_options(self.num_warps, None, "bwd"))
+
     def launch(self) -> dict:
-        return launch_options(self.num_warps, None, "bwd")  # the backwards' dweight/dbias sums
+        return self._launch
 
 
 def is_fused(n: int, device, kind: str = "bwd") -> bool:
     return n <= max_fused_n(device, kind)
 
 
+@lru_cache(maxsize=4096)  # decided once per signature, not per call
 def fused_config(m: int, n: int, device, *, persistent: bool = True, kind: str = "bwd",
                  elem_bytes: int = 2, streams: int = 2) -> FusedConfig:
     """``kind``: "bwd" (the norm backward: x and dy held), "fwd" (x held). ``streams``: the
@@ -253,6 +264,7 @@ def fused_config(m: int, n: int, device, *, persistent: bool = True, kind: str =
     return FusedConfig(block_m, block_n, num_warps, num_tiles, grid, -(-num_tiles // grid), stages, regs, kind)
 
 
+@lru_cache(maxsize=4096)  # decided once per signature, not per call
 def split_config(m: int, n: int, device, *, elem_bytes: int = 2, streams: int = 2,
                  whole_columns: bool = False, kind: str = "bwd") -> SplitConfig:
     """Rows wider than a register tile. ``whole_columns``: every column-tiled program walks
@@ -305,6 +317,7 @@ def split_config(m: int, n: int, device, *, elem_bytes: int = 2, streams: int = 
                        segments, segment_blocks, kind)
 
 
+@lru_cache(maxsize=4096)  # decided once per signature, not per call
 def reduce_config(rows: int, n: int, device) -> ReduceConfig:
     """Column sums of a ``[rows, n]`` float partial buffer, one program per column block."""
     gpu = _on_gpu(device)

@@ -39,6 +39,7 @@ from ..errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, Acln
 from ..ops import floyd_attention as _floyd_ops
 from ..ops import layer_norm as _ln_ops
 from ..ops import nsa_compress as _nsa_ops
+from ..ops import _plans
 from ..ops import rms_norm as _rms_ops
 from ..ops._checks import check_companion, check_float_attr, check_int_attr, require_tensor, short_repr, stat_dtype
 from ..ops._shapes import as_int_tuple, check_trailing
@@ -164,7 +165,20 @@ def _norm_op(family: str, residual) -> str:
 def _check_norm(op: str, input, residual, normalized_shape, weight, bias, eps, backend, *, fused: bool,
                 shape_status: int, eps_optional: bool = False):
     """The norm functionals' arguments: returns (normalized_shape as a list, eps, backend).
-    ``fused``: the residual is required; ``eps_optional``: None stays None (torch's default)."""
+    ``fused``: the residual is required; ``eps_optional``: None stays None (torch's default).
+    Remembered per call signature (``gradops.ops._plans``): a training step's calls pass once."""
+    key = _plans.signature("gradops.nn.functional." + op, backend, (input, residual, weight, bias),
+                           (normalized_shape, eps, fused, shape_status, eps_optional))
+    plan = _plans.lookup(key)
+    if plan is None:
+        plan = _plans.remember(key, _checked_norm(op, input, residual, normalized_shape, weight, bias, eps, backend,
+                                                  fused=fused, shape_status=shape_status, eps_optional=eps_optional))
+    shape, eps, backend = plan
+    return list(shape), eps, backend
+
+
+def _checked_norm(op: str, input, residual, normalized_shape, weight, bias, eps, backend, *, fused: bool,
+                  shape_status: int, eps_optional: bool):
     require_tensor(op, "input", input)
     if fused:
         check_companion(op, "residual", residual, "input", input, status=shape_status)
@@ -174,7 +188,7 @@ def _check_norm(op: str, input, residual, normalized_shape, weight, bias, eps, b
     require_tensor(op, "bias", bias, optional=True)
     if eps is not None or not eps_optional:
         eps = check_float_attr(op, "eps", eps)
-    return shape, eps, _backend_arg(op, backend)
+    return tuple(shape), eps, _backend_arg(op, backend)
 
 
 # --------------------------------------------------------------------------------------------

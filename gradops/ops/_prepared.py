@@ -34,8 +34,13 @@ class Prepared:
         # tensors that require grad. Each operator fixes its own arithmetic (float32 inside
         # for half inputs): a caller's autocast region must not lower the backends' torch
         # ops (the reference's and the chunked Floyd strategy's matmuls) to 16 bits.
-        with torch.no_grad(), _autocast_off(self.device.type):
+        # (each context only where it changes something: entering one costs a tiny call time)
+        with _grad_off(), _autocast_off(self.device.type):
             return self._run()
+
+
+def _grad_off():
+    return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
 
 
 def _autocast_off(device_type: str):

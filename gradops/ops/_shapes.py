@@ -85,6 +85,12 @@ def rows_cols(x: torch.Tensor, n_norm: int) -> Tuple[int, int]:
     return math.prod(lead), math.prod(shape[len(shape) - n_norm:])
 
 
+def as_shape(t: torch.Tensor, shape) -> torch.Tensor:
+    """``t.reshape(shape)``, or ``t`` itself when it has that shape already (a reshape that
+    changes nothing still costs a call on every norm call)."""
+    return t if t.shape == shape else t.reshape(shape)
+
+
 def check_stat(op: str, name: str, t: torch.Tensor, x: torch.Tensor, n_norm: int, x_name: str = "x",
                status: int = ACLNN_ERR_PARAM_INVALID):
     """A per-row statistic: shape ``x.shape[:-n]`` or its keepdim form ``x.shape[:-n] + (1,)*n``."""
@@ -124,7 +130,7 @@ def in_place_rows(dy: torch.Tensor, dy_rows: torch.Tensor, in_place: bool):
 def finish_dx(dx: torch.Tensor, dy: torch.Tensor, dx_out, in_place: bool, shape) -> torch.Tensor:
     """The dx a backward returns: ``dy`` itself when ``in_place``, else dx in ``shape``."""
     if not in_place:
-        return dx.reshape(shape)
+        return as_shape(dx, shape)
     if dx_out is None:
         dy.copy_(dx.reshape(dy.shape))
     return dy

@@ -27,9 +27,11 @@ from ._checks import (
     require_tensor,
     stat_dtype,
 )
+from . import _plans
 from ._prepared import Prepared
 from ._shapes import (
     aliases,
+    as_shape,
     as_bool_triple,
     as_int_tuple,
     check_stat,
@@ -73,37 +75,42 @@ def _check_affine(op, name, t, x, normalized_shape):
 def prepare_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, residual=None,
                        backend=None, op="layer_norm") -> Prepared:
     """``run()`` returns (y, mean, rstd), and h = x + residual fourth when ``residual`` is given."""
-    require_tensor(op, "x", x)
-    normalized_shape = as_int_tuple(op, "normalized_shape", normalized_shape)
-    check_dtype(op, "x", x, FLOAT_DTYPES)
-    check_trailing(op, "normalized_shape", x, "x", normalized_shape)
-    _check_affine(op, "weight", weight, x, normalized_shape)
-    _check_affine(op, "bias", bias, x, normalized_shape)
-    eps = check_float_attr(op, "eps", eps)
-    if residual is not None:
-        check_companion(op, "residual", residual, "x", x)
-    check_same_device(op, [("x", x), ("weight", weight), ("bias", bias), ("residual", residual)])
-    impl = implementation(op, FAMILY, backend, x.device)
-    rows, cols = rows_cols(x, len(normalized_shape))
-    stat_shape = tuple(x.shape[: x.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)
-    acc = stat_dtype(x.dtype)
+    key = _plans.signature(op, backend, (x, weight, bias, residual), (normalized_shape, eps))
+    plan = _plans.lookup(key)
+    if plan is None:
+        require_tensor(op, "x", x)
+        normalized_shape = as_int_tuple(op, "normalized_shape", normalized_shape)
+        check_dtype(op, "x", x, FLOAT_DTYPES)
+        check_trailing(op, "normalized_shape", x, "x", normalized_shape)
+        _check_affine(op, "weight", weight, x, normalized_shape)
+        _check_affine(op, "bias", bias, x, normalized_shape)
+        eps = check_float_attr(op, "eps", eps)
+        if residual is not None:
+            check_companion(op, "residual", residual, "x", x)
+        check_same_device(op, [("x", x), ("weight", weight), ("bias", bias), ("residual", residual)])
+        impl = implementation(op, FAMILY, backend, x.device)
+        rows, cols = rows_cols(x, len(normalized_shape))
+        stat_shape = tuple(x.shape[: x.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)
+        acc = stat_dtype(x.dtype)
+        outputs = ((tuple(x.shape), x.dtype), (stat_shape, acc), (stat_shape, acc))
+        if residual is not None:
+            outputs += ((tuple(x.shape), x.dtype),)
+        plan = _plans.remember(key, (impl, eps, rows, cols, stat_shape, outputs))
+    impl, eps, rows, cols, stat_shape, outputs = plan
 
     def run():
         h = None if residual is None else torch.empty((rows, cols), dtype=x.dtype, device=x.device)
         y, mean, rstd = impl.layer_norm(
-            x.reshape(rows, cols),
-            None if weight is None else weight.reshape(cols),
-            None if bias is None else bias.reshape(cols),
+            as_shape(x, (rows, cols)),
+            None if weight is None else as_shape(weight, (cols,)),
+            None if bias is None else as_shape(bias, (cols,)),
             eps,
-            None if residual is None else residual.reshape(rows, cols),
+            None if residual is None else as_shape(residual, (rows, cols)),
             h,
         )
-        out = (y.reshape(x.shape), mean.reshape(stat_shape), rstd.reshape(stat_shape))
-        return out if h is None else out + (h.reshape(x.shape),)
+        out = (as_shape(y, x.shape), mean.reshape(stat_shape), rstd.reshape(stat_shape))
+        return out if h is None else out + (as_shape(h, x.shape),)
 
-    outputs = ((tuple(x.shape), x.dtype), (stat_shape, acc), (stat_shape, acc))
-    if residual is not None:
-        outputs += ((tuple(x.shape), x.dtype),)
     return Prepared(op, x.device, impl, outputs, run)
 
 
@@ -164,20 +171,20 @@ def run_layer_norm_backward(impl, dy, x, normalized_shape, mean, rstd, weight, o
     the shape, dtype and device of the outputs whose inputs the forward validated."""
     rows, cols = rows_cols(x, len(normalized_shape))
     acc = stat_dtype(x.dtype)
-    dy2 = dy.reshape(rows, cols)
+    dy2 = as_shape(dy, (rows, cols))
     dx_out = in_place_rows(dy, dy2, in_place)
     # dw and db in the weight's dtype, rounded once by the backend as it writes them
     dx, dw, db = impl.layer_norm_backward(
-        dy2, x.reshape(rows, cols), mean.reshape(rows).to(acc), rstd.reshape(rows).to(acc),
-        None if weight is None else weight.reshape(cols), output_mask, dx_out,
-        None if dresidual is None else dresidual.reshape(rows, cols),
+        dy2, as_shape(x, (rows, cols)), mean.reshape(rows).to(acc), rstd.reshape(rows).to(acc),
+        None if weight is None else as_shape(weight, (cols,)), output_mask, dx_out,
+        None if dresidual is None else as_shape(dresidual, (rows, cols)),
         grad_dtype=_grad_dtype(weight, x))
     if dx is not None:
         dx = finish_dx(dx, dy, dx_out, in_place, x.shape)
     if dw is not None:
-        dw = dw.reshape(normalized_shape)
+        dw = as_shape(dw, normalized_shape)
     if db is not None:
-        db = db.reshape(normalized_shape)
+        db = as_shape(db, normalized_shape)
     return dx, dw, db
 
 

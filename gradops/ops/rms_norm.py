@@ -32,8 +32,9 @@ from ._checks import (
     stat_dtype,
     wrong_type,
 )
+from . import _plans
 from ._prepared import Prepared
-from ._shapes import check_stat, check_trailing, finish_dx, in_place_rows, rows_cols
+from ._shapes import as_shape, check_stat, check_trailing, finish_dx, in_place_rows, rows_cols
 
 FAMILY = "rms_norm"
 
@@ -78,31 +79,36 @@ def _check_gamma_shape(op, x, gamma):
 def prepare_rms_norm(x, gamma, eps=1e-6, *, offset=0.0, casting_mode="gemma", residual=None,
                      backend=None, op="rms_norm") -> Prepared:
     """``run()`` returns (y, rstd), and h = x + residual third when ``residual`` is given."""
-    require_tensor(op, "x", x)
-    require_tensor(op, "gamma", gamma)
-    eps = check_float_attr(op, "eps", eps)
-    offset = check_float_attr(op, "offset", offset)
-    round_xhat = check_casting_mode(op, casting_mode)
-    _check_dtypes(op, x, gamma)
-    if residual is not None:
-        check_companion(op, "residual", residual, "x", x, status=TILING)
-    _check_gamma_shape(op, x, gamma)
-    check_same_device(op, [("x", x), ("gamma", gamma), ("residual", residual)])
-    impl = implementation(op, FAMILY, backend, x.device)
-    n = gamma.dim()
-    rows, cols = rows_cols(x, n)
-    rstd_shape = tuple(x.shape[: x.dim() - n]) + (1,) * n
+    key = _plans.signature(op, backend, (x, gamma, residual), (eps, offset, casting_mode))
+    plan = _plans.lookup(key)
+    if plan is None:
+        require_tensor(op, "x", x)
+        require_tensor(op, "gamma", gamma)
+        eps = check_float_attr(op, "eps", eps)
+        offset = check_float_attr(op, "offset", offset)
+        round_xhat = check_casting_mode(op, casting_mode)
+        _check_dtypes(op, x, gamma)
+        if residual is not None:
+            check_companion(op, "residual", residual, "x", x, status=TILING)
+        _check_gamma_shape(op, x, gamma)
+        check_same_device(op, [("x", x), ("gamma", gamma), ("residual", residual)])
+        impl = implementation(op, FAMILY, backend, x.device)
+        n = gamma.dim()
+        rows, cols = rows_cols(x, n)
+        rstd_shape = tuple(x.shape[: x.dim() - n]) + (1,) * n
+        outputs = ((tuple(x.shape), x.dtype), (rstd_shape, stat_dtype(x.dtype)))
+        if residual is not None:
+            outputs += ((tuple(x.shape), x.dtype),)
+        plan = _plans.remember(key, (impl, eps, offset, round_xhat, rows, cols, rstd_shape, outputs))
+    impl, eps, offset, round_xhat, rows, cols, rstd_shape, outputs = plan
 
     def run():
         h = None if residual is None else torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-        y, rstd = impl.rms_norm(x.reshape(rows, cols), gamma.reshape(cols), eps, offset, round_xhat,
-                                None if residual is None else residual.reshape(rows, cols), h)
-        out = (y.reshape(x.shape), rstd.reshape(rstd_shape))
-        return out if h is None else out + (h.reshape(x.shape),)
+        y, rstd = impl.rms_norm(as_shape(x, (rows, cols)), as_shape(gamma, (cols,)), eps, offset, round_xhat,
+                                None if residual is None else as_shape(residual, (rows, cols)), h)
+        out = (as_shape(y, x.shape), rstd.reshape(rstd_shape))
+        return out if h is None else out + (as_shape(h, x.shape),)
 
-    outputs = ((tuple(x.shape), x.dtype), (rstd_shape, stat_dtype(x.dtype)))
-    if residual is not None:
-        outputs += ((tuple(x.shape), x.dtype),)
     return Prepared(op, x.device, impl, outputs, run)
 
 
@@ -147,9 +153,9 @@ def run_rms_norm_grad(impl, dy, x, rstd, gamma, *, in_place=False, offset=0.0, r
     the shape, dtype and device of the outputs whose inputs the forward validated; it asks
     for dgamma in the parameter's dtype (``grad_dtype``; the operator's is float32)."""
     rows, cols = rows_cols(x, gamma.dim())
-    dy2 = dy.reshape(rows, cols)
+    dy2 = as_shape(dy, (rows, cols))
     dx_out = in_place_rows(dy, dy2, in_place)
-    dx, dgamma = impl.rms_norm_grad(dy2, x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols),
+    dx, dgamma = impl.rms_norm_grad(dy2, as_shape(x, (rows, cols)), rstd.reshape(rows), as_shape(gamma, (cols,)),
                                     dx_out, offset, round_xhat,
-                                    None if dresidual is None else dresidual.reshape(rows, cols), grad_dtype)
-    return finish_dx(dx, dy, dx_out, in_place, x.shape), dgamma.reshape(gamma.shape)
+                                    None if dresidual is None else as_shape(dresidual, (rows, cols)), grad_dtype)
+    return finish_dx(dx, dy, dx_out, in_place, x.shape), as_shape(dgamma, gamma.shape)

@@ -1,0 +1,59 @@
+"""What the checks of a call concluded, kept per call signature.
+
+A training step calls each norm with the same shapes, dtypes, devices and attributes every
+time; validating them again on every call cost more host time than the kernel takes on a GPU
+(issue 24). A ``prepare_*`` function keys its call with :func:`signature` and, for a key it
+has validated before, takes its plan (the backend module, the row view, the output specs)
+from :func:`lookup` instead of running the checks. Only calls that passed every check are
+remembered, so bad input still fails every time with its own error.
+
+The key holds everything the checks read: each tensor's exact type, shape, strides, dtype and
+device, the attribute values (with their types), the backend asked for, the default backend
+and whether the Triton interpreter is on. Checks that read data pointers (an in-place call's
+overlap rules) are not keyed: such calls are not cached.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Optional, Sequence
+
+import torch
+
+from .. import _backend
+
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+MAX_PLANS = 4096  # a model has a handful of norm signatures; this only bounds a pathological caller
+_plans: dict = {}
+
+
+def signature(op: str, backend, tensors: Sequence[Optional[torch.Tensor]], attrs: Sequence[object]
+              ) -> Optional[Hashable]:
+    """A hashable key of the call, or None when it cannot be keyed (a tensor subclass or a
+    non-tensor where a tensor belongs, an unhashable attribute)."""
+    parts = [op, backend, _backend.default_backend(), _backend.triton_interpreter_on()]
+    for t in tensors:
+        if t is None:
+            parts.append(None)
+        elif type(t) in _TENSOR_TYPES:
+            parts.append((t.shape, t.stride(), t.dtype, t.device))
+        else:
+            return None
+    for a in attrs:
+        parts.append((type(a), tuple(a) if isinstance(a, list) else a))
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def lookup(key: Optional[Hashable]):
+    return None if key is None else _plans.get(key)
+
+
+def remember(key: Optional[Hashable], plan):
+    if key is not None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
