@@ -688,15 +688,20 @@ for n in (1024, 8192, 16384):
                       f.launch(), per_sm, "bf16", True))
         cases.append((f"fwd {n}", KRN._rms_fwd_fused_kernel, dict(HAS_W=True, HAS_RES=res, ROUND_XHAT=res, **b),
                       f.launch(), per_sm, "bf16", True))
+# the split backward's column programs at their narrowest, a middle and their widest column
+# block (64, 256 and 1024 columns: N = 16K, 64K and 256K at the goal's M = 128M / N)
+for n in (16384, 65536, 262144):
+    s = C.split_config(2**27 // n, n, dev, whole_columns=True)
+    b = dict(BLOCK_M=s.block_m, BLOCK_N=s.block_n, NUM_STAGES=s.num_stages)
+    per_sm = C.REGS_PER_SM // (C.GPU_BWD_MAX_REGS * 32 * s.num_warps)
+    for dres in (False, True):
+        cases.append((f"split bwd {n}", KLN._ln_bwd_cols_kernel,
+                      dict(LN_BWD, HAS_DRES=dres, SEGMENTS=C.next_pow2(s.row_segments), **b),
+                      s.launch(), per_sm, "bf16", True))
+        cases.append((f"split bwd {n}", KRN._rms_bwd_cols_kernel,
+                      dict(HAS_W=True, HAS_DRES=dres, ROUND_XHAT=dres, SEGMENTS=C.next_pow2(s.row_segments), **b),
+                      s.launch(), per_sm, "bf16", True))
 s = C.split_config(M, 65536, dev, whole_columns=True)
-b = dict(BLOCK_M=s.block_m, BLOCK_N=s.block_n, NUM_STAGES=s.num_stages)
-per_sm = C.REGS_PER_SM // (C.GPU_BWD_MAX_REGS * 32 * s.num_warps)
-for dres in (False, True):
-    cases.append(("split bwd 65536", KLN._ln_bwd_cols_kernel, dict(LN_BWD, HAS_DRES=dres, SEGMENTS=C.next_pow2(s.row_segments), **b),
-                  s.launch(), per_sm, "bf16", True))
-    cases.append(("split bwd 65536", KRN._rms_bwd_cols_kernel,
-                  dict(HAS_W=True, HAS_DRES=dres, ROUND_XHAT=dres, SEGMENTS=C.next_pow2(s.row_segments), **b),
-                  s.launch(), per_sm, "bf16", True))
 rs = dict(HAS_W=True, BLOCK_N=s.row_block_n, NUM_STAGES=s.num_stages)
 cases.append(("split bwd 65536", KLN._ln_bwd_row_sums_kernel, rs, s.row_launch(), 1, "bf16", True))
 cases.append(("split bwd 65536", KRN._rms_bwd_row_sums_kernel, rs, s.row_launch(), 1, "bf16", True))
@@ -798,7 +803,7 @@ def test_kernels_compile_for_sm90_within_their_budgets(triton_version):
         pytest.skip("no ptxas in the triton wheel")
     stdout = run_sm90_compile(_SM90_CHECK, ptxas, triton_version=triton_version)
     recs = [json.loads(ln[2:]) for ln in stdout.splitlines() if ln.startswith("K ")]
-    assert len(recs) == 46, stdout
+    assert len(recs) == 54, stdout
     for r in recs:
         what = f"{r['label']} {r['kernel']} {r['flags']}: {r}"
         if r["regs"] is None:
