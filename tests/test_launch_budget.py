@@ -152,3 +152,25 @@ def test_bench_overhead_lists_every_entry_point_it_times(device):
     with stubbed_launches():
         timed = overhead.entry_points(device, torch.float32)
     assert tuple(timed) == overhead.ENTRY_POINTS
+
+
+def test_a_call_signature_seen_before_still_follows_the_default_backend_and_rejects_bad_input(device):
+    # checks and plans are remembered per call signature (gradops.ops._plans): a call seen
+    # before must still take the backend the default now names, and a bad call must still fail
+    from gradops.errors import AclnnError
+
+    x, w = rand((4, 64), torch.float32, device), rand((64,), torch.float32, device)
+    with gradops.use_backend("reference"):
+        assert gradops.rms_norm(x, w, 1e-6)[0].shape == (4, 64)
+        with stubbed_launches() as launched:
+            GF.rms_norm(x, (64,), w, 1e-6)
+        assert launched == []  # the reference runs no Triton kernel
+    with stubbed_launches() as launched:  # the module fixture's default: triton
+        GF.rms_norm(x, (64,), w, 1e-6)
+        gradops.rms_norm(x, w, 1e-6)
+    assert launched == ["_rms_fwd_fused_kernel"] * 2
+    for _ in range(2):
+        with pytest.raises(AclnnError, match="eps"):
+            GF.rms_norm(x, (64,), w, "1e-6")
+        with pytest.raises(AclnnError, match="weight"):
+            GF.rms_norm(x, (64,), w[:32], 1e-6)

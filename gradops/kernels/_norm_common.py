@@ -2,6 +2,8 @@
 the deterministic reduction of float partial rows."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -13,6 +15,20 @@ from . import norm_config
 def tl_acc(dtype: torch.dtype):
     """Triton accumulator dtype for inputs of ``dtype`` (float64 stays float64)."""
     return tl.float64 if stat_dtype(dtype) == torch.float64 else tl.float32
+
+
+@functools.lru_cache(maxsize=4096)
+def fused_launch(kernel, m: int, n: int, dtype: torch.dtype, device: torch.device, kind: str, streams: int,
+                 flags: tuple):
+    """What a whole-row launch of ``kernel`` takes besides its tensors, strides and scalars,
+    decided once per call signature (a training step repeats its signatures): the kernel
+    bound to its grid, the trailing loop arguments (tiles per program, programs), the
+    keyword arguments (``flags`` as (name, value) pairs, ACC, tile sizes, launch options), and
+    the grid size (the partial rows of a backward)."""
+    cfg = norm_config.fused_config(m, n, device, kind=kind, elem_bytes=dtype.itemsize, streams=streams)
+    kw = dict(flags, ACC=tl_acc(dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+              **cfg.launch())
+    return kernel[(cfg.grid,)], (cfg.tiles_per_program, cfg.grid), kw, cfg.grid
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,17 @@ import triton.language as tl
 
 from ..ops._checks import stat_dtype
 from . import norm_config
-from ._norm_common import as_rows, div_rn, dx_target, load_input, row_stride, sum_partial_rows, tl_acc, vector
+from ._norm_common import (
+    as_rows,
+    div_rn,
+    dx_target,
+    fused_launch,
+    load_input,
+    row_stride,
+    sum_partial_rows,
+    tl_acc,
+    vector,
+)
 from ._scalar_args import float64_bits, unpack_float64
 
 
@@ -159,14 +169,13 @@ def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
     r = as_rows(residual) if has_res else x
     h = h_out if has_res else x  # the ops layer passes a fresh contiguous h_out
     strides = (row_stride(x), row_stride(r), row_stride(h), row_stride(y))
-    common = dict(HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=has_res, ACC=tl_acc(x.dtype))
-    shape = dict(elem_bytes=x.element_size(), streams=2 if has_res else 1)
+    flags = (("HAS_W", weight is not None), ("HAS_B", bias is not None), ("HAS_RES", has_res))
     if norm_config.is_fused(n, x.device, "fwd"):
-        cfg = norm_config.fused_config(m, n, x.device, kind="fwd", **shape)
-        _ln_fwd_fused_kernel[(cfg.grid,)](
-            x, r, h, y, w, b, mean, rstd, m, n, *strides, float64_bits(eps), cfg.tiles_per_program, cfg.grid,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **common)
+        launch, loop, kw, _ = fused_launch(_ln_fwd_fused_kernel, m, n, x.dtype, x.device, "fwd", 1 + has_res, flags)
+        launch(x, r, h, y, w, b, mean, rstd, m, n, *strides, float64_bits(eps), *loop, **kw)
     else:
+        common = dict(flags, ACC=tl_acc(x.dtype))
+        shape = dict(elem_bytes=x.element_size(), streams=2 if has_res else 1)
         cfg = norm_config.split_config(m, n, x.device, kind="fwd", **shape)
         _ln_fwd_wide_kernel[(m,)](
             x, r, h, y, w, b, mean, rstd, n, *strides, float64_bits(eps),
@@ -340,28 +349,29 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
     dx_buf, copy_back = dx_target(dx_out, x) if want_dx else (x_rows, False)
     has_dres = dres is not None and want_dx
     dres_rows = as_rows(dres) if has_dres else x_rows
-    flags = dict(HAS_W=weight is not None, HAS_DRES=has_dres, WANT_DX=want_dx, WANT_DW=want_dw, WANT_DB=want_db,
-                 ACC=tl_acc(x.dtype))
+    flag_pairs = (("HAS_W", weight is not None), ("HAS_DRES", has_dres), ("WANT_DX", want_dx), ("WANT_DW", want_dw),
+                  ("WANT_DB", want_db))
     strides = (row_stride(dy_rows), row_stride(x_rows), row_stride(dres_rows), row_stride(dx_buf))
-    shape = dict(elem_bytes=x.element_size(), streams=3 if has_dres else 2)
+    streams = 3 if has_dres else 2
 
     if norm_config.is_fused(n, device):
-        cfg = norm_config.fused_config(m, n, device, **shape)
+        launch, loop, kw, programs = fused_launch(_ln_bwd_fused_kernel, m, n, x.dtype, device, "bwd", streams,
+                                                  flag_pairs)
         # dw and db partials side by side in one buffer, summed by one reduction launch.
         n_partials = int(want_dw) + int(want_db)
-        partial = torch.empty((cfg.grid, n_partials * n) if n_partials else (1, 1), dtype=acc, device=device)
+        partial = torch.empty((programs, n_partials * n) if n_partials else (1, 1), dtype=acc, device=device)
         db_p = partial[:, n:] if want_dw else partial
-        _ln_bwd_fused_kernel[(cfg.grid,)](
-            dy_rows, x_rows, w, mean, rstd, dres_rows, dx_buf, partial, db_p,
-            m, n, *strides, partial.stride(0), cfg.tiles_per_program, cfg.grid,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **flags)
+        launch(dy_rows, x_rows, w, mean, rstd, dres_rows, dx_buf, partial, db_p, m, n, *strides, partial.stride(0),
+               *loop, **kw)
         if n_partials == 2:
             dw, db = sum_partial_rows(partial, out_dtype, parts=2)
         elif n_partials:
             sums = sum_partial_rows(partial, out_dtype)
             dw, db = (sums, None) if want_dw else (None, sums)
     else:
-        cfg = norm_config.split_config(m, n, device, whole_columns=True, **shape)
+        flags = dict(flag_pairs, ACC=tl_acc(x.dtype))
+        cfg = norm_config.split_config(m, n, device, whole_columns=True, elem_bytes=x.element_size(),
+                                       streams=streams)
         segs = cfg.row_segments
         c1 = c2 = mean[:, None]  # unused unless dx is wanted
         if want_dx:

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ..ops._checks import stat_dtype
 from . import norm_config
-from ._norm_common import as_rows, dx_target, load_input, row_stride, sum_partial_rows, tl_acc, vector
+from ._norm_common import as_rows, dx_target, fused_launch, load_input, row_stride, sum_partial_rows, tl_acc, vector
 from ._scalar_args import float64_bits, unpack_float64
 
 
@@ -106,16 +106,14 @@ def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=N
     has_res = residual is not None
     r = as_rows(residual) if has_res else x
     h = h_out if has_res else x  # the ops layer passes a fresh contiguous h_out
-    common = dict(HAS_W=gamma is not None, HAS_RES=has_res, ROUND_XHAT=bool(round_xhat), ACC=tl_acc(x.dtype))
+    flags = (("HAS_W", gamma is not None), ("HAS_RES", has_res), ("ROUND_XHAT", bool(round_xhat)))
     strides = (row_stride(x), row_stride(r), row_stride(h), row_stride(y))
-    shape = dict(elem_bytes=x.element_size(), streams=2 if has_res else 1)
     if norm_config.is_fused(n, x.device, "fwd"):
-        cfg = norm_config.fused_config(m, n, x.device, kind="fwd", **shape)
-        _rms_fwd_fused_kernel[(cfg.grid,)](
-            x, r, h, y, w, rstd, m, n, *strides, float64_bits(eps), float64_bits(offset),
-            cfg.tiles_per_program, cfg.grid,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **common)
+        launch, loop, kw, _ = fused_launch(_rms_fwd_fused_kernel, m, n, x.dtype, x.device, "fwd", 1 + has_res, flags)
+        launch(x, r, h, y, w, rstd, m, n, *strides, float64_bits(eps), float64_bits(offset), *loop, **kw)
     else:
+        common = dict(flags, ACC=tl_acc(x.dtype))
+        shape = dict(elem_bytes=x.element_size(), streams=2 if has_res else 1)
         cfg = norm_config.split_config(m, n, x.device, kind="fwd", **shape)
         _rms_fwd_wide_kernel[(m,)](
             x, r, h, y, w, rstd, n, *strides, float64_bits(eps), float64_bits(offset),
@@ -248,19 +246,19 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False,
     offset_bits = float64_bits(offset)
     dres_rows = as_rows(dres) if dres is not None else x_rows
     dx_buf, copy_back = dx_target(dx_out, x)
-    flags = dict(HAS_W=gamma is not None, HAS_DRES=dres is not None, ROUND_XHAT=bool(round_xhat),
-                 ACC=tl_acc(x.dtype))
-    shape = dict(elem_bytes=x.element_size(), streams=3 if dres is not None else 2)
+    flag_pairs = (("HAS_W", gamma is not None), ("HAS_DRES", dres is not None), ("ROUND_XHAT", bool(round_xhat)))
+    streams = 3 if dres is not None else 2
     strides = (row_stride(dy_rows), row_stride(x_rows), row_stride(dres_rows), row_stride(dx_buf))
     if norm_config.is_fused(n, device):
-        cfg = norm_config.fused_config(m, n, device, **shape)
-        partial = torch.empty((cfg.grid, n), dtype=acc, device=device)
-        _rms_bwd_fused_kernel[(cfg.grid,)](
-            dy_rows, x_rows, w, rstd, dres_rows, dx_buf, partial, m, n, *strides,
-            partial.stride(0), offset_bits, cfg.tiles_per_program, cfg.grid,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **cfg.launch(), **flags)
+        launch, loop, kw, programs = fused_launch(_rms_bwd_fused_kernel, m, n, x.dtype, device, "bwd", streams,
+                                                  flag_pairs)
+        partial = torch.empty((programs, n), dtype=acc, device=device)
+        launch(dy_rows, x_rows, w, rstd, dres_rows, dx_buf, partial, m, n, *strides, partial.stride(0), offset_bits,
+               *loop, **kw)
         dgamma = sum_partial_rows(partial, out_dtype)
     else:
+        flags = dict(flag_pairs, ACC=tl_acc(x.dtype))
+        shape = dict(elem_bytes=x.element_size(), streams=streams)
         cfg = norm_config.split_config(m, n, device, whole_columns=True, **shape)
         segs = cfg.row_segments
         c = torch.empty((m, segs), dtype=acc, device=device)

@@ -167,8 +167,9 @@ def _check_norm(op: str, input, residual, normalized_shape, weight, bias, eps, b
     """The norm functionals' arguments: returns (normalized_shape as a list, eps, backend).
     ``fused``: the residual is required; ``eps_optional``: None stays None (torch's default).
     Remembered per call signature (``gradops.ops._plans``): a training step's calls pass once."""
-    key = _plans.signature("gradops.nn.functional." + op, backend, (input, residual, weight, bias),
-                           (normalized_shape, eps, fused, shape_status, eps_optional))
+    # (the backend as requested: the default when None, which the checks resolve it to)
+    key = _plans.signature("gradops.nn.functional." + op, requested(backend), (input, residual, weight, bias),
+                           (normalized_shape, eps, fused, shape_status, eps_optional), placement=False)
     plan = _plans.lookup(key)
     if plan is None:
         plan = _plans.remember(key, _checked_norm(op, input, residual, normalized_shape, weight, bias, eps, backend,

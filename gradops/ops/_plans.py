@@ -20,26 +20,33 @@ import torch
 
 from .. import _backend
 
-_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 MAX_PLANS = 4096  # a model has a handful of norm signatures; this only bounds a pathological caller
 _plans: dict = {}
 
 
-def signature(op: str, backend, tensors: Sequence[Optional[torch.Tensor]], attrs: Sequence[object]
-              ) -> Optional[Hashable]:
+def signature(op: str, backend, tensors: Sequence[Optional[torch.Tensor]], attrs: Sequence[object], *,
+              placement: bool = True) -> Optional[Hashable]:
     """A hashable key of the call, or None when it cannot be keyed (a tensor subclass or a
-    non-tensor where a tensor belongs, an unhashable attribute)."""
-    parts = [op, backend, _backend.default_backend(), _backend.triton_interpreter_on()]
+    non-tensor where a tensor belongs, an unhashable attribute) or should not be: while
+    torch.compile traces the call (its checks then run once, at trace time, and a cache
+    would only be traced into the graph). ``placement``: the checks choose the backend
+    module, so the key holds the default backend and whether the Triton interpreter is on
+    (False: checks that only resolve ``backend``, which the caller passes resolved)."""
+    if torch.compiler.is_compiling():
+        return None
+    key = [op, backend]
+    if placement:
+        key += (_backend.default_backend(), _backend.triton_interpreter_on())
     for t in tensors:
         if t is None:
-            parts.append(None)
-        elif type(t) in _TENSOR_TYPES:
-            parts.append((t.shape, t.stride(), t.dtype, t.device))
+            key.append(None)
+        elif type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+            key += (t.shape, t.stride(), t.dtype, t.device)
         else:
             return None
     for a in attrs:
-        parts.append((type(a), tuple(a) if isinstance(a, list) else a))
-    key = tuple(parts)
+        key += (type(a), tuple(a) if type(a) is list else a)
+    key = tuple(key)
     try:
         hash(key)
     except TypeError:
