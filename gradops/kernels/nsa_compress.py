@@ -36,7 +36,7 @@ import triton.language as tl
 from ..errors import ACLNN_ERR_INNER, AclnnError
 from ..reference.nsa_compress import packing_tables
 from . import nsa_config
-from .nsa_config import BackwardConfig, ForwardConfig, next_pow2
+from .nsa_config import BackwardConfig, ForwardConfig, cdiv, next_pow2
 
 _TL_ACC = {torch.float64: tl.float64}
 
@@ -318,8 +318,8 @@ def _forward(x, weight, block_size, stride, cu_seqlens, num_blocks, cfg: Forward
     tables = packing_tables(_seq_tables, tuple(cu_seqlens), block_size, stride, x.device)
     _check_num_blocks(tables, num_blocks, "nsa_compress")
     x = _last_dim_contiguous(x)
-    grid = (triton.cdiv(num_blocks, cfg.block_c),
-            triton.cdiv(num_heads, cfg.block_h) * triton.cdiv(head_dim, cfg.block_d))
+    grid = (cdiv(num_blocks, cfg.block_c),
+            cdiv(num_heads, cfg.block_h) * cdiv(head_dim, cfg.block_d))
     _nsa_compress_fwd_kernel[grid](
         x, weight, out, tables.cu_seqlens, tables.cu_blocks,
         num_blocks, num_heads, head_dim, block_size, stride, tables.num_seqs, tables.search_steps,
@@ -343,13 +343,13 @@ def backward_workspace(num_chunks: int, num_heads: int, head_dim: int, block_siz
                        cfg: BackwardConfig, dtype: torch.dtype):
     """Shape and dtype of the dweight partials: one [l, N] row per (chunk, head-dim slice)."""
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    return (num_chunks * triton.cdiv(head_dim, cfg.block_d), block_size, num_heads), acc
+    return (num_chunks * cdiv(head_dim, cfg.block_d), block_size, num_heads), acc
 
 
 def backward_meta(cfg: BackwardConfig, block_size: int, stride: int) -> dict:
     """The compile-time arguments of the backward kernel (the sm_90 compile test builds the
     same kernel from them)."""
-    covering = triton.cdiv(block_size, stride)
+    covering = cdiv(block_size, stride)
     unrolled = covering <= cfg.max_unrolled_cover
     return dict(ROWS=cfg.rows, BLOCK_H=cfg.block_h, BLOCK_D=cfg.block_d, K_PAD=next_pow2(covering),
                 COVER=covering if unrolled else 0, NUM_STAGES=cfg.num_stages if unrolled else 1,
@@ -372,11 +372,11 @@ def _backward(dout, x, weight, block_size, stride, cu_seqlens, num_blocks, cfg: 
     part_shape, part_dtype = backward_workspace(tables.num_chunks, num_heads, head_dim, block_size,
                                                 cfg, x.dtype)
     partials = torch.empty(part_shape, dtype=part_dtype, device=device)
-    covering = triton.cdiv(block_size, stride)
+    covering = cdiv(block_size, stride)
     acc = _acc_dtype(x.dtype)
     grid = (tables.num_chunks,
-            triton.cdiv(stride, cfg.rows) * triton.cdiv(num_heads, cfg.block_h)
-            * triton.cdiv(head_dim, cfg.block_d))
+            cdiv(stride, cfg.rows) * cdiv(num_heads, cfg.block_h)
+            * cdiv(head_dim, cfg.block_d))
     _nsa_compress_bwd_kernel[grid](
         dout, x, weight, dx, partials,
         tables.cu_seqlens, tables.cu_blocks, tables.cu_chunks,
@@ -388,7 +388,7 @@ def _backward(dout, x, weight, block_size, stride, cu_seqlens, num_blocks, cfg: 
     )
     dweight = torch.empty((block_size, num_heads), dtype=x.dtype, device=device)
     width = block_size * num_heads
-    _sum_rows_kernel[(triton.cdiv(width, cfg.reduce_block_w),)](
+    _sum_rows_kernel[(cdiv(width, cfg.reduce_block_w),)](
         partials, dweight, partials.shape[0], width,
         BLOCK_P=cfg.reduce_block_p, BLOCK_W=cfg.reduce_block_w, ACC=acc,
         num_warps=cfg.reduce_num_warps,

@@ -301,8 +301,7 @@ class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, normalized_shape, weight, bias, eps, backend):
         p = _prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
-        with _autocast_off(x.device.type):
-            out = [_fresh(t) for t in p.run()]
+        out = [_fresh(t) for t in p.run()]  # (run() turns autocast off itself)
         y, mean, rstd = out[:3]
         ctx.has_residual = residual is not None
         ctx.save_for_backward(out[3] if ctx.has_residual else x, weight, bias, mean, rstd)
@@ -427,7 +426,7 @@ def _rms_norm_grads(ctx, dy, dh, impl=None):
         with _autocast_off(x.device.type):
             dx, dgamma = _rms_ops.run_rms_norm_grad(
                 impl, dy, x, rstd, gamma, offset=ctx.offset,
-                round_xhat=_rms_ops.check_casting_mode("rms_norm_grad", ctx.casting_mode), dresidual=dh,
+                round_xhat=ctx.casting_mode == "llama", dresidual=dh,  # (the forward validated it)
                 grad_dtype=gamma.dtype)
     else:
         dx, dgamma = torch.ops.gradops.rms_norm_backward(dy, dh, x, rstd, gamma, ctx.offset, ctx.casting_mode,
@@ -452,8 +451,7 @@ class _RmsNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, gamma, eps, offset, casting_mode, backend):
         p = _prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)
-        with _autocast_off(x.device.type):
-            out = [_fresh(t) for t in p.run()]
+        out = [_fresh(t) for t in p.run()]  # (run() turns autocast off itself)
         ctx.has_residual = residual is not None
         ctx.save_for_backward(out[2] if ctx.has_residual else x, gamma, out[1])
         ctx.offset, ctx.casting_mode, ctx.backend = offset, casting_mode, backend
@@ -468,6 +466,14 @@ class _RmsNormFunction(torch.autograd.Function):
 
 def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, casting_mode, backend):
     """rms_norm and fused_add_rms_norm: (y, h), h None without a residual."""
+    # A signature seen before whose weight went to the operator as it is (the common case)
+    # skips the checks and the dtype rules below: they concluded (eps, offset) for it.
+    key = _plans.signature("gradops.nn.functional." + op, requested(backend), (input, residual, weight),
+                           (normalized_shape, eps, offset, casting_mode), placement=False)
+    plan = _plans.lookup(key)
+    if plan is not None:
+        return _norm_call(_RmsNormFunction, torch.ops.gradops.rms_norm, input, residual, weight, *plan,
+                          casting_mode, requested(backend))
     # RMSNorm's shape rules are tiling rules (561002)
     shape, eps, backend = _check_norm(op, input, residual, normalized_shape, weight, None, eps, backend,
                                       fused=op != "rms_norm", shape_status=ACLNN_ERR_INNER_TILING_ERROR,
@@ -506,6 +512,10 @@ def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, c
             # the other half type (fp16 beside bf16): "gemma" computes in float32 anyway, so
             # the exactly widened weight gives the same result in CANN's dtype table
             weight = weight.float()
+        else:
+            _plans.remember(key, (float(eps), offset))
+    else:
+        _plans.remember(key, (float(eps), offset))
     return _norm_call(_RmsNormFunction, torch.ops.gradops.rms_norm, input, residual, weight, float(eps), offset,
                       casting_mode, backend)
 
@@ -657,6 +667,31 @@ def _nsa_backward(ctx, dout):
     return dx if need_x else None, dw if need_w else None, None, None, None, None, None
 
 
+class _NsaCompressFunction(torch.autograd.Function):
+    """The eager path of ``gradops::nsa_compress`` (as the norms', see ``_eager``): the same
+    validation and backend code without the custom op's dispatch layers, which cost a small
+    call more host time than its kernels take on a GPU."""
+
+    @staticmethod
+    def forward(ctx, x, weight, block_size, stride, seq_lens, seq_lens_type, backend):
+        out = _nsa_forward(x, weight, block_size, stride, seq_lens, seq_lens_type, backend)
+        ctx.save_for_backward(x, weight)
+        ctx.seq_lens = seq_lens
+        ctx.args = (block_size, stride, seq_lens_type, backend)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if torch.is_grad_enabled():  # create_graph: the op's autograd says why it cannot
+            return _nsa_backward(ctx, dout)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        if not (need_x or need_w):
+            return (None,) * 7
+        (x, weight), (block_size, stride, seq_lens_type, backend) = ctx.saved_tensors, ctx.args
+        dx, dw = _nsa_grad(dout, x, weight, block_size, stride, ctx.seq_lens, seq_lens_type, backend)
+        return dx if need_x else None, dw if need_w else None, None, None, None, None, None
+
+
 for _name in ("nsa_compress", "nsa_compress_seqlens_tensor"):
     torch.library.register_autograd(f"gradops::{_name}", _nsa_backward, setup_context=_nsa_setup)
     torch.library.register_autograd(f"gradops::{_name}_backward",
@@ -692,6 +727,8 @@ def nsa_compress(x: Tensor, weight: Tensor, block_size: int, stride: int,
         return torch.ops.gradops.nsa_compress_seqlens_tensor(x, weight, block_size, stride, seq_lens,
                                                              type_name, backend)
     seq_lens = _nsa_ops.seq_lens_to_list(op, seq_lens)
+    if _eager(x) and not torch.is_autocast_enabled(x.device.type):  # (autocast casts through the op)
+        return _NsaCompressFunction.apply(x, weight, block_size, stride, seq_lens, type_name, backend)
     return torch.ops.gradops.nsa_compress(x, weight, block_size, stride, seq_lens, type_name, backend)
 
 
