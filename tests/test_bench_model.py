@@ -84,3 +84,20 @@ def test_liger_reasons(monkeypatch):
     assert bench_model.liger_unusable("llama", "cuda") is None
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", None)
     assert "not importable" in bench_model.liger_unusable("llama", "cuda")
+
+
+def test_compile_times_both_under_torch_compile_as_cases_of_their_own(tmp_path, monkeypatch):
+    # --compile adds the unpatched and the gradops-patched model under torch.compile, as cases
+    # with compiled=True (so each is compared with the other, not with an eager run). What
+    # compiles here is not the point (a real compile of even the tiny model takes ~30 s on this
+    # machine; `gradops bench model --quick --compile` runs it): torch.compile is recorded.
+    import torch
+
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda model: compiled.append(model) or model)
+    assert bench_model.main(QUICK + ["--models", "gpt2", "--compile", "--out", str(tmp_path), "--tag", "t"]) == 0
+    data = json.loads((tmp_path / "t.json").read_text())
+    cases = {(r["impl"], r["case"].get("compiled", False)) for r in data["records"] if r["times_ms"]}
+    assert cases == {("unpatched", False), (OURS, False), ("unpatched", True), (OURS, True)}
+    assert len(compiled) == 2 and sum(1 for r in data["ratios"] if r["case"].get("compiled")
+                                      and r["speedup_of_ours"]) == 1
