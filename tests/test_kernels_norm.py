@@ -179,7 +179,17 @@ def test_wide_layer_norm_forward_keeps_variance_accurate_with_a_large_mean(devic
     assert_close(rstd, rstd_o.reshape(4), F32, what="rstd")
 
 
-def test_wide_layer_norm_forward_mean_is_as_accurate_as_torch(device, force_split, monkeypatch):
+@pytest.fixture
+def fresh_configs():
+    """Configurations are cached per signature: a test that changes norm_config's constants
+    starts and leaves without any decided under other constants (request it before
+    monkeypatch, so that the constants are back before the caches are cleared)."""
+    norm_config.clear_caches()
+    yield
+    norm_config.clear_caches()
+
+
+def test_wide_layer_norm_forward_mean_is_as_accurate_as_torch(fresh_configs, device, force_split, monkeypatch):
     # 70000 columns in blocks of 2048 (the GPU's): the mean is the first block's mean plus
     # the sum of deviations from it, not 35 rounded running-mean updates, so an offset of
     # 1e3 costs about one rounding of the mean (torch's float32 mean: 3.3e-5 here; the
@@ -897,3 +907,31 @@ def test_bench_rates_divide_by_the_kernel_time_where_it_was_measured():
     run.add(harness.Record("rms_bwd", {}, "aten", [1.0, 1.0], bytes=1e9, extra={"kernel_ms": 1.0}))
     peer = run.ratios()[1]
     assert peer["speedup_of_ours"] == pytest.approx(0.5) and peer["kernel_speedup_of_ours"] == pytest.approx(2.0)
+
+
+def test_split_backward_with_the_gpu_configuration_through_the_interpreter(fresh_configs, monkeypatch):
+    # On the CPU the split backward's column block equals the row kernels' and rows have two
+    # segments; on a GPU the column block narrows or widens with N and the segments tile is
+    # padded to a power of two. The GPU's configuration (4 SMs, to keep it small), run here:
+    # results as the reference's.
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(norm_config, "MAX_FUSED_N_OVERRIDE", 64)
+    monkeypatch.setattr(norm_config, "_sm_count", lambda index: 4)
+    whole = norm_config.split_config
+    monkeypatch.setattr(norm_config, "split_config", lambda m, n, device, **kw: whole(m, n, gpu, **kw))
+    gen = torch.Generator().manual_seed(0)
+    for m, n in ((3, 2048 * 5 + 7), (40, 2048 * 2 + 5)):
+        cfg = whole(m, n, gpu, whole_columns=True)
+        assert cfg.block_n != cfg.row_block_n or cfg.row_segments not in (1, 2, 4, 8)
+        x, dy, w, dres = (torch.randn(*shape, generator=gen, dtype=torch.float64).float()
+                          for shape in ((m, n), (m, n), (n,), (m, n)))
+        mean, rstd = x.mean(1), (x.var(1, unbiased=False) + 1e-5).rsqrt()
+        got = KLN.layer_norm_backward(dy, x, mean, rstd, w, (True, True, True), None, dres)
+        want = RLN.layer_norm_backward(dy, x, mean, rstd, w, (True, True, True), None, dres)
+        for g, e, what in zip(got, want, ("dx", "dw", "db")):
+            assert_close(g, e, F32, what=f"{what} {m}x{n}")
+        rs = (x.pow(2).mean(1) + 1e-6).rsqrt()
+        got = KRN.rms_norm_grad(dy, x, rs, w, None, 0.0, False, dres)
+        want = RRN.rms_norm_grad(dy, x, rs, w, None, 0.0, False, dres)
+        for g, e, what in zip(got, want, ("dx", "dgamma")):
+            assert_close(g, e, F32, what=f"rms {what} {m}x{n}")

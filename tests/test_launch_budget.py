@@ -174,3 +174,29 @@ def test_a_call_signature_seen_before_still_follows_the_default_backend_and_reje
             GF.rms_norm(x, (64,), w, "1e-6")
         with pytest.raises(AclnnError, match="weight"):
             GF.rms_norm(x, (64,), w[:32], 1e-6)
+
+
+def test_a_remembered_signature_keys_its_attributes_by_type_and_value(device):
+    # 64.0 == 64 and True == 1 in Python, not to the checks; a tensor-valued attribute may
+    # change after the call (and a key would keep it alive): it is never remembered
+    from gradops.errors import AclnnError
+    from gradops.kernels._scalar_args import float64_bits
+    from gradops.ops import _plans
+
+    x, w, b = (rand(shape, torch.float32, device) for shape in ((4, 64), (64,), (64,)))
+    gradops.layer_norm(x, (64,), w, b, 1e-5)
+    GF.layer_norm(x, (64,), w, b, 1e-5)
+    for bad in ((64.0,), [64.0]):
+        with pytest.raises(AclnnError, match="normalized_shape"):
+            gradops.layer_norm(x, bad, w, b, 1e-5)
+        with pytest.raises(AclnnError, match="normalized_shape"):
+            GF.layer_norm(x, bad, w, b, 1e-5)
+    shape = torch.tensor([64])
+    gradops.layer_norm(x, shape, w, b, 1e-5)
+    shape[0] = 32
+    with pytest.raises(AclnnError, match="normalized_shape"):
+        gradops.layer_norm(x, shape, w, b, 1e-5)
+    assert not any(isinstance(part, torch.Tensor) for key in _plans._plans for part in key)
+    # -0.0 == 0.0, but an offset of -0.0 leaves -0.0 weights' zeros negative
+    assert _plans.signature("op", None, (), (0.0,)) != _plans.signature("op", None, (), (-0.0,))
+    assert float64_bits(0.0) == 0 and float64_bits(-0.0) == -(2 ** 63)

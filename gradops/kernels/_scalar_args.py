@@ -15,14 +15,12 @@ divisible by 16).
 """
 from __future__ import annotations
 
-import functools
 import struct
 
 import triton
 import triton.language as tl
 
 
-@functools.lru_cache(maxsize=256)  # a model passes the same few eps on every call
 def float64_bits(value: float) -> int:
     """``value`` as a kernel argument: the IEEE-754 bits of its float64, as a signed int64."""
     return struct.unpack("<q", struct.pack("<d", float(value)))[0]

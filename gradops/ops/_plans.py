@@ -8,12 +8,14 @@ from :func:`lookup` instead of running the checks. Only calls that passed every 
 remembered, so bad input still fails every time with its own error.
 
 The key holds everything the checks read: each tensor's exact type, shape, strides, dtype and
-device, the attribute values (with their types), the backend asked for, the default backend
-and whether the Triton interpreter is on. Checks that read data pointers (an in-place call's
-overlap rules) are not keyed: such calls are not cached.
+device, the attribute values (with their types, item by item; a tensor-valued attribute is
+not keyed: such calls are not cached), the backend asked for, the default backend and
+whether the Triton interpreter is on. Checks that read data pointers (an in-place call's
+overlap rules) are not keyed either: such calls are not cached.
 """
 from __future__ import annotations
 
+import math
 from typing import Hashable, Optional, Sequence
 
 import torch
@@ -45,13 +47,32 @@ def signature(op: str, backend, tensors: Sequence[Optional[torch.Tensor]], attrs
         else:
             return None
     for a in attrs:
-        key += (type(a), tuple(a) if type(a) is list else a)
+        part = _attr_key(a)
+        if part is None:
+            return None
+        key.append(part)
     key = tuple(key)
     try:
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def _attr_key(a):
+    """An attribute as its key: its value and its type (1, 1.0 and True are equal in Python,
+    not to the checks), a sequence item by item, a float with its sign (-0.0 == 0.0, but an
+    offset of -0.0 gives other zeros than 0.0). None for what cannot be keyed by value: a
+    tensor or an array (its values may change after the call, and a key would keep it alive)."""
+    kind = type(a)
+    if kind in (list, tuple, torch.Size):
+        items = tuple(_attr_key(v) for v in a)
+        return None if None in items else (kind, items)
+    if kind is float:
+        return kind, a, math.copysign(1.0, a)
+    if isinstance(a, torch.Tensor) or hasattr(a, "__array__"):
+        return None
+    return kind, a
 
 
 def lookup(key: Optional[Hashable]):
