@@ -322,21 +322,7 @@ def graph_times(fn: Callable[[], object], device: str, *, reps: int = 20, flush_
         finally:
             graph.capture_end()
     torch.cuda.current_stream(dev).wait_stream(side)
-    times = []
-    start_all = time.perf_counter()
-    for _ in range(reps):
-        if flush_l2:
-            _flush_l2(dev)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-        if time.perf_counter() - start_all > max_seconds and len(times) >= 3:
-            break
-    del graph
-    return times
+    return measure(graph.replay, device, warmup=1, reps=reps, flush_l2=flush_l2, max_seconds=max_seconds)
 
 
 HOST_CALLS = 20  # calls queued back to back to time the host's share of one

@@ -196,11 +196,12 @@ class _FloorLayerNorm(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def _configs(m: int, n: int, device):
+def _configs(m: int, n: int, device, dtype: torch.dtype):
     from ..kernels import norm_config as C
 
-    bwd = C.fused_config(m, n, device)
-    return C.fused_config(m, n, device, kind="fwd", streams=1), bwd, C.reduce_config(bwd.grid, 2 * n, device)
+    bwd = C.fused_config(m, n, device, elem_bytes=dtype.itemsize)
+    fwd = C.fused_config(m, n, device, kind="fwd", elem_bytes=dtype.itemsize, streams=1)
+    return fwd, bwd, C.reduce_config(bwd.grid, 2 * n, device)
 
 
 ENTRY_POINTS = ("F.rms_norm fwd+bwd", "F.layer_norm fwd+bwd", "nn.RMSNorm fwd+bwd", "nn.LayerNorm fwd+bwd",
@@ -248,7 +249,7 @@ def entry_points(device: str, dtype: torch.dtype):
     b = torch.randn(n, generator=gen).to(device=dev, dtype=dtype).requires_grad_()
     dy = torch.randn(m, n, generator=gen).to(device=dev, dtype=dtype)
     xd, wd, bd = x.detach(), w.detach(), b.detach()
-    fwd, bwd, red = _configs(m, n, dev)
+    fwd, bwd, red = _configs(m, n, dev, dtype)
     _, mean, rstd = torch.native_layer_norm(xd, (n,), wd, bd, 1e-5)
     rms_rstd = torch.rsqrt(xd.float().pow(2).mean(-1) + 1e-6)
     rms_module = gradops.nn.RMSNorm(n, eps=1e-6, device=dev, dtype=dtype)

@@ -22,13 +22,13 @@ def fused_launch(kernel, m: int, n: int, dtype: torch.dtype, device: torch.devic
                  flags: tuple):
     """What a whole-row launch of ``kernel`` takes besides its tensors, strides and scalars,
     decided once per call signature (a training step repeats its signatures): the kernel
-    bound to its grid, the trailing loop arguments (tiles per program, programs), the
-    keyword arguments (``flags`` as (name, value) pairs, ACC, tile sizes, launch options), and
-    the grid size (the partial rows of a backward)."""
+    bound to its grid, its configuration (the loop arguments ``tiles_per_program`` and
+    ``grid``, the partial rows of a backward) and the keyword arguments (``flags`` as (name,
+    value) pairs, ACC, tile sizes, launch options)."""
     cfg = norm_config.fused_config(m, n, device, kind=kind, elem_bytes=dtype.itemsize, streams=streams)
     kw = dict(flags, ACC=tl_acc(dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
               **cfg.launch())
-    return kernel[(cfg.grid,)], (cfg.tiles_per_program, cfg.grid), kw, cfg.grid
+    return kernel[(cfg.grid,)], cfg, kw
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:

@@ -171,8 +171,8 @@ def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
     strides = (row_stride(x), row_stride(r), row_stride(h), row_stride(y))
     flags = (("HAS_W", weight is not None), ("HAS_B", bias is not None), ("HAS_RES", has_res))
     if norm_config.is_fused(n, x.device, "fwd"):
-        launch, loop, kw, _ = fused_launch(_ln_fwd_fused_kernel, m, n, x.dtype, x.device, "fwd", 1 + has_res, flags)
-        launch(x, r, h, y, w, b, mean, rstd, m, n, *strides, float64_bits(eps), *loop, **kw)
+        launch, cfg, kw = fused_launch(_ln_fwd_fused_kernel, m, n, x.dtype, x.device, "fwd", 1 + has_res, flags)
+        launch(x, r, h, y, w, b, mean, rstd, m, n, *strides, float64_bits(eps), cfg.tiles_per_program, cfg.grid, **kw)
     else:
         common = dict(flags, ACC=tl_acc(x.dtype))
         shape = dict(elem_bytes=x.element_size(), streams=2 if has_res else 1)
@@ -355,14 +355,14 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
     streams = 3 if has_dres else 2
 
     if norm_config.is_fused(n, device):
-        launch, loop, kw, programs = fused_launch(_ln_bwd_fused_kernel, m, n, x.dtype, device, "bwd", streams,
-                                                  flag_pairs)
+        launch, cfg, kw = fused_launch(_ln_bwd_fused_kernel, m, n, x.dtype, device, "bwd", streams,
+                                       flag_pairs)
         # dw and db partials side by side in one buffer, summed by one reduction launch.
         n_partials = int(want_dw) + int(want_db)
-        partial = torch.empty((programs, n_partials * n) if n_partials else (1, 1), dtype=acc, device=device)
+        partial = torch.empty((cfg.grid, n_partials * n) if n_partials else (1, 1), dtype=acc, device=device)
         db_p = partial[:, n:] if want_dw else partial
         launch(dy_rows, x_rows, w, mean, rstd, dres_rows, dx_buf, partial, db_p, m, n, *strides, partial.stride(0),
-               *loop, **kw)
+               cfg.tiles_per_program, cfg.grid, **kw)
         if n_partials == 2:
             dw, db = sum_partial_rows(partial, out_dtype, parts=2)
         elif n_partials:

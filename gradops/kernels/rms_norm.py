@@ -109,8 +109,8 @@ def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=N
     flags = (("HAS_W", gamma is not None), ("HAS_RES", has_res), ("ROUND_XHAT", bool(round_xhat)))
     strides = (row_stride(x), row_stride(r), row_stride(h), row_stride(y))
     if norm_config.is_fused(n, x.device, "fwd"):
-        launch, loop, kw, _ = fused_launch(_rms_fwd_fused_kernel, m, n, x.dtype, x.device, "fwd", 1 + has_res, flags)
-        launch(x, r, h, y, w, rstd, m, n, *strides, float64_bits(eps), float64_bits(offset), *loop, **kw)
+        launch, cfg, kw = fused_launch(_rms_fwd_fused_kernel, m, n, x.dtype, x.device, "fwd", 1 + has_res, flags)
+        launch(x, r, h, y, w, rstd, m, n, *strides, float64_bits(eps), float64_bits(offset), cfg.tiles_per_program, cfg.grid, **kw)
     else:
         common = dict(flags, ACC=tl_acc(x.dtype))
         shape = dict(elem_bytes=x.element_size(), streams=2 if has_res else 1)
@@ -250,11 +250,11 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False,
     streams = 3 if dres is not None else 2
     strides = (row_stride(dy_rows), row_stride(x_rows), row_stride(dres_rows), row_stride(dx_buf))
     if norm_config.is_fused(n, device):
-        launch, loop, kw, programs = fused_launch(_rms_bwd_fused_kernel, m, n, x.dtype, device, "bwd", streams,
-                                                  flag_pairs)
-        partial = torch.empty((programs, n), dtype=acc, device=device)
+        launch, cfg, kw = fused_launch(_rms_bwd_fused_kernel, m, n, x.dtype, device, "bwd", streams,
+                                       flag_pairs)
+        partial = torch.empty((cfg.grid, n), dtype=acc, device=device)
         launch(dy_rows, x_rows, w, rstd, dres_rows, dx_buf, partial, m, n, *strides, partial.stride(0), offset_bits,
-               *loop, **kw)
+               cfg.tiles_per_program, cfg.grid, **kw)
         dgamma = sum_partial_rows(partial, out_dtype)
     else:
         flags = dict(flag_pairs, ACC=tl_acc(x.dtype))
