@@ -23,6 +23,16 @@ _scale_bits = float64_bits
 _unpack_scale = unpack_float64
 
 
+def dot_constexprs(dtype: torch.dtype, device: torch.device) -> dict:
+    """The ``tl.dot`` constexprs every Floyd kernel takes for inputs of ``dtype`` on ``device``:
+    IEEE products for float32 and float64 (TF32 would lose ~3 decimal digits the reference
+    keeps; 16-bit products are exact in float32 anyway), and UPCAST where the kernels run in
+    the Triton interpreter, whose bfloat16 tl.dot is wrong (triton#11584): there bfloat16
+    tiles are widened to float32 as they are loaded."""
+    precision = "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+    return dict(PRECISION=precision, UPCAST=dtype == torch.bfloat16 and device.type == "cpu")
+
+
 def _mask_arg(mask, like: torch.Tensor):
     """(pointer tensor, strides b/n/k, has_mask) for the kernels; bool is read as bytes."""
     if mask is None:

@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from . import floyd_chunked
-from ._floyd_common import _ACC, _NEG_FLT_MAX, _TL, FLT_MAX, _mask_arg, _scale_bits, _unpack_scale
+from ._floyd_common import _ACC, _NEG_FLT_MAX, _TL, FLT_MAX, _mask_arg, _scale_bits, _unpack_scale, dot_constexprs
 from .floyd_config import FUSED_MAX_HEAD_DIM, floyd_config, forced_strategy, strategy
 
 
@@ -462,13 +462,7 @@ def _launch_args(q: torch.Tensor, scale: float):
     acc = _ACC.get(q.dtype)
     if acc is None:  # gradops.ops admits only float dtypes; reaching here is a bug
         raise TypeError(f"Floyd attention kernels take float16, bfloat16, float32 or float64, got {q.dtype}")
-    # IEEE products for float32 and float64: TF32 would lose ~3 decimal digits the reference
-    # keeps. 16-bit inputs keep the default (their products are exact in float32 anyway).
-    precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
-    # On CPU the kernels run in the Triton interpreter, whose bfloat16 tl.dot is wrong
-    # (triton#11584): there bfloat16 tiles are widened to float32 as they are loaded.
-    upcast = q.dtype == torch.bfloat16 and q.device.type == "cpu"
-    consts = dict(PRECISION=precision, ACC=_TL[acc], UPCAST=upcast)
+    consts = dict(ACC=_TL[acc], **dot_constexprs(q.dtype, q.device))
     return acc, consts, _scale_bits(scale)
 
 
@@ -523,7 +517,7 @@ def unsupported(q) -> "str | None":
 def _chunked(q, k1) -> bool:
     """Whether floyd_config's rule gives this call to the chunked strategy."""
     B, H, N, M, D = q.shape
-    return strategy(B, H, N, M, k1.shape[3], D, q.element_size(), cuda=q.is_cuda) == "chunked"
+    return strategy(B, H, N, M, k1.shape[3], D, q.element_size()) == "chunked"
 
 
 def floyd_attention(q, k1, v1, k2, v2, mask, scale):

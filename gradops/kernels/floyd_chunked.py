@@ -1,4 +1,4 @@
-"""Floyd (pivotal) attention, the chunked strategy: tensor-core GEMMs per chunk of rows.
+"""Floyd (pivotal) attention, the chunked strategy: a few large Triton GEMMs per chunk of rows.
 
 Same formulas and contract as the fused kernels (``floyd_attention.py``, OPERATORS.md
 section 5)::
@@ -6,274 +6,305 @@ section 5)::
     S[n,m,k] = scale * (Q[n,m].K1[n,k] + Q[n,m].K2[k,m])     masked -> -FLT_MAX
     Y[n,m]   = sum_k softmax_k(S)[n,m,k] * (V1[n,k] + V2[k,m])
 
-Each product is a batched matrix product, over n (the K1/V1 side) or over m (the K2/V2
-side). For a chunk of (n, m) rows with every pivot (``floyd_config.chunk_plan``) this
-module computes each of them as one batched GEMM with 16-bit operands and float32 results
-(``_mm``: cuBLAS on a GPU; on a CPU float32 products of the same 16-bit values), and does
-the rest in two Triton row kernels that read both halves of a score in place:
+Every product is a GEMM batched over (slice, n) (the K1/V1 side) or over (slice, m) (the
+K2/V2 side). ``_gemm_kernel`` computes one such product for a whole chunk in one launch:
+16-bit operands (tensor cores) or float32 (IEEE), a float32 accumulator, a two-level batch
+with arbitrary strides (so no operand is copied into another layout, and (b, h) are part
+of the batch), and optionally the float32 sum of an earlier result added before the store
+(``acc``): the second half of a score, of Y or of dQ, and the sums of dK1/dV1 and dK2/dV2
+across chunks happen inside the GEMMs, and a result leaves its last GEMM already rounded
+to the output dtype. The softmax and dS are Triton row kernels over the float32 scores.
+Per chunk of ``floyd_config.chunk_plan`` (slices x n rows x m rows, every pivot):
 
-- forward: ``S1 = Q K1^T`` (batched over n) and ``S2 = Q K2^T`` (batched over m), float32,
-  never rounded to 16 bits; ``_softmax_rows`` adds them, scales, masks, writes the row's max
-  and sum and ``P = exp(S - max) / sum`` in the input dtype, in an n-major and an m-major
-  copy; then ``Y = P V1 + P V2``, two GEMMs, summed in float32 and rounded once.
-- backward: ``S1, S2`` again (the same GEMMs on the same chunks: bitwise the forward's S),
-  ``dP1 = dY V1^T``, ``dP2 = dY V2^T``; ``_grad_rows`` computes P from the saved statistics,
-  ``Dr = sum_k P dP`` and ``dS = P (dP - Dr) scale`` (zero where masked) in float32 and writes
-  P and dS in the input dtype, both copies; then ``dQ = dS K1 + dS K2``, ``dK1 += dS^T Q``,
-  ``dV1 += P^T dY`` (summed over m, across chunks, in float32), ``dK2 = dS^T Q``,
-  ``dV2 = P^T dY`` (summed over n inside the chunk's m range, in float32).
+- forward, 4 GEMMs: ``S = Q K1^T`` (over (g, n)), ``S += Q K2^T`` (over (g, m), into the
+  same float32 buffer); ``_softmax_rows`` writes the row max and sum and P (input dtype,
+  once); ``Yp = P V1`` (float32), ``Y = Yp + P V2`` rounded once.
+- backward, 10 GEMMs: ``S`` again (the same two GEMMs on the same chunks: bitwise the
+  forward's scores), ``dP = dY V1^T + dY V2^T`` likewise; ``_grad_rows`` computes P from the
+  statistics, ``Dr = sum_k P dP`` and ``dS = P (dP - Dr) scale`` (zero where masked) and
+  writes P and dS (input dtype, once each); ``dQ = dS K1 + dS K2`` (two GEMMs, rounded once),
+  ``dK1 = dS^T Q``, ``dV1 = P^T dY`` (over (g, n), summed over m), ``dK2 = dS^T Q``,
+  ``dV2 = P^T dY`` (over (g, m), summed over n). A sum that spans chunks continues in a
+  float32 accumulator through the GEMMs' ``acc``; the chunk that completes it stores the
+  rounded result.
 
-10 GEMMs, each B*H*N*M*K*D multiply-adds: exactly the nominal 20 units of the backward (the
-fused kernels execute 44), and 4 (8 units) in the forward. Memory beyond inputs and outputs:
-one chunk's workspace (``floyd_config.score_bytes`` per score, under
-``floyd_config.CHUNK_BUDGET_BYTES``) and float32 accumulators for one chunk group's dK1/dV1
-(``groups * N * K * D``, groups = 1 unless whole slices fit the budget, ``slice_bytes``
-each) and one chunk's dK2/dV2: the whole score cube only when it fits the budget, never
-more than one chunk of it. Deterministic for a given budget: a fixed walk, no atomics, and
-each GEMM's result depends on its shapes only.
+The GEMMs execute the nominal 4 + 10 units of B*H*N*M*K*D multiply-adds. Memory beyond
+inputs and outputs: one chunk's score buffers (``floyd_config.score_bytes`` per score,
+within ``floyd_config.chunk_budget`` of the device's total memory), the float32 partial Y
+or dQ of a chunk, and float32 accumulators only for sums that span chunks. Deterministic:
+a fixed walk, no atomics, each GEMM's blocks a function of its shapes.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import triton
 import triton.language as tl
 
-from ._floyd_common import _ACC, _NEG_FLT_MAX, _mask_arg, _scale_bits, _unpack_scale
-from .floyd_config import chunk_budget, chunk_plan, row_config
+from ._floyd_common import _ACC, _NEG_FLT_MAX, _mask_arg, _scale_bits, _unpack_scale, dot_constexprs
+from .floyd_config import chunk_budget, chunk_plan, gemm_config, row_config, total_memory
 
 
 # ----------------------------------------------------------------------------------------------
-# Row kernels: one program per BLOCK_R consecutive m rows of one (slice, n) of the chunk
+# The GEMM: out[i0, i1] = a[i0, i1] @ b[i0, i1] (+ acc[i0, i1]), a two-level batch of products
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _rows(cn, cm, BLOCK_R: tl.constexpr):
-    """(slice in the chunk, n in the chunk, [BLOCK_R] m in the chunk, rows that exist) of
-    this program, and the int64 element offsets of those rows in the n-major [g, cn, cm, K]
-    and the m-major [g, cm, cn, K] buffers (divided by K)."""
+def _gemm_kernel(
+    a_ptr, b_ptr, acc_ptr, out_ptr, B1, R, C, T,
+    sa0, sa1, sar, sat, sb0, sb1, sbt, sbc, sc0, sc1, scr, scc, so0, so1, sor, soc,
+    ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """One [BLOCK_R, BLOCK_C] output tile of one batch entry (i0, i1) per program: the
+    products accumulated in float32 over the contraction T, BLOCK_T at a time, then (when
+    ACCUMULATE) the float32 ``acc`` tile added, and the tile stored in ``out``'s dtype.
+    Offsets are int64: a strided view's batch and row offsets exceed 2^31 at large shapes."""
     pid = tl.program_id(0)
-    blocks = tl.cdiv(cm, BLOCK_R)
-    gi = pid // (cn * blocks)
-    i_n = (pid // blocks) % cn
-    i_m = (pid % blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = i_m < cm
-    by_n = (gi * cn + i_n).to(tl.int64) * cm + i_m
-    by_m = (gi * cm + i_m).to(tl.int64) * cn + i_n
-    return gi, i_n, i_m, live, by_n, by_m
+    tiles_c = tl.cdiv(C, BLOCK_C)
+    tiles = tl.cdiv(R, BLOCK_R) * tiles_c
+    batch = pid // tiles
+    i0 = (batch // B1).to(tl.int64)
+    i1 = (batch % B1).to(tl.int64)
+    rows = ((pid % tiles) // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = ((pid % tiles) % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    steps = tl.arange(0, BLOCK_T)
+    a_ptrs = a_ptr + i0 * sa0 + i1 * sa1 + rows.to(tl.int64)[:, None] * sar + steps[None, :] * sat
+    b_ptrs = b_ptr + i0 * sb0 + i1 * sb1 + steps[:, None] * sbt + cols.to(tl.int64)[None, :] * sbc
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        a = tl.load(a_ptrs, mask=(rows < R)[:, None] & (t0 + steps < T)[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=(t0 + steps < T)[:, None] & (cols < C)[None, :], other=0.0)
+        if UPCAST:  # bfloat16 under the Triton interpreter, whose bf16 tl.dot is wrong (triton#11584)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=tl.float32)
+        a_ptrs += BLOCK_T * sat
+        b_ptrs += BLOCK_T * sbt
+    inside = (rows < R)[:, None] & (cols < C)[None, :]
+    if ACCUMULATE:
+        acc += tl.load(acc_ptr + i0 * sc0 + i1 * sc1 + rows.to(tl.int64)[:, None] * scr + cols[None, :] * scc,
+                       mask=inside, other=0.0)
+    out = out_ptr + i0 * so0 + i1 * so1 + rows.to(tl.int64)[:, None] * sor + cols[None, :] * soc
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, acc: "torch.Tensor | None" = None) -> None:
+    """``out = a @ b (+ acc)`` over 4-D views: a ``[B0, B1, R, T]``, b ``[B0, B1, T, C]``,
+    out and acc (float32) ``[B0, B1, R, C]``, any strides (views of the inputs, outputs and
+    chunk buffers, transposed and sliced as each product needs). One launch."""
+    b0, b1, r, t = a.shape
+    c = b.shape[3]
+    if b0 * b1 * r * c == 0:
+        return
+    cfg = gemm_config(r, c, t, a.element_size())
+    grid = (b0 * b1 * -(-r // cfg["BLOCK_R"]) * -(-c // cfg["BLOCK_C"]),)
+    consts = dot_constexprs(a.dtype, a.device)
+    acc_t = out if acc is None else acc
+    _gemm_kernel[grid](a, b, acc_t, out, b1, r, c, t, *a.stride(), *b.stride(), *acc_t.stride(), *out.stride(),
+                       ACCUMULATE=acc is not None, **consts, **cfg)
+
+
+def _by_m(t: torch.Tensor) -> torch.Tensor:
+    """A ``[G, n, m, x]`` view as ``[G, m, n, x]``: the operand or result batched over m."""
+    return t.transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Row kernels: one program per BLOCK_R consecutive rows of a chunk's [G, cn, cm, K] buffers
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _rows(rows, cn, cm, g0, n0, m0, H, mask_ptr, smk_b, smk_n, sst_g, sst_n, sst_m, BLOCK_R: tl.constexpr):
+    """(row indices in the chunk, rows that exist, each row's mask pointer and statistics
+    offset) of this program; a row is (slice, n, m) of the call."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = r < rows
+    g = g0 + r // (cn * cm)
+    n = n0 + (r // cm) % cn
+    m = m0 + r % cm
+    mask_rows = mask_ptr + (g // H).to(tl.int64) * smk_b + n.to(tl.int64) * smk_n
+    stat = g.to(tl.int64) * sst_g + n.to(tl.int64) * sst_n + m.to(tl.int64) * sst_m
+    return r.to(tl.int64), live, mask_rows, stat
 
 
 @triton.jit
-def _pair(n_major_ptr, m_major_ptr, by_n, by_m, k_idx, inside, K):
-    """The two float32 halves of a [BLOCK_R, BLOCK_K] tile, summed: n-major + m-major."""
-    x = tl.load(n_major_ptr + by_n[:, None] * K + k_idx[None, :], mask=inside, other=0.0)
-    x += tl.load(m_major_ptr + by_m[:, None] * K + k_idx[None, :], mask=inside, other=0.0)
-    return x
-
-
-@triton.jit
-def _scores(s1_ptr, s2_ptr, mask_row_ptr, smk_k, by_n, by_m, k_idx, inside, K, scale, HAS_MASK: tl.constexpr):
-    """``scale * (S1 + S2)``, -FLT_MAX where the user's mask is set (as CANN), -inf past K
-    (tail pivots take no part): the order of operations of the fused kernels and the
-    reference."""
-    s = _pair(s1_ptr, s2_ptr, by_n, by_m, k_idx, inside, K) * scale
+def _scores(s_ptr, mask_rows, smk_k, r, k_idx, inside, K, scale, HAS_MASK: tl.constexpr):
+    """``scale * S`` of a [BLOCK_R, BLOCK_K] tile, -FLT_MAX where the user's mask is set (as
+    CANN), -inf past K (tail pivots take no part), and where the user's mask is set."""
+    s = tl.load(s_ptr + r[:, None] * K + k_idx[None, :], mask=inside, other=0.0) * scale
     if HAS_MASK:
-        user = tl.load(mask_row_ptr + k_idx * smk_k, mask=k_idx < K, other=0) != 0
-        s = tl.where(user[None, :], _NEG_FLT_MAX, s)
+        user = tl.load(mask_rows[:, None] + k_idx[None, :] * smk_k, mask=inside, other=0) != 0
+        s = tl.where(user, _NEG_FLT_MAX, s)
     else:
-        user = k_idx < 0  # nothing masked
+        user = inside & (k_idx < 0)[None, :]  # nothing masked
     return tl.where((k_idx < K)[None, :], s, float("-inf")), user
 
 
 @triton.jit
-def _store_both(n_major_ptr, m_major_ptr, x, by_n, by_m, k_idx, inside, K):
-    """Store a tile in both layouts, in the buffers' dtype (the input dtype: P and dS enter
-    the following GEMMs rounded, as in every flash-attention kernel)."""
-    x = x.to(n_major_ptr.dtype.element_ty)
-    tl.store(n_major_ptr + by_n[:, None] * K + k_idx[None, :], x, mask=inside)
-    tl.store(m_major_ptr + by_m[:, None] * K + k_idx[None, :], x, mask=inside)
+def _tile_max(s):
+    """The row max of a tile, NaN where a score is NaN, as torch.amax (tl.max skips NaN)."""
+    tile_max = tl.max(s, axis=1)
+    return tl.where(tl.max((s != s).to(tl.int32), axis=1) != 0, float("nan"), tile_max)
+
+
+@triton.jit
+def _store(ptr, x, r, k_idx, inside, K):
+    """A tile into a [rows, K] buffer in its dtype (the input dtype: P and dS enter their
+    GEMMs rounded, as in every flash-attention kernel)."""
+    tl.store(ptr + r[:, None] * K + k_idx[None, :], x.to(ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit(do_not_specialize=["scale"])
 def _softmax_rows(
-    s1_ptr, s2_ptr, mask_ptr, p_n_ptr, p_m_ptr, max_ptr, sum_ptr,
-    smk_b, smk_n, smk_k, sst_g, sst_n, sst_m,
-    cn, cm, K, H, g0, n0, m0, scale,
-    HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    s_ptr, mask_ptr, p_ptr, max_ptr, sum_ptr, smk_b, smk_n, smk_k, sst_g, sst_n, sst_m,
+    rows, cn, cm, K, H, g0, n0, m0, scale,
+    HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     """Forward: the row max and sum of exp(S - max) (written to the statistics), and P."""
-    gi, i_n, i_m, live, by_n, by_m = _rows(cn, cm, BLOCK_R)
+    r, live, mask_rows, stat = _rows(rows, cn, cm, g0, n0, m0, H, mask_ptr, smk_b, smk_n, sst_g, sst_n, sst_m,
+                                     BLOCK_R)
     scale = _unpack_scale(scale, tl.float32)
-    mask_row_ptr = mask_ptr + ((g0 + gi) // H).to(tl.int64) * smk_b + (n0 + i_n).to(tl.int64) * smk_n
-    row_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_R], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_idx = k0 + tl.arange(0, BLOCK_K)
+    k_idx = tl.arange(0, BLOCK_K)
+    if ONE_TILE:  # the whole row in one tile: each score read once
         inside = live[:, None] & (k_idx < K)[None, :]
-        s, _ = _scores(s1_ptr, s2_ptr, mask_row_ptr, smk_k, by_n, by_m, k_idx, inside, K, scale, HAS_MASK)
-        # A NaN score makes the row's max NaN, as torch.amax does (tl.max skips NaN; the
-        # fused forward keeps the same rule).
-        tile_max = tl.max(s, axis=1)  # not -inf: every k-tile holds a real pivot
-        tile_max = tl.where(tl.max((s != s).to(tl.int32), axis=1) != 0, float("nan"), tile_max)
-        new_max = tl.maximum(row_max, tile_max, propagate_nan=tl.PropagateNan.ALL)
-        row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(s - new_max[:, None]), axis=1)
-        row_max = new_max
-    stat = (g0 + gi).to(tl.int64) * sst_g + (n0 + i_n).to(tl.int64) * sst_n + (m0 + i_m).to(tl.int64) * sst_m
+        s, _ = _scores(s_ptr, mask_rows, smk_k, r, k_idx, inside, K, scale, HAS_MASK)
+        row_max = _tile_max(s)
+        e = tl.exp(s - row_max[:, None])
+        row_sum = tl.sum(e, axis=1)
+        _store(p_ptr, e * (1.0 / row_sum)[:, None], r, k_idx, inside, K)
+    else:
+        row_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_R], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            inside = live[:, None] & (k0 + k_idx < K)[None, :]
+            s, _ = _scores(s_ptr, mask_rows, smk_k, r, k0 + k_idx, inside, K, scale, HAS_MASK)
+            new_max = tl.maximum(row_max, _tile_max(s), propagate_nan=tl.PropagateNan.ALL)
+            row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(s - new_max[:, None]), axis=1)
+            row_max = new_max
+        inv_sum = 1.0 / row_sum
+        for k0 in range(0, K, BLOCK_K):
+            inside = live[:, None] & (k0 + k_idx < K)[None, :]
+            s, _ = _scores(s_ptr, mask_rows, smk_k, r, k0 + k_idx, inside, K, scale, HAS_MASK)
+            _store(p_ptr, tl.exp(s - row_max[:, None]) * inv_sum[:, None], r, k0 + k_idx, inside, K)
     tl.store(max_ptr + stat, row_max, mask=live)
     tl.store(sum_ptr + stat, row_sum, mask=live)
-    inv_sum = 1.0 / row_sum
-    for k0 in range(0, K, BLOCK_K):
-        k_idx = k0 + tl.arange(0, BLOCK_K)
-        inside = live[:, None] & (k_idx < K)[None, :]
-        s, _ = _scores(s1_ptr, s2_ptr, mask_row_ptr, smk_k, by_n, by_m, k_idx, inside, K, scale, HAS_MASK)
-        p = tl.exp(s - row_max[:, None]) * inv_sum[:, None]
-        _store_both(p_n_ptr, p_m_ptr, p, by_n, by_m, k_idx, inside, K)
 
 
 @triton.jit
-def _probs_and_dp(s1_ptr, s2_ptr, dp1_ptr, dp2_ptr, mask_row_ptr, smk_k, by_n, by_m, k_idx, inside, K,
-                  row_max, inv_sum, scale, HAS_MASK: tl.constexpr):
+def _probs_and_dp(s_ptr, dp_ptr, mask_rows, smk_k, r, k_idx, inside, K, row_max, inv_sum, scale,
+                  HAS_MASK: tl.constexpr):
     """P (from the saved statistics, as the fused backward: exp(S - max) * (1 / sum)), dP and
-    the user's mask of one tile; both passes of ``_grad_rows`` call this, so they agree."""
-    s, user = _scores(s1_ptr, s2_ptr, mask_row_ptr, smk_k, by_n, by_m, k_idx, inside, K, scale, HAS_MASK)
+    the user's mask of one tile."""
+    s, user = _scores(s_ptr, mask_rows, smk_k, r, k_idx, inside, K, scale, HAS_MASK)
     p = tl.exp(s - row_max[:, None]) * inv_sum[:, None]
-    dp = _pair(dp1_ptr, dp2_ptr, by_n, by_m, k_idx, inside, K)
+    dp = tl.load(dp_ptr + r[:, None] * K + k_idx[None, :], mask=inside, other=0.0)
     return p, dp, user
+
+
+@triton.jit
+def _store_grads(p_ptr, ds_ptr, p, dp, dr, user, r, k_idx, inside, K, scale, HAS_MASK: tl.constexpr):
+    """dS = P (dP - Dr) scale, zero where masked (a masked score is a constant); P and dS."""
+    ds = p * (dp - dr[:, None]) * scale
+    if HAS_MASK:
+        ds = tl.where(user, 0.0, ds)
+    _store(p_ptr, p, r, k_idx, inside, K)
+    _store(ds_ptr, ds, r, k_idx, inside, K)
 
 
 @triton.jit(do_not_specialize=["scale"])
 def _grad_rows(
-    s1_ptr, s2_ptr, dp1_ptr, dp2_ptr, mask_ptr, max_ptr, sum_ptr, p_n_ptr, p_m_ptr, ds_n_ptr, ds_m_ptr,
-    smk_b, smk_n, smk_k, sst_g, sst_n, sst_m,
-    cn, cm, K, H, g0, n0, m0, scale,
-    HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    s_ptr, dp_ptr, mask_ptr, max_ptr, sum_ptr, p_ptr, ds_ptr, smk_b, smk_n, smk_k, sst_g, sst_n, sst_m,
+    rows, cn, cm, K, H, g0, n0, m0, scale,
+    HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     """Backward: Dr = sum_k P dP in float32 (not dY.Y from the rounded Y: OPERATORS.md
-    section 5), then dS = P (dP - Dr) scale, zero where masked (a masked score is a
-    constant), and P; both written in the input dtype."""
-    gi, i_n, i_m, live, by_n, by_m = _rows(cn, cm, BLOCK_R)
+    section 5), then dS and P, written in the input dtype."""
+    r, live, mask_rows, stat = _rows(rows, cn, cm, g0, n0, m0, H, mask_ptr, smk_b, smk_n, sst_g, sst_n, sst_m,
+                                     BLOCK_R)
     scale = _unpack_scale(scale, tl.float32)
-    mask_row_ptr = mask_ptr + ((g0 + gi) // H).to(tl.int64) * smk_b + (n0 + i_n).to(tl.int64) * smk_n
-    stat = (g0 + gi).to(tl.int64) * sst_g + (n0 + i_n).to(tl.int64) * sst_n + (m0 + i_m).to(tl.int64) * sst_m
     row_max = tl.load(max_ptr + stat, mask=live, other=0.0)
     inv_sum = 1.0 / tl.load(sum_ptr + stat, mask=live, other=1.0)
-    dr = tl.zeros([BLOCK_R], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_idx = k0 + tl.arange(0, BLOCK_K)
+    k_idx = tl.arange(0, BLOCK_K)
+    if ONE_TILE:  # the whole row in one tile: each score and dP read once
         inside = live[:, None] & (k_idx < K)[None, :]
-        p, dp, _ = _probs_and_dp(s1_ptr, s2_ptr, dp1_ptr, dp2_ptr, mask_row_ptr, smk_k, by_n, by_m, k_idx,
-                                 inside, K, row_max, inv_sum, scale, HAS_MASK)
-        dr += tl.sum(p * dp, axis=1)
-    for k0 in range(0, K, BLOCK_K):
-        k_idx = k0 + tl.arange(0, BLOCK_K)
-        inside = live[:, None] & (k_idx < K)[None, :]
-        p, dp, user = _probs_and_dp(s1_ptr, s2_ptr, dp1_ptr, dp2_ptr, mask_row_ptr, smk_k, by_n, by_m, k_idx,
-                                    inside, K, row_max, inv_sum, scale, HAS_MASK)
-        ds = p * (dp - dr[:, None]) * scale
-        if HAS_MASK:
-            ds = tl.where(user[None, :], 0.0, ds)
-        _store_both(p_n_ptr, p_m_ptr, p, by_n, by_m, k_idx, inside, K)
-        _store_both(ds_n_ptr, ds_m_ptr, ds, by_n, by_m, k_idx, inside, K)
+        p, dp, user = _probs_and_dp(s_ptr, dp_ptr, mask_rows, smk_k, r, k_idx, inside, K, row_max, inv_sum,
+                                    scale, HAS_MASK)
+        dr = tl.sum(p * dp, axis=1)
+        _store_grads(p_ptr, ds_ptr, p, dp, dr, user, r, k_idx, inside, K, scale, HAS_MASK)
+    else:
+        dr = tl.zeros([BLOCK_R], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            inside = live[:, None] & (k0 + k_idx < K)[None, :]
+            p, dp, _ = _probs_and_dp(s_ptr, dp_ptr, mask_rows, smk_k, r, k0 + k_idx, inside, K, row_max, inv_sum,
+                                     scale, HAS_MASK)
+            dr += tl.sum(p * dp, axis=1)
+        for k0 in range(0, K, BLOCK_K):
+            inside = live[:, None] & (k0 + k_idx < K)[None, :]
+            p, dp, user = _probs_and_dp(s_ptr, dp_ptr, mask_rows, smk_k, r, k0 + k_idx, inside, K, row_max,
+                                        inv_sum, scale, HAS_MASK)
+            _store_grads(p_ptr, ds_ptr, p, dp, dr, user, r, k0 + k_idx, inside, K, scale, HAS_MASK)
+
+
+def _launch_rows(kernel, rows, k, *args, **consts):
+    cfg = row_config(k)
+    kernel[(-(-rows // cfg["BLOCK_R"]),)](*args, **consts, **cfg)
 
 
 # ----------------------------------------------------------------------------------------------
-# GEMMs
+# Launchers (called by floyd_attention.py's backend functions, which handle empty shapes)
 # ----------------------------------------------------------------------------------------------
-_OUT_DTYPE_BMM = [True]  # torch.bmm(..., out_dtype=float32) on CUDA, until a torch refuses it
-
-
-@contextlib.contextmanager
-def _ieee_float32():
-    """float32 GEMMs in IEEE float32, never TF32, whatever the caller's torch setting: the
-    float32 path is for exactness (as the fused kernels' input_precision="ieee"). Torch >= 2.9
-    has ``fp32_precision``, which cuBLAS reads and which round-trips in every state; there
-    the legacy ``allow_tf32`` raises once a caller used the new API, and writing it would
-    leave ``torch.get_float32_matmul_precision`` broken. The setting is process-wide, as
-    torch's own flags: a thread running float32 matmuls meanwhile sees it too."""
-    matmul = torch.backends.cuda.matmul
-    name, ieee = ("fp32_precision", "ieee") if hasattr(matmul, "fp32_precision") else ("allow_tf32", False)
-    old = getattr(matmul, name)
-    setattr(matmul, name, ieee)
-    try:
-        yield
-    finally:
-        setattr(matmul, name, old)
-
-
-def _gemm_precision(q: torch.Tensor):
-    """The context every launcher runs its GEMMs in: IEEE float32 on a GPU (``_ieee_float32``,
-    entered once per call rather than per GEMM), nothing to set on a CPU."""
-    return _ieee_float32() if q.is_cuda else contextlib.nullcontext()
-
-
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for 3-D operands, as float32: 16-bit operands are multiplied exactly and
-    accumulated in float32 (tensor cores on a GPU; on a CPU, float32 products of the same
-    values), so no score or partial sum is ever rounded to 16 bits. Float32 products are
-    IEEE inside ``_gemm_precision``."""
-    if a.dtype == torch.float32:
-        return torch.bmm(a, b)
-    if a.is_cuda and _OUT_DTYPE_BMM[0]:
-        try:
-            return torch.bmm(a, b, out_dtype=torch.float32)
-        except TypeError:  # torch < 2.8 has no out_dtype (an out-of-memory error is not this)
-            _OUT_DTYPE_BMM[0] = False
-    return torch.bmm(a.float(), b.float())
-
-
-def _by_n(t, gs, nt, mt):
-    """A [BH, N, M, D] tensor's chunk as [g*cn, cm, D]: the operand batched over n."""
-    c = t[gs, nt, mt]
-    return c.reshape(c.shape[0] * c.shape[1], c.shape[2], c.shape[3])
-
-
-def _by_m(t, gs, nt, mt):
-    """The same chunk as [g*cm, cn, D]: the operand batched over m."""
-    c = t[gs, nt, mt].transpose(1, 2)
-    return c.reshape(c.shape[0] * c.shape[1], c.shape[2], c.shape[3])
-
-
-def _side(t, gs, rows):
-    """A key/value tensor's chunk as [g*rows, K, D]: K1/V1 ``[BH, N, K, D]`` sliced in n, or
-    K2/V2 already laid out m-major ``[BH, M, K, D]`` sliced in m."""
-    c = t[gs, rows]
-    return c.reshape(c.shape[0] * c.shape[1], c.shape[2], c.shape[3])
-
-
 def _flat(t):
     """[B, H, ...] -> [B*H, ...] (a view when the strides allow, else a copy; explicit sizes,
     as torch refuses -1 for a tensor of no elements, e.g. D = 0)."""
     return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
 
 
-def _m_major(t):
-    """K2/V2 ``[B, H, K, M, D]`` -> ``[B*H, M, K, D]``: the m-batched GEMMs' operand layout."""
-    return _flat(t).transpose(1, 2)
-
-
 def _plan(q, k):
-    """The chunk plan of a call on ``q`` with K = ``k`` pivots: the budget shrinks only when
-    the device's free memory is short (then a forward and its backward may plan apart)."""
+    """The chunk plan of a call on ``q`` with K = ``k`` pivots: a function of the shape, the
+    dtype and the device's total memory, so that a forward and its backward walk the same
+    chunks."""
     if q.dtype == torch.float64:  # the dispatcher keeps float64 on the fused kernels
-        raise TypeError("the chunked Floyd strategy takes float16, bfloat16 and float32 inputs (_mm would "
-                        "round float64 to float32)")
+        raise TypeError("the chunked Floyd strategy takes float16, bfloat16 and float32 inputs")
     bh, n, m = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
-    free = None
-    if q.is_cuda and not torch.cuda.is_current_stream_capturing():  # a graph replays its capture's plan
-        driver_free, _ = torch.cuda.mem_get_info(q.device)
-        free = driver_free + torch.cuda.memory_reserved(q.device) - torch.cuda.memory_allocated(q.device)
-    return chunk_plan(bh, n, m, k, q.element_size(), chunk_budget(free), head_dim=q.shape[4])
+    return chunk_plan(bh, n, m, k, q.element_size(), chunk_budget(total_memory(q.device)), head_dim=q.shape[4])
 
 
-def _launch_rows(kernel, cn, cm, k, g, *args, **consts):
-    cfg = row_config(k, cm)
-    grid = (g * cn * triton.cdiv(cm, cfg["BLOCK_R"]),)
-    kernel[grid](*args, **consts, **cfg)
+class _Workspace:
+    """One chunk's buffers, allocated once per call at the largest chunk's size and viewed as
+    ``[G, cn, cm, x]`` for each chunk (tail chunks use a prefix)."""
+
+    def __init__(self, plan, k, d, dtype, device, names):
+        scores = plan.groups * plan.block_n * plan.block_m * k
+        sizes = {"s": (scores, torch.float32), "dp": (scores, torch.float32), "p": (scores, dtype),
+                 "ds": (scores, dtype), "part": (scores // k * d, torch.float32)}
+        self._flat = {name: torch.empty(sizes[name][0], dtype=sizes[name][1], device=device) for name in names}
+
+    def view(self, name, g, cn, cm, x):
+        return self._flat[name][:g * cn * cm * x].view(g, cn, cm, x)
 
 
-# ----------------------------------------------------------------------------------------------
-# Launchers (called by floyd_attention.py's backend functions, which handle empty shapes)
-# ----------------------------------------------------------------------------------------------
+def _scores_into(s, q, k1, k2):
+    """``s = Q K1^T + Q K2^T`` for a chunk (float32 ``[G, cn, cm, K]``): the n-batched GEMM,
+    then the m-batched one accumulated onto it. Both passes build S (and dP) with this."""
+    _gemm(q, k1.transpose(2, 3), s)
+    _gemm(_by_m(q), k2.permute(0, 2, 3, 1), _by_m(s), acc=_by_m(s))
+
+
+def _pair_into(out, part, x, y1, y2):
+    """``out = x y1 + x y2`` for a chunk (Y from P, dQ from dS): the n-batched product into
+    the float32 ``part``, then the m-batched one added to it and rounded once into ``out``."""
+    _gemm(x, y1, part)
+    _gemm(_by_m(x), y2.transpose(1, 2), _by_m(out), acc=_by_m(part))
+
+
+def _reduce_into(a, b, out, accumulator, first, last):
+    """``out (+)= a @ b`` for a sum that may span chunks: straight into ``out`` when this chunk
+    holds the whole sum; else through the float32 ``accumulator`` (the first chunk stores,
+    middle ones accumulate, the last adds and stores the rounded result into ``out``)."""
+    if first and last:
+        _gemm(a, b, out)
+    else:
+        _gemm(a, b, out if last else accumulator, acc=None if first else accumulator)
+
+
 def forward(q, k1, v1, k2, v2, mask, scale):
     """``(out, softmax_max, softmax_sum)`` as ``floyd_attention.floyd_attention``; 16-bit
     and float32 inputs, B*H*N*M*K > 0."""
@@ -283,30 +314,20 @@ def forward(q, k1, v1, k2, v2, mask, scale):
     out = torch.empty((B, H, N, M, D), dtype=q.dtype, device=dev)
     softmax_max = torch.empty((B, H, N, M), dtype=torch.float32, device=dev)
     softmax_sum = torch.empty((B, H, N, M), dtype=torch.float32, device=dev)
-    q4, k1_4, v1_4 = _flat(q), _flat(k1), _flat(v1)
-    k2_4, v2_4 = _m_major(k2), _m_major(v2)
+    q4, k1_4, v1_4, k2_4, v2_4 = (_flat(t) for t in (q, k1, v1, k2, v2))
     out4, max3, sum3 = _flat(out), _flat(softmax_max), _flat(softmax_sum)
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
     bits = _scale_bits(scale)
     plan = _plan(q, K)
-    with _gemm_precision(q):
-        for g0, g1, m0, m1, n_ranges in plan.chunks(B * H, N, M):
-            gs, mt, g, cm = slice(g0, g1), slice(m0, m1), g1 - g0, m1 - m0
-            k2c, v2c = _side(k2_4, gs, mt), _side(v2_4, gs, mt)  # [g*cm, K, D]
-            for n0, n1 in n_ranges:
-                nt, cn = slice(n0, n1), n1 - n0
-                k1c, v1c = _side(k1_4, gs, nt), _side(v1_4, gs, nt)  # [g*cn, K, D]
-                s1 = _mm(_by_n(q4, gs, nt, mt), k1c.transpose(1, 2))  # [g*cn, cm, K]
-                s2 = _mm(_by_m(q4, gs, nt, mt), k2c.transpose(1, 2))  # [g*cm, cn, K]
-                p_n = torch.empty(s1.shape, dtype=q.dtype, device=dev)
-                p_m = torch.empty(s2.shape, dtype=q.dtype, device=dev)
-                _launch_rows(_softmax_rows, cn, cm, K, g, s1, s2, mask_t, p_n, p_m, max3, sum3,
-                             *mask_strides, *max3.stride(), cn, cm, K, H, g0, n0, m0, bits, HAS_MASK=has_mask)
-                del s1, s2
-                y = _mm(p_n, v1c).view(g, cn, cm, D)
-                y += _mm(p_m, v2c).view(g, cm, cn, D).transpose(1, 2)
-                out4[gs, nt, mt] = y
-                del p_n, p_m, y  # before the next chunk allocates its own: one chunk's workspace at a time
+    work = _Workspace(plan, K, D, q.dtype, dev, ("s", "p", "part"))
+    for g0, g1, n0, n1, m0, m1 in plan.chunks(B * H, N, M):
+        gs, ns, ms = slice(g0, g1), slice(n0, n1), slice(m0, m1)
+        g, cn, cm = g1 - g0, n1 - n0, m1 - m0
+        s, p, part = work.view("s", g, cn, cm, K), work.view("p", g, cn, cm, K), work.view("part", g, cn, cm, D)
+        _scores_into(s, q4[gs, ns, ms], k1_4[gs, ns], k2_4[gs, :, ms])
+        _launch_rows(_softmax_rows, g * cn * cm, K, s, mask_t, p, max3, sum3, *mask_strides, *max3.stride(),
+                     g * cn * cm, cn, cm, K, H, g0, n0, m0, bits, HAS_MASK=has_mask)
+        _pair_into(out4[gs, ns, ms], part, p, v1_4[gs, ns], v2_4[gs, :, ms])
     return out, softmax_max, softmax_sum
 
 
@@ -316,57 +337,42 @@ def backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale):
     B, H, N, M, D = q.shape
     K = k1.shape[3]
     dev, dtype = q.device, q.dtype
-    acc = _ACC[dtype]
-    q4, dy4, k1_4, v1_4 = _flat(q), _flat(dy), _flat(k1), _flat(v1)
-    k2_4, v2_4 = _m_major(k2), _m_major(v2)
+    q4, dy4, k1_4, v1_4, k2_4, v2_4 = (_flat(t) for t in (q, dy, k1, v1, k2, v2))
     # contiguous: _grad_rows reads both statistics at one offset, and each may come in its own
     # layout (compact, a view of CANN's [B,H,N,M,8], transposed)
-    max3, sum3 = (_flat(t.to(acc)).contiguous() for t in (softmax_max, softmax_sum))
-    dq = torch.empty((B, H, N, M, D), dtype=dtype, device=dev)
-    dk1 = torch.empty((B, H, N, K, D), dtype=dtype, device=dev)
-    dv1 = torch.empty((B, H, N, K, D), dtype=dtype, device=dev)
-    dk2 = torch.empty((B, H, K, M, D), dtype=dtype, device=dev)
-    dv2 = torch.empty((B, H, K, M, D), dtype=dtype, device=dev)
-    dq4, dk1_4, dv1_4 = _flat(dq), _flat(dk1), _flat(dv1)
-    dk2_4, dv2_4 = _m_major(dk2), _m_major(dv2)
+    max3, sum3 = (_flat(t.to(_ACC[dtype])).contiguous() for t in (softmax_max, softmax_sum))
+    grads = [torch.empty(shape, dtype=dtype, device=dev)
+             for shape in [(B, H, N, M, D)] + [(B, H, N, K, D)] * 2 + [(B, H, K, M, D)] * 2]
+    dq4, dk1_4, dv1_4, dk2_4, dv2_4 = (_flat(t) for t in grads)
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
     bits = _scale_bits(scale)
     plan = _plan(q, K)
-    with _gemm_precision(q):
-        for g0, g1, m0, m1, n_ranges in plan.chunks(B * H, N, M):
-            gs, mt, g, cm = slice(g0, g1), slice(m0, m1), g1 - g0, m1 - m0
-            if m0 == 0:  # a new group of slices: dK1/dV1 sum over every m-chunk, in float32
-                dk1_acc = torch.zeros((g, N, K, D), dtype=acc, device=dev)
-                dv1_acc = torch.zeros((g, N, K, D), dtype=acc, device=dev)
-            k2c, v2c = _side(k2_4, gs, mt), _side(v2_4, gs, mt)  # [g*cm, K, D]
-            dk2_acc = torch.zeros((g * cm, K, D), dtype=acc, device=dev)  # summed over the n-chunks
-            dv2_acc = torch.zeros((g * cm, K, D), dtype=acc, device=dev)
-            for n0, n1 in n_ranges:
-                nt, cn = slice(n0, n1), n1 - n0
-                k1c, v1c = _side(k1_4, gs, nt), _side(v1_4, gs, nt)  # [g*cn, K, D]
-                q_n, q_m = _by_n(q4, gs, nt, mt), _by_m(q4, gs, nt, mt)
-                dy_n, dy_m = _by_n(dy4, gs, nt, mt), _by_m(dy4, gs, nt, mt)
-                s1 = _mm(q_n, k1c.transpose(1, 2))  # the forward's GEMMs on the forward's chunks
-                s2 = _mm(q_m, k2c.transpose(1, 2))
-                dp1 = _mm(dy_n, v1c.transpose(1, 2))
-                dp2 = _mm(dy_m, v2c.transpose(1, 2))
-                p_n, ds_n = (torch.empty(s1.shape, dtype=dtype, device=dev) for _ in range(2))
-                p_m, ds_m = (torch.empty(s2.shape, dtype=dtype, device=dev) for _ in range(2))
-                _launch_rows(_grad_rows, cn, cm, K, g, s1, s2, dp1, dp2, mask_t, max3, sum3, p_n, p_m, ds_n, ds_m,
-                             *mask_strides, *max3.stride(), cn, cm, K, H, g0, n0, m0, bits, HAS_MASK=has_mask)
-                del s1, s2, dp1, dp2
-                dq_c = _mm(ds_n, k1c).view(g, cn, cm, D)
-                dq_c += _mm(ds_m, k2c).view(g, cm, cn, D).transpose(1, 2)
-                dq4[gs, nt, mt] = dq_c
-                dk1_acc[:, nt] += _mm(ds_n.transpose(1, 2), q_n).view(g, cn, K, D)  # sum over m
-                dv1_acc[:, nt] += _mm(p_n.transpose(1, 2), dy_n).view(g, cn, K, D)
-                dk2_acc += _mm(ds_m.transpose(1, 2), q_m)  # sum over n
-                dv2_acc += _mm(p_m.transpose(1, 2), dy_m)
-                del p_n, p_m, ds_n, ds_m, dq_c  # before the next chunk allocates: score_bytes per score at most
-            dk2_4[gs, mt] = dk2_acc.view(g, cm, K, D)
-            dv2_4[gs, mt] = dv2_acc.view(g, cm, K, D)
-            if m1 == M:
-                dk1_4[gs] = dk1_acc
-                dv1_4[gs] = dv1_acc
-    return dq, dk1, dv1, dk2, dv2
-
+    work = _Workspace(plan, K, D, dtype, dev, ("s", "dp", "p", "ds", "part"))
+    # float32 sums across chunks, only where a sum spans chunks: dK1/dV1 over the m-chunks of
+    # one n range, dK2/dV2 over the n ranges of one group of slices
+    split_m, split_n = plan.block_m < M, plan.block_n < N
+    acc1 = [torch.empty((plan.groups, plan.block_n, K, D), dtype=torch.float32, device=dev)
+            for _ in range(2)] if split_m else [None, None]
+    acc2 = [torch.empty((plan.groups, K, M, D), dtype=torch.float32, device=dev)
+            for _ in range(2)] if split_n else [None, None]
+    for g0, g1, n0, n1, m0, m1 in plan.chunks(B * H, N, M):
+        gs, ns, ms = slice(g0, g1), slice(n0, n1), slice(m0, m1)
+        g, cn, cm = g1 - g0, n1 - n0, m1 - m0
+        s, dp, p, ds = (work.view(name, g, cn, cm, K) for name in ("s", "dp", "p", "ds"))
+        q_c, dy_c = q4[gs, ns, ms], dy4[gs, ns, ms]
+        k1_c, v1_c, k2_c, v2_c = k1_4[gs, ns], v1_4[gs, ns], k2_4[gs, :, ms], v2_4[gs, :, ms]
+        _scores_into(s, q_c, k1_c, k2_c)  # the forward's GEMMs on the forward's chunks
+        _scores_into(dp, dy_c, v1_c, v2_c)
+        _launch_rows(_grad_rows, g * cn * cm, K, s, dp, mask_t, max3, sum3, p, ds, *mask_strides, *max3.stride(),
+                     g * cn * cm, cn, cm, K, H, g0, n0, m0, bits, HAS_MASK=has_mask)
+        _pair_into(dq4[gs, ns, ms], work.view("part", g, cn, cm, D), ds, k1_c, k2_c)
+        # over (g, n), summed over m: [G, cn, K, cm] @ [G, cn, cm, D]
+        first, last = m0 == 0, m1 == M
+        for x, y, out, acc in ((ds, q_c, dk1_4, acc1[0]), (p, dy_c, dv1_4, acc1[1])):
+            _reduce_into(x.transpose(2, 3), y, out[gs, ns], acc if acc is None else acc[:g, :cn], first, last)
+        # over (g, m), summed over n: [G, cm, K, cn] @ [G, cm, cn, D]
+        first, last = n0 == 0, n1 == N
+        for x, y, out, acc in ((ds, q_c, dk2_4, acc2[0]), (p, dy_c, dv2_4, acc2[1])):
+            _reduce_into(x.permute(0, 2, 3, 1), _by_m(y), out[gs, :, ms].transpose(1, 2),
+                         acc if acc is None else acc[:g, :, ms].transpose(1, 2), first, last)
+    return tuple(grads)

@@ -5,7 +5,8 @@ Two strategies implement the backend: ``"fused"`` (``floyd_attention.py``: flash
 kernels over 3-D tiles of the score cube, configured by :func:`floyd_config` below) and
 ``"chunked"`` (``floyd_chunked.py``: the scores of a chunk of (n, m) rows built by batched
 tensor-core GEMMs, the softmax and dS in Triton row kernels, configured by
-:func:`chunk_plan` and :func:`row_config`). :func:`strategy` is the rule.
+:func:`chunk_budget`, :func:`chunk_plan`, :func:`gemm_config` and :func:`row_config`).
+:func:`strategy` is the rule.
 
 The fused kernels' tiles:
 
@@ -149,18 +150,26 @@ STRATEGIES = ("fused", "chunked")
 # every call it can run (float64 always runs fused). Also read from GRADOPS_FLOYD_STRATEGY.
 STRATEGY: Optional[str] = None
 
-# The rule, from estimates (no GPU has measured either strategy; docs/kernels-floyd.md has
-# the arithmetic). Widths as in the tile table (block_d * element_size / 2).
-# - Past FUSED_MAX_WIDTH the fused kernels spill registers at every tile that fits shared
-#   memory (the sm_90 compile check): chunked at any size. Float32 at D = 32 (width 64)
-#   spills in the forward too, hence its own limit.
+# Widths as in the tile table (block_d * element_size / 2). Past FUSED_MAX_WIDTH the fused
+# kernels spill registers at every tile that fits shared memory (the sm_90 compile check),
+# and where they were measured against the chunked strategy (MEASURED below) they lost
+# there and won or tied at or below it: the rule is "chunked" past it, "fused" up to it.
+# Float32 at D = 32 (width 64) spills in the forward too, hence its own limit.
 FUSED_MAX_WIDTH = {2: 64, 4: 32}
-# - From CHUNKED_MIN_WIDTH on, the chunked GEMMs bring more FLOP per byte than the fused
-#   tiles (an estimated HBM bound of ~80 TFLOP/s backward at D = 64 against 25-40 for the fused
-#   kernels), once the problem is large enough that a chunk's ~20 launches are hidden behind
-#   its GEMMs: CHUNKED_MIN_WORK units of B*H*N*M*K*D (about 1 GFLOP forward).
-CHUNKED_MIN_WIDTH = 64
-CHUNKED_MIN_WORK = 1 << 27
+
+# What the rule was set from: forward + backward of both strategies in one run, on an H100
+# (shared/gpu/h100-2026-11-25, bench/floyd.json and floyd-large.json; Triton 3.6, bf16,
+# gradops at 2473253, whose chunked strategy was the per-chunk bmm design before issue 25).
+# (B, H, N=M=K, D, element size): (fused ms, chunked ms); the rule must pick the faster of
+# each (tests/test_floyd_chunked.py). Where the chunked strategy was measured twice the
+# slower run is kept (at D = 64: 96.4 and 125.5 ms): a tie goes to the fused kernels,
+# which need no workspace. Rerun `gradops bench floyd` on a GPU and add its rows here.
+MEASURED: Dict[Tuple[int, int, int, int, int], Tuple[float, float]] = {
+    (1, 8, 512, 32, 2): (8.69 + 36.71, 76.15 + 90.76),
+    (1, 8, 512, 64, 2): (12.86 + 83.20, 57.04 + 68.50),
+    (1, 8, 512, 128, 2): (38.34 + 194.88, 38.88 + 80.10),
+    (1, 4, 1024, 128, 2): (149.63 + 762.55, 159.22 + 274.71),
+}
 
 
 def forced_strategy() -> Optional[str]:
@@ -175,75 +184,83 @@ def forced_strategy() -> Optional[str]:
 FUSED_MAX_HEAD_DIM = {2: 256, 4: 256, 8: 128}  # past these no fused tile fits shared memory
 
 
-def cublas_refuses_determinism() -> bool:
-    """Whether torch would raise in a cuBLAS GEMM of this process: deterministic algorithms
-    asked for (torch.use_deterministic_algorithms) without a deterministic cuBLAS workspace
-    (CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8)."""
-    return (torch.are_deterministic_algorithms_enabled()
-            and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"))
-
-
-def strategy(b: int, h: int, n: int, m: int, k: int, d: int, element_size: int, *, cuda: bool = False) -> str:
+def strategy(b: int, h: int, n: int, m: int, k: int, d: int, element_size: int) -> str:
     """"fused" or "chunked" for a call of this shape and element size (bytes per input
-    element), on a GPU when ``cuda``. Float64 (element size 8) is always "fused": the chunked
-    path's GEMMs and row kernels are for the 16-bit and float32 inputs tensor cores and
-    cuBLAS serve. On a GPU where torch would refuse cuBLAS for determinism
-    (:func:`cublas_refuses_determinism`), the fused kernels (always deterministic) take what
-    they can."""
+    element). Float64 (element size 8) is always "fused": the chunked path's GEMMs and row
+    kernels are for the 16-bit and float32 inputs tensor cores serve. Both strategies are
+    deterministic, so torch's determinism setting does not enter."""
     if element_size == 8:
         return "fused"
     forced = forced_strategy()
     if forced is not None:
         return forced
-    if cuda and cublas_refuses_determinism() and d <= FUSED_MAX_HEAD_DIM[element_size]:
-        return "fused"
     width = padded_head_dim(d) * element_size // 2
-    if width > FUSED_MAX_WIDTH.get(element_size, 64):
-        return "chunked"
-    if width >= CHUNKED_MIN_WIDTH and b * h * n * m * k * d >= CHUNKED_MIN_WORK:
-        return "chunked"
-    return "fused"
+    return "chunked" if width > FUSED_MAX_WIDTH.get(element_size, 64) else "fused"
 
 
 # ----------------------------------------------------------------------------------------------
-# The chunked strategy: chunk sizes and the row kernels' blocks
+# The chunked strategy: the chunk budget, the chunks, the GEMM tiles and the row kernels' blocks
 # ----------------------------------------------------------------------------------------------
-# Workspace for one chunk's score-sized buffers (the backward's: S and dP, each as two
-# float32 halves, and P and dS in the input dtype, each in an n-major and an m-major copy).
-# Less when the device's free memory is short (``budget``).
-CHUNK_BUDGET_BYTES = 256 << 20
+# The workspace of one chunk's score-sized buffers (the backward's: S and dP in float32, P and
+# dS in the input dtype) is at most the device's total memory / CHUNK_MEMORY_DIVISOR (2.3 GiB
+# on an 80 GB H100): never the free memory at call time, so that a forward and its backward
+# walk the same chunks (bitwise the same scores), and an H100 holds a whole L = 512, H = 8
+# problem in 8 chunks, well under half of what torch.compile(FloydNet) peaks at (9 GiB).
+# At least MIN_CHUNK_BUDGET_BYTES, and never more than the whole problem needs.
+CHUNK_MEMORY_DIVISOR = 32
+MIN_CHUNK_BUDGET_BYTES = 64 << 20
+# A budget that replaces the one above, for tests and benchmarks (bytes), or None.
+CHUNK_BUDGET_BYTES: Optional[int] = None
 
 
 def score_bytes(element_size: int) -> int:
-    """Workspace bytes per score of a chunk: 4 float32 buffers and 4 in the input dtype."""
-    return 16 + 4 * element_size
+    """Workspace bytes per score of a chunk: S and dP in float32, P and dS in the input dtype
+    (the backward's; the forward holds S and P)."""
+    return 8 + 2 * element_size
 
 
-def chunk_budget(free_bytes: Optional[int]) -> int:
-    """CHUNK_BUDGET_BYTES, or a quarter of ``free_bytes`` (the device's free memory) when that
-    is smaller: the fp32 accumulators and the allocator's rounding need the rest."""
-    if free_bytes is None:
-        return CHUNK_BUDGET_BYTES
-    return max(1, min(CHUNK_BUDGET_BYTES, free_bytes // 4))
+def total_memory(device: torch.device) -> int:
+    """The device's total memory in bytes (a CPU's: the machine's physical memory)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX: assume a small machine
+        return 8 << 30
+
+
+def chunk_budget(device_total_bytes: int) -> int:
+    """Bytes of score workspace a chunk may take on a device with this much memory:
+    CHUNK_BUDGET_BYTES when set, else ``device_total_bytes / CHUNK_MEMORY_DIVISOR`` (at least
+    MIN_CHUNK_BUDGET_BYTES)."""
+    if CHUNK_BUDGET_BYTES is not None:
+        return max(1, int(CHUNK_BUDGET_BYTES))
+    return max(MIN_CHUNK_BUDGET_BYTES, device_total_bytes // CHUNK_MEMORY_DIVISOR)
 
 
 @dataclass(frozen=True)
 class ChunkPlan:
     """How the chunked strategy walks the score cube of one call: chunks of ``groups`` (b, h)
     slices x ``block_n`` rows of n x ``block_m`` rows of m, with every pivot. ``groups`` > 1
-    only when whole slices fit (``block_n`` = N, ``block_m`` = M)."""
+    only when whole slices fit (``block_n`` = N, ``block_m`` = M); ``block_m`` < M only
+    when not even 16 rows of n with every m fit."""
 
     groups: int
     block_n: int
     block_m: int
 
-    def chunks(self, bh: int, n: int, m: int) -> Iterator[Tuple[int, int, int, int, List[Tuple[int, int]]]]:
-        """``(g0, g1, m0, m1, [(n0, n1), ...])``: slices, then m outer, n inner (the order
-        the chunked backward accumulates dK1/dV1 over m in)."""
-        n_ranges = [(n0, min(n, n0 + self.block_n)) for n0 in range(0, n, self.block_n)]
+    def chunks(self, bh: int, n: int, m: int) -> Iterator[Tuple[int, int, int, int, int, int]]:
+        """``(g0, g1, n0, n1, m0, m1)``: slices outermost, then n, then m (the order the
+        backward's sums over chunks run in: dK1/dV1 over the m-chunks of an n range, dK2/dV2
+        over the n ranges of a group of slices)."""
         for g0 in range(0, bh, self.groups):
-            for m0 in range(0, m, self.block_m):
-                yield g0, min(bh, g0 + self.groups), m0, min(m, m0 + self.block_m), n_ranges
+            for n0 in range(0, n, self.block_n):
+                for m0 in range(0, m, self.block_m):
+                    yield g0, min(bh, g0 + self.groups), n0, min(n, n0 + self.block_n), m0, min(m, m0 + self.block_m)
+
+    def count(self, bh: int, n: int, m: int) -> int:
+        """How many chunks :meth:`chunks` walks."""
+        return -(-bh // self.groups) * -(-n // self.block_n) * -(-m // self.block_m)
 
 
 def _round_down_16(x: int) -> int:
@@ -253,31 +270,51 @@ def _round_down_16(x: int) -> int:
 
 def slice_bytes(n: int, m: int, k: int, d: int, element_size: int) -> int:
     """Workspace of one whole (b, h) slice taken as a chunk: its scores at ``score_bytes``,
-    plus what grows with the head dim: float32 accumulators of dK1/dV1 and dK2/dV2, the
-    float32 partial Y or dQ, and the copies of the m-batched operands (Q, dY, K2, V2)."""
-    return (n * m * k * score_bytes(element_size) + 8 * (n + m) * k * d
-            + n * m * d * (4 + 2 * element_size) + 2 * m * k * d * element_size)
+    and the float32 partial Y or dQ (``n * m * d``), which grows with the head dim."""
+    return n * m * k * score_bytes(element_size) + 4 * n * m * d
 
 
-def chunk_plan(bh: int, n: int, m: int, k: int, element_size: int, budget: Optional[int] = None,
-               *, head_dim: int = 0) -> ChunkPlan:
-    """The chunks of a call: as many scores per chunk as ``budget`` bytes (default
-    CHUNK_BUDGET_BYTES) hold at ``score_bytes`` each, in (n, m) tiles as square as N and M
-    allow (the rows of the n-batched GEMMs are m and those of the m-batched ones n: a thin
-    chunk starves one of them); whole slices, as many as fit at ``slice_bytes`` each
-    (``head_dim`` counts the bytes that grow with D), when one fits. The plan depends on the
-    shape and budget alone, so a forward and its backward with the same budget walk the
-    same chunks and their GEMMs compute bitwise the same scores."""
-    budget = CHUNK_BUDGET_BYTES if budget is None else budget
+def chunk_plan(bh: int, n: int, m: int, k: int, element_size: int, budget: int, *, head_dim: int = 0) -> ChunkPlan:
+    """The chunks of a call: as many scores per chunk as ``budget`` bytes hold at
+    ``score_bytes`` each. Whole slices, as many as fit at ``slice_bytes`` each, when one
+    fits; else rows of n with every m (dK1/dV1 then need no sum across chunks), as many as
+    fit, a multiple of 16; else (M * K alone too large) (n, m) tiles as square as N and M
+    allow. A function of its arguments alone: a forward and its backward plan the same
+    chunks, and their GEMMs compute bitwise the same scores."""
     pairs = max(1, budget // score_bytes(element_size) // max(1, k))  # (n, m) rows per chunk
     if pairs >= n * m:
         per_slice = max(1, slice_bytes(n, m, k, head_dim, element_size))
         return ChunkPlan(max(1, min(bh, budget // per_slice)), n, m)
+    if pairs >= 16 * m:
+        return ChunkPlan(1, min(n, _round_down_16(pairs // m)), m)
     cm = min(m, max(1, _round_down_16(math.isqrt(pairs))))
     cn = min(n, max(1, _round_down_16(pairs // cm)))
     if cn == n:  # N is short: the rest of the budget goes to M
         cm = min(m, max(1, _round_down_16(pairs // n)))
     return ChunkPlan(1, cn, cm)
+
+
+# The chunked strategy's GEMM (floyd_chunked._gemm_kernel): output tiles of at most
+# GEMM_BLOCK x GEMM_BLOCK, the contraction GEMM_STEP at a time (16-bit operands: tensor
+# cores; the sm_90 compile check, tests/test_floyd_chunked.py, finds no spills at 128 x 128 x 64
+# with 8 warps, in the accumulating variant too); float32 (IEEE products, FMA) in smaller
+# tiles. Not tuned on a GPU yet: tune here.
+GEMM_BLOCK = {2: 128, 4: 64}
+GEMM_STEP = {2: 64, 4: 32}
+GEMM_STAGES = {2: 3, 4: 2}
+
+
+def gemm_config(rows: int, cols: int, inner: int, element_size: int) -> Dict[str, int]:
+    """Blocks of one GEMM of the chunked strategy: ``rows`` x ``cols`` outputs per batch
+    entry, ``inner`` the contraction. A function of these alone, so that the same product
+    of the forward and the backward is computed the same way, bitwise."""
+    widest, step = GEMM_BLOCK[min(element_size, 4)], GEMM_STEP[min(element_size, 4)]
+    block_r = min(widest, max(16, triton.next_power_of_2(rows)))
+    block_c = min(widest, max(16, triton.next_power_of_2(cols)))
+    block_t = min(step, max(16, triton.next_power_of_2(inner)))
+    warps = 8 if block_r * block_c >= 128 * 128 else 4
+    return dict(BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_T=block_t, num_warps=warps,
+                num_stages=GEMM_STAGES[min(element_size, 4)])
 
 
 # Scores a row-kernel program holds per step: 16 per thread at 4 warps. At 4096 (32 per
@@ -287,15 +324,15 @@ def chunk_plan(bh: int, n: int, m: int, k: int, element_size: int, budget: Optio
 # memory-bound kernels (8 warps and 4096 did not spill either, but fit one program per SM).
 ROW_WARPS = 4
 ROW_ELEMENTS = 2048
-
-
 ROW_MAX_ROWS = 256  # 2048 x 1 tiles (K = 1) spilled: the per-row vectors grow with BLOCK_R
 
 
-def row_config(k: int, block_m: int) -> Dict[str, int]:
+def row_config(k: int) -> Dict[str, int]:
     """Blocks of the chunked strategy's row kernels (softmax forward, dS backward): a
-    program takes BLOCK_R consecutive m rows of one (slice, n) and walks the pivots BLOCK_K
-    at a time, loading contiguous runs of the float32 score buffers."""
-    block_k = min(triton.next_power_of_2(max(1, k)), 1024)
-    block_r = max(1, min(triton.next_power_of_2(max(1, block_m)), ROW_ELEMENTS // block_k, ROW_MAX_ROWS))
-    return dict(BLOCK_R=block_r, BLOCK_K=block_k, num_warps=ROW_WARPS)
+    program takes BLOCK_R consecutive rows of a chunk's [rows, K] score buffers and walks
+    the pivots BLOCK_K at a time. Rows of up to ROW_ELEMENTS pivots are one tile
+    (ONE_TILE): each score is read once per pass; longer rows are read twice (the max and
+    sum, or Dr, then P and dS)."""
+    block_k = min(triton.next_power_of_2(max(1, k)), ROW_ELEMENTS)
+    block_r = max(1, min(ROW_ELEMENTS // block_k, ROW_MAX_ROWS))
+    return dict(BLOCK_R=block_r, BLOCK_K=block_k, ONE_TILE=block_k >= k, num_warps=ROW_WARPS)
