@@ -283,34 +283,42 @@ def test_a_goal_has_a_minimum_or_a_maximum():
 
 
 # ---------------------------------------------------------------------------------------------
-# The chunked strategy's row kernels, compiled for an H100 (sm_90) without a GPU
+# The chunked strategy's row kernels and GEMM, compiled for an H100 (sm_90) without a GPU
 # ---------------------------------------------------------------------------------------------
-_ROWS_SM90 = r"""
+_CHUNKED_SM90 = r"""
 import json, sys, torch
-from gradops.bench.floyd import compile_check_rows, ROW_CHECK_K
+from gradops.bench.floyd import compile_check_gemm, compile_check_rows, ROW_CHECK_K
 for dtype in sys.argv[1:]:
     for k in ROW_CHECK_K:
         for row in compile_check_rows(getattr(torch, dtype), k):
             print(json.dumps(row), flush=True)
+    for row in compile_check_gemm(getattr(torch, dtype)):
+        print(json.dumps(row), flush=True)
 """
 H100_SHARED = 227 * 1024
 
 
 @pytest.mark.parametrize("triton_version", ["installed", "3.6"])
-def test_row_kernels_compile_for_sm90_without_spills(triton_version):
+def test_chunked_kernels_compile_for_sm90_without_spills(triton_version):
+    """The row kernels (no MMA) and every kind of GEMM launch (16-bit: tensor cores, which
+    on sm_90 means wgmma, HGMMA in the SASS; float32: IEEE FMA), within an H100's shared
+    memory and without a spill, in the GPU image's Triton and the newest."""
     import triton
 
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     if not os.path.exists(nvdisasm):
         pytest.skip("triton's bundled CUDA tools are not installed")
-    stdout = run_sm90_compile("import triton; print(triton.__version__)\n" + _ROWS_SM90, "bfloat16", "float32",
+    stdout = run_sm90_compile("import triton; print(triton.__version__)\n" + _CHUNKED_SM90, "bfloat16", "float32",
                               timeout=600, triton_version=triton_version)
     version, *lines = stdout.splitlines()
     version = ".".join(version.split(".")[:2])
     rows = [json.loads(line) for line in lines]
     print("\n".join(map(json.dumps, rows)))
-    assert len(rows) == 2 * 2 * len(floyd.ROW_CHECK_K)
+    gemms = [row for row in rows if row["kernel"].startswith("gemm")]
+    assert len(rows) - len(gemms) == 2 * 2 * len(floyd.ROW_CHECK_K) and len(gemms) == 2 * len(floyd.GEMM_CHECK)
     for row in rows:
         assert "error" not in row, row
-        assert row["shared"] <= H100_SHARED and row["mma"] == 0, row
+        assert row["shared"] <= H100_SHARED, row
         assert row["spill_loads"] == row["spill_stores"] == 0, (version, row)
+        tensor_cores = row in gemms and row["dtype"] == "bfloat16"
+        assert (row["mma"] > 0) == tensor_cores, row

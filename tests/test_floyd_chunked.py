@@ -1,8 +1,9 @@
 """The chunked strategy of the Triton Floyd attention backend (gradops/kernels/floyd_chunked.py)
 and the rule that chooses between it and the fused kernels (gradops/kernels/floyd_config.py).
 
-On CPU the row kernels run through the Triton interpreter and the GEMMs are torch's float32
-bmm of the (16-bit) values: tiny shapes, tails on every axis. The oracle is the float64
+On CPU the GEMM and row kernels run through the Triton interpreter (bfloat16 tiles widened
+to float32 as they are loaded, the interpreter's bf16 tl.dot being wrong): tiny shapes,
+tails on every axis. The oracle is the float64
 autograd one of tests/test_kernels_floyd.py (FloydNet's einsum formulation differentiated by
 autograd, independent of both strategies), with its tolerances (TOL, relative to
 max(1, largest magnitude)); ``floyd_config.STRATEGY`` forces the strategy, and a spy checks
@@ -13,8 +14,6 @@ import gc
 import itertools
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -30,7 +29,7 @@ import triton.runtime.interpreter as triton_interpreter
 
 from gradops.kernels import floyd_chunked as chunked
 from gradops.kernels import floyd_config as config
-from helpers import raises_status
+from helpers import raises_status, record_launches
 from test_floyd_attention import _one_hot_inputs, _winner
 from test_kernels_floyd import (
     FLT_MAX, GRAD_NAMES, TOL, assert_close, assert_stats, make_inputs, oracle, run_kernels,
@@ -131,9 +130,8 @@ def test_against_float64_autograd(spy, shape, mask_kind, dtype, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("d", [16, 64, 96, 128, 256])
 def test_head_dims(spy, d, dtype, device):
-    """Every head dim the fused kernels take, and their widest; bfloat16 too: the chunked
-    path has no tl.dot (its GEMMs are torch's), so the interpreter's bf16 dot bug (triton
-    issue 11584) does not touch it and bf16 runs as it would on a GPU, bar cuBLAS's order."""
+    """Every head dim the fused kernels take, and their widest; bfloat16 too (its GEMM tiles
+    widened to float32 in the interpreter: exact products, float32 sums, as tensor cores)."""
     shape = (2, 1, 5, 6, 7, d)
     inputs, dy, mask = make_inputs(*shape, dtype, device, "full_rows")
     check_against_oracle(run_chunked(spy, inputs, dy, mask), inputs, dy, mask, dtype)
@@ -145,28 +143,29 @@ def test_bfloat16_tails(spy, device):
     check_against_oracle(run_chunked(spy, inputs, dy, mask, 0.3), inputs, dy, mask, torch.bfloat16, 0.3)
 
 
-# K past the row kernels' largest BLOCK_K (1024): the softmax and dS walk the pivots in tiles
-# (online max and sum, Dr summed over tiles), which smaller K never does.
+# K past the row kernels' largest BLOCK_K (2048): the softmax and dS walk the pivots in tiles
+# (online max and sum, Dr summed over tiles), which smaller K never does; K = 1025 is one
+# tile of 2048 pivots, 1023 of them dead.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("k", [1025, 2100])
 def test_pivots_past_one_row_block(spy, k, dtype, device):
     shape = (1, 2, 2, 3, k, 4)
-    assert config.row_config(k, 3)["BLOCK_K"] < k
+    assert config.row_config(k)["ONE_TILE"] == (k <= config.ROW_ELEMENTS)
     inputs, dy, mask = make_inputs(*shape, dtype, device, "full_rows")
     check_against_oracle(run_chunked(spy, inputs, dy, mask), inputs, dy, mask, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_one_hot_in_a_later_pivot_tile(spy, dtype, device):
-    """The winning pivot of every row in the second tile of 1024 pivots: the first tile's
+    """The winning pivot of every row in the second tile of 2048 pivots: the first tile's
     max is overtaken, and dQ, dK1, dK2 are still exactly zero."""
     gen = torch.Generator().manual_seed(11)
-    b, h, n, m, k, d = 1, 2, 3, 4, 1100, 4
+    b, h, n, m, k, d = 1, 2, 3, 4, 2100, 4
     inputs = _one_hot_inputs(b, h, n, m, k, d, dtype, device, gen)
-    # the softmax is over k in any order: roll the pivots so that the winners pass 1024
-    shift = 1050
+    # the softmax is over k in any order: roll the pivots so that the winners pass 2048
+    shift = 2060
     inputs = [inputs[0]] + [t.roll(shift, dims=3 if i < 2 else 2) for i, t in enumerate(inputs[1:])]
-    assert all(config.row_config(k, m)["BLOCK_K"] <= (_winner(i, k) + shift) % k for i in range(n))
+    assert all(config.row_config(k)["BLOCK_K"] <= (_winner(i, k) + shift) % k for i in range(n))
     dy = torch.randn(b, h, n, m, d, generator=gen, dtype=F64, device="cpu").to(dtype).to(device)
     out, mx, sm, (dq, dk1, dv1, dk2, dv2) = run_chunked(spy, inputs, dy, None, 0.8)
     assert torch.equal(sm, torch.ones_like(sm))
@@ -179,14 +178,14 @@ def test_one_hot_in_a_later_pivot_tile(spy, dtype, device):
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's nanmax
 def test_nan_score_in_a_later_pivot_tile(spy, device):
-    """A NaN score in the second tile of pivots only (K1[n, k] for k > 1024): the max of those
+    """A NaN score in the second tile of pivots only (K1[n, k] for k > 2048): the max of those
     rows is NaN (tl.max alone would skip it, and the first tile's max would stand), as are
     their sum and output; no other row is touched."""
-    b, h, n, m, k, d = 1, 2, 3, 4, 1100, 4
+    b, h, n, m, k, d = 1, 2, 3, 4, 2100, 4
     inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.float32, device, "random")
     inputs = [t.clone() for t in inputs]
-    inputs[1][0, 1, 2, 1030, 0] = float("nan")
-    mask[0, 0, 2, 0, 1030] = False
+    inputs[1][0, 1, 2, 2070, 0] = float("nan")
+    mask[0, 0, 2, 0, 2070] = False
     out, mx, sm = (t.cpu() for t in run_chunked(spy, inputs, dy, mask)[:3])
     rows = torch.zeros(b, h, n, m, dtype=torch.bool, device="cpu")  # the results are moved to the CPU
     rows[0, 1, 2] = True
@@ -211,6 +210,7 @@ CHUNKINGS = [
     ("one_row", (1, 2, 5, 3, 7, 8), lambda s, dt: pairs_budget(1, s[4], dt)),  # every (n, m) row its own chunk
     ("split_n_and_m", (2, 1, 13, 11, 9, 8), lambda s, dt: pairs_budget(20, s[4], dt)),  # 5 x 4: tails on both
     ("short_n", (1, 2, 3, 17, 6, 8), lambda s, dt: pairs_budget(3 * 5 + 2, s[4], dt)),  # N whole, M split: 3 x 5
+    ("whole_m_rows", (1, 2, 40, 3, 5, 8), lambda s, dt: pairs_budget(17 * 3 + 2, s[4], dt)),  # 17 x 3: M whole
     ("whole_slices", (2, 3, 4, 5, 6, 8), lambda s, dt: slices_budget(1, s, dt)),  # one slice a chunk
     ("groups_of_4", (2, 3, 4, 5, 6, 8), lambda s, dt: slices_budget(4, s, dt)),  # slices 0-3, 4-5
 ]
@@ -220,8 +220,8 @@ CHUNKINGS = [
 @pytest.mark.parametrize("name,shape,budget_of", CHUNKINGS, ids=[c[0] for c in CHUNKINGS])
 def test_many_chunks(spy, monkeypatch, name, shape, budget_of, dtype, device):
     """Small budgets: chunks of one row, chunks with tails on n and m, N whole and M split,
-    whole slices, and groups of slices with a short last group; the float32 dK1/dV1 sums
-    over m-chunks and dK2/dV2 over n-chunks are the oracle's."""
+    rows of n with M whole, whole slices, and groups of slices with a short last group; the
+    float32 dK1/dV1 sums over m-chunks and dK2/dV2 over n-chunks are the oracle's."""
     b, h, n, m, k, d = shape
     budget = budget_of(shape, dtype)
     monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", budget)
@@ -240,6 +240,8 @@ def test_many_chunks(spy, monkeypatch, name, shape, budget_of, dtype, device):
         assert n % plan.block_n and m % plan.block_m  # tails on both
     if name == "short_n":
         assert plan.groups == 1 and plan.block_n == n and 1 < plan.block_m < m and m % plan.block_m
+    if name == "whole_m_rows":
+        assert (plan.groups, plan.block_n, plan.block_m) == (1, 17, m)  # a tail of 6 rows of n
     if name == "whole_slices":
         assert (plan.groups, plan.block_n, plan.block_m) == (1, n, m)
     if name == "groups_of_4":
@@ -280,6 +282,55 @@ def test_fully_masked_row_gradients(spy, monkeypatch, pairs, dtype, device):
 # ---------------------------------------------------------------------------------------------
 # Exact zeros: P one-hot to the last bit (the same S in the backward as in the forward)
 # ---------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
+# Launches: a few GEMMs per chunk, and only as many chunks as the memory bound forces
+# ---------------------------------------------------------------------------------------------
+def _count(launches, since=0):
+    """(GEMM launches, row-kernel launches) among ``launches[since:]``; nothing else runs."""
+    names = [fn.__name__ for fn, _, _ in launches[since:]]
+    assert set(names) <= {"_gemm_kernel", "_softmax_rows", "_grad_rows"}, names
+    return names.count("_gemm_kernel"), len(names) - names.count("_gemm_kernel")
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 8, 8, 8, 16), (2, 1, 40, 33, 70, 16), (3, 2, 17, 64, 5, 40)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gemm_count_does_not_grow_with_the_problem(spy, monkeypatch, shape, device):
+    """With the budget from the device's memory these problems are one chunk: the forward
+    launches 4 GEMMs and 1 row kernel, the backward 10 and 1, at every N, M, K, B*H (no
+    Python loop over slices, rows or pivots, no elementwise pass of its own)."""
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", None)
+    launches = record_launches(monkeypatch)
+    inputs, dy, mask = make_inputs(*shape, torch.float16, device, "random")
+    out, mx, sm = kernels.floyd_attention(*inputs, mask, SCALE)
+    assert _count(launches) == (4, 1)
+    before = len(launches)
+    grads = kernels.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, SCALE)
+    assert _count(launches, before) == (10, 1)
+    assert spy.plans[0][2].count(shape[0] * shape[1], shape[2], shape[3]) == 1
+    check_against_oracle((out, mx, sm, grads), inputs, dy, mask, torch.float16)
+
+
+@pytest.mark.parametrize("rows", [16, 32, 40, 64])
+def test_gemm_count_grows_only_with_the_chunks_the_budget_forces(spy, monkeypatch, rows, device):
+    """A budget of ``rows`` rows of n (every m and pivot): 14 GEMMs and 2 row kernels per
+    chunk, forward + backward, and no more chunks than twice the fewest the budget allows
+    (rows are rounded down to multiples of 16 past 32)."""
+    b, h, n, m, k, d = 1, 2, 64, 8, 8, 16
+    budget = pairs_budget(rows * m, k, torch.float16)
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", budget)
+    launches = record_launches(monkeypatch)
+    inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.float16, device, "random")
+    out, mx, sm = kernels.floyd_attention(*inputs, mask, SCALE)
+    fwd = _count(launches)
+    before = len(launches)
+    grads = kernels.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, SCALE)
+    chunks = spy.plans[0][2].count(b * h, n, m)
+    fewest = -(-b * h * n * m * k * config.score_bytes(2) // budget)
+    assert fewest <= chunks <= 2 * fewest and spy.plans[0][2].block_m == m
+    assert fwd == (4 * chunks, chunks) and _count(launches, before) == (10 * chunks, chunks)
+    check_against_oracle((out, mx, sm, grads), inputs, dy, mask, torch.float16)
+
+
 @pytest.mark.parametrize("budget", ["rows_of_10", "groups_of_3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", ["K1", "one_hot"])
@@ -385,7 +436,7 @@ def test_deterministic(spy, monkeypatch, device):
     for budget, chunks in budgets:
         monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", budget)
         first, second = (flat(run_chunked(spy, inputs, dy, mask, 0.6)) for _ in range(2))
-        assert sum(len(c[4]) for c in spy.plans[-1][2].chunks(3, 7, 5)) == chunks
+        assert spy.plans[-1][2].count(3, 7, 5) == len(list(spy.plans[-1][2].chunks(3, 7, 5))) == chunks
         for a, b_ in zip(first, second):
             assert torch.equal(a, b_)
 
@@ -407,7 +458,7 @@ def test_nan_in_q_stays_in_its_row(spy, monkeypatch, dtype, device):
     out, mx, sm, grads = run_chunked(spy, inputs, dy, mask, 0.6)
     out, mx, sm, grads = out.cpu(), mx.cpu(), sm.cpu(), [g.cpu() for g in grads]
     plan = spy.plans[0][2]
-    assert plan.block_n < n and plan.block_m < m and config.row_config(k, plan.block_m)["BLOCK_R"] > 1
+    assert plan.block_n < n and plan.block_m < m and config.row_config(k)["BLOCK_R"] > 1
     row = torch.zeros(b, h, n, m, dtype=torch.bool, device="cpu")  # the results are moved to the CPU
     row[where] = True
     assert torch.equal(torch.isnan(mx), row) and torch.equal(torch.isnan(sm), row)
@@ -499,11 +550,9 @@ MEMORY_SHAPE, MEMORY_PAIRS = (1, 1, 18, 15, 48, 1), 30
 
 
 def _memory_problem(monkeypatch, dtype, device):
-    if device != "cpu":
-        pytest.skip("the CPU GEMMs' copies; on a GPU the budget also follows the free memory")
     b, h, n, m, k, d = MEMORY_SHAPE
     monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(MEMORY_PAIRS, k, dtype))
-    plan = config.chunk_plan(b * h, n, m, k, dtype.itemsize, head_dim=d)
+    plan = config.chunk_plan(b * h, n, m, k, dtype.itemsize, config.CHUNK_BUDGET_BYTES, head_dim=d)
     assert plan.groups == 1 and 1 < plan.block_n < n and 1 < plan.block_m < m
     assert n % plan.block_n == 0 and m % plan.block_m == 0 and plan.block_n * plan.block_m <= MEMORY_PAIRS
     inputs, dy, mask = make_inputs(*MEMORY_SHAPE, dtype, device, "random")
@@ -512,25 +561,24 @@ def _memory_problem(monkeypatch, dtype, device):
 
 def _linear_bound(plan, n, m, k, d):
     """Bytes linear in D a chunked call may hold beyond its outputs and score buffers: the
-    float32 dK1/dV1 of a group of slices, dK2/dV2 of a chunk, the chunk's operands and GEMM
-    results (copies of Q, dY, K2, V2 in the layouts the GEMMs take, float32 copies of 16-bit
-    operands): a generous 8 float32 copies of each."""
-    g = plan.groups
-    return 8 * 4 * g * (n * k + plan.block_m * k + plan.block_n * k + plan.block_n * plan.block_m) * d
+    float32 partial Y or dQ of a chunk, and the float32 sums across chunks of dK1/dV1 (one
+    n range) and dK2/dV2 (every m of a group of slices); the GEMMs copy no operand."""
+    return 4 * plan.groups * (plan.block_n * plan.block_m + 2 * plan.block_n * k + 2 * k * m) * d
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_no_cubic_allocation(spy, monkeypatch, dtype, device):
     """No tensor of B*H*N*M*K elements, forward or backward: the largest is a chunk's score
     buffer (or an input or output); and the bytes held at once beyond the outputs stay under
-    two chunks' score buffers plus terms linear in D, well under the cube."""
+    one chunk's score buffers (allocated once per call) plus terms linear in D, well under
+    the cube."""
     plan, inputs, dy, mask = _memory_problem(monkeypatch, dtype, device)
     b, h, n, m, k, d = MEMORY_SHAPE
     cube = b * h * n * m * k
     chunk_scores = plan.groups * plan.block_n * plan.block_m * k
     io = max(t.numel() for t in inputs)
-    bound = 2 * chunk_scores * config.score_bytes(dtype.itemsize) + _linear_bound(plan, n, m, k, d)
-    assert bound < cube * config.score_bytes(dtype.itemsize) / 2  # the check can tell
+    bound = chunk_scores * config.score_bytes(dtype.itemsize) + _linear_bound(plan, n, m, k, d)
+    assert bound < cube * config.score_bytes(dtype.itemsize) / 4  # the check can tell
 
     with Allocations(*inputs, dy, mask) as fwd:
         out, mx, sm = kernels.floyd_attention(*inputs, mask, SCALE)
@@ -554,9 +602,9 @@ def test_no_cubic_allocation(spy, monkeypatch, dtype, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("launcher", ["forward", "backward"])
 def test_score_workspace_within_the_chunk_budget(spy, monkeypatch, launcher, dtype, device):
-    """The score-sized buffers held at once (S, dP as float32 halves, P and dS in both
-    layouts, the GEMMs' float32 copies of 16-bit ones) within one chunk's scores at
-    ``score_bytes`` each: the CHUNK_BUDGET_BYTES the plan was made for."""
+    """The score-sized buffers held at once (S and dP in float32, P and dS in the input
+    dtype; the forward S and P) within one chunk's scores at ``score_bytes`` each: the
+    CHUNK_BUDGET_BYTES the plan was made for."""
     plan, inputs, dy, mask = _memory_problem(monkeypatch, dtype, device)
     chunk_scores = plan.groups * plan.block_n * plan.block_m * MEMORY_SHAPE[4]
     workspace = chunk_scores * config.score_bytes(dtype.itemsize)
@@ -568,9 +616,9 @@ def test_score_workspace_within_the_chunk_budget(spy, monkeypatch, launcher, dty
         out, mx, sm = kernels.floyd_attention(*inputs, mask, SCALE)
         with Allocations(*inputs, dy, mask, out, mx, sm, watch=chunk_scores) as seen:
             kernels.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, SCALE)
-    # float32 S halves at the least: the watch sees the score buffers
-    assert seen.watched_peak >= 2 * 4 * chunk_scores
-    assert seen.watched_peak <= workspace, (seen.watched_peak, workspace)
+    # every score buffer, once: the watch sees them
+    held = (4 + dtype.itemsize) if launcher == "forward" else config.score_bytes(dtype.itemsize)
+    assert seen.watched_peak == held * chunk_scores <= workspace, (seen.watched_peak, workspace)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -688,27 +736,21 @@ def test_rule_wide_heads_are_chunked_at_any_size(rule):
     assert config.strategy(1, 1, 1, 1, 1, 64, 2) == config.strategy(1, 1, 1, 1, 1, 16, 4) == "fused"
 
 
-def test_rule_large_problems_from_d64_are_chunked(rule):
-    """16-bit D = 64 (width 64 = CHUNKED_MIN_WIDTH): fused while small, chunked from
-    CHUNKED_MIN_WORK units of B*H*N*M*K*D on; narrower heads stay fused at any size."""
-    work = config.CHUNKED_MIN_WORK
-    n = round((work / (2 * 8 * 64)) ** (1 / 3))  # B*H = 16, N = M = K = n: about the threshold
-    sizes = [(2, 8, n, n, n), (2, 8, n + 1, n + 1, n + 1), (1, 1, 16, 16, 16), (4, 8, 512, 512, 512)]
-    for b, h, n_, m, k in sizes:
-        for d in (64, 33, 48):  # all pad to 64
-            expected = "chunked" if b * h * n_ * m * k * d >= work else "fused"
-            assert config.strategy(b, h, n_, m, k, d, 2) == expected, (b, h, n_, m, k, d)
-        for d, element_size in ((32, 2), (16, 4), (8, 4), (1, 2)):  # width < CHUNKED_MIN_WIDTH
-            assert config.strategy(b, h, n_, m, k, d, element_size) == "fused"
-    assert config.strategy(4, 8, 512, 512, 512, 64, 2) == "chunked"  # e.g. B=4, H=8, N=M=K=512
-    assert config.strategy(1, 1, 32, 32, 32, 64, 2) == "fused"
-    # exactly at the threshold
-    assert config.strategy(1, 1, 1, 1, work // 64, 64, 2) == "chunked"
-    assert config.strategy(1, 1, 1, 1, work // 64 - 1, 64, 2) == "fused"
+def test_rule_picks_the_faster_strategy_wherever_both_were_measured(rule):
+    """floyd_config.MEASURED holds forward + backward of both strategies on an H100: at every
+    such shape the rule picks the faster one (a tie to the fused kernels), and the measured
+    shapes span both answers. Width alone decides: the same shape smaller or larger, with
+    more heads or a batch, takes the same strategy."""
+    assert {config.strategy(b, h, n, n, n, d, es) for (b, h, n, d, es) in config.MEASURED} == {"fused", "chunked"}
+    for (b, h, n, d, es), (fused_ms, chunked_ms) in config.MEASURED.items():
+        faster = "chunked" if chunked_ms < fused_ms else "fused"
+        assert config.strategy(b, h, n, n, n, d, es) == faster, (b, h, n, d, fused_ms, chunked_ms)
+        for other in ((1, 1, 16, 16, 16), (4, 16, 2048, 512, 1024), (b, h, 3, 1000, 7)):
+            assert config.strategy(*other, d, es) == faster
 
 
 def test_rule_overrides(monkeypatch, rule):
-    big, small = (4, 8, 512, 512, 512, 64, 2), (1, 1, 2, 2, 2, 8, 2)
+    big, small = (4, 8, 512, 512, 512, 128, 2), (1, 1, 2, 2, 2, 8, 2)
     assert config.strategy(*big) == "chunked" and config.strategy(*small) == "fused"
     monkeypatch.setenv("GRADOPS_FLOYD_STRATEGY", "chunked")
     assert config.forced_strategy() == "chunked" and config.strategy(*small) == "chunked"
@@ -745,8 +787,9 @@ def test_rule_bad_override_raises(monkeypatch, rule, where, device):
 def _plan_cases():
     """(bh, n, m, k, element_size, budget): edge cases, then a random sweep."""
     cases = [(1, 1, 1, 1, 2, 1), (1, 1, 1, 1000, 4, 10), (3, 1, 1, 5, 2, 10 ** 9),
-             (6, 4, 5, 6, 2, 24 * 6 * 4 * 5 * 4 + 1), (1, 100, 100, 64, 2, 256 << 20),
-             (2, 40, 33, 17, 4, 32 * 17 * 40), (1, 300, 7, 50, 2, 24 * 50 * 64), (5, 7, 300, 3, 2, 24 * 3 * 40)]
+             (6, 4, 5, 6, 2, 12 * 6 * 4 * 5 * 4 + 1), (1, 100, 100, 64, 2, 256 << 20),
+             (2, 40, 33, 17, 4, 16 * 17 * 40), (1, 300, 7, 50, 2, 12 * 50 * 64), (5, 7, 300, 3, 2, 12 * 3 * 40),
+             (1, 1000, 40, 8, 2, 12 * 8 * 40 * 16), (1, 1000, 40, 8, 2, 12 * 8 * 40 * 16 - 1)]
     rng = random.Random(1234)
     for _ in range(300):
         bh, n, m, k = (rng.choice([1, 2, 3, 5, 8, 17, 33, 64, 100, 257]) for _ in range(4))
@@ -757,10 +800,10 @@ def _plan_cases():
 
 
 def test_chunk_plan_invariants():
-    """Every (slice, n, m) in exactly one chunk, m outer and n inner within a group of
-    slices; a chunk's scores at score_bytes each within the budget unless a single
-    1 x 1 x K row exceeds it (then chunks of one row); groups > 1 only for whole slices;
-    a function of its arguments alone."""
+    """Every (slice, n, m) in exactly one chunk, slices outermost, then n, m innermost; a
+    chunk's scores at score_bytes each within the budget unless a single 1 x 1 x K row
+    exceeds it (then chunks of one row); groups > 1 only for whole slices; M split only when
+    16 rows of n with every m do not fit; a function of its arguments alone."""
     for bh, n, m, k, es, budget in _plan_cases():
         plan = config.chunk_plan(bh, n, m, k, es, budget)
         assert plan == config.chunk_plan(bh, n, m, k, es, budget)
@@ -772,59 +815,88 @@ def test_chunk_plan_invariants():
             assert plan.groups * plan.block_n * plan.block_m * k * per_score <= budget, (bh, n, m, k, es, budget)
         if plan.groups > 1:
             assert (plan.block_n, plan.block_m) == (n, m)
+        if plan.block_m < m:
+            assert 16 * m * k * per_score > budget, (bh, n, m, k, es, budget)
         for d in (1, 64):  # the bytes that grow with D shrink the groups, nothing else
             with_d = config.chunk_plan(bh, n, m, k, es, budget, head_dim=d)
             assert (with_d.block_n, with_d.block_m) == (plan.block_n, plan.block_m)
             assert 1 <= with_d.groups <= plan.groups
             assert with_d.groups == 1 or with_d.groups * config.slice_bytes(n, m, k, d, es) <= budget
         walk = list(plan.chunks(bh, n, m))
-        assert [(g0, m0) for g0, _, m0, _, _ in walk] == sorted({(g0, m0) for g0, _, m0, _, _ in walk})
-        # every chunk takes the same n ranges; slices and m ranges each tile their axis once
-        n_ranges = walk[0][4]
-        assert all(chunk[4] == n_ranges for chunk in walk)
-        g_ranges = sorted({(g0, g1) for g0, g1, _, _, _ in walk})
-        m_ranges = sorted({(m0, m1) for _, _, m0, m1, _ in walk})
-        assert len(walk) == len(g_ranges) * len(m_ranges)
-        for ranges, size, block in ((g_ranges, bh, plan.groups), (m_ranges, m, plan.block_m),
-                                    (n_ranges, n, plan.block_n)):
+        assert len(walk) == plan.count(bh, n, m)
+        assert walk == sorted(walk)  # slices, then n, then m
+        for axis, size, block in ((0, bh, plan.groups), (2, n, plan.block_n), (4, m, plan.block_m)):
+            ranges = sorted({(c[axis], c[axis + 1]) for c in walk})
             assert ranges[0][0] == 0 and ranges[-1][1] == size
             assert all(a1 == b0 for (_, a1), (b0, _) in itertools.pairwise(ranges))
             assert all(0 < r1 - r0 <= block for r0, r1 in ranges)
-        if len(walk) * len(n_ranges) <= 200:  # and, where small, by counting
+        assert len(walk) == len({(c[0], c[2], c[4]) for c in walk})
+        if len(walk) <= 200:  # and, where small, by counting
             count = torch.zeros(bh, n, m, dtype=torch.int32, device="cpu")
-            for g0, g1, m0, m1, ranges in walk:
-                for n0, n1 in ranges:
-                    count[g0:g1, n0:n1, m0:m1] += 1
+            for g0, g1, n0, n1, m0, m1 in walk:
+                count[g0:g1, n0:n1, m0:m1] += 1
             assert torch.all(count == 1), (bh, n, m, k, es, budget)
 
 
-def test_chunk_plan_uses_the_budget(monkeypatch):
-    """The default budget is CHUNK_BUDGET_BYTES at call time; chunk_budget takes a quarter
-    of the free memory when that is less; chunks use the budget they get (not much less:
-    square-ish tiles in multiples of 16 once past 32)."""
-    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", 24 * 7 * 10)
-    assert config.chunk_plan(1, 40, 40, 7, 2) == config.chunk_plan(1, 40, 40, 7, 2, 24 * 7 * 10)
-    assert config.chunk_budget(None) == config.CHUNK_BUDGET_BYTES
-    assert config.chunk_budget(4 * 100) == 100 and config.chunk_budget(0) == 1
-    assert config.chunk_budget(10 ** 12) == config.CHUNK_BUDGET_BYTES
-    # large problems use at least half the budget and keep multiples of 16 past 32 rows
-    for n, m in ((1000, 1000), (4096, 300), (300, 4096)):
-        plan = config.chunk_plan(8, n, m, 512, 2, 256 << 20)
-        pairs = (256 << 20) // config.score_bytes(2) // 512
+def test_chunk_budget_follows_the_device_total_memory(monkeypatch):
+    """The budget is the device's total memory / CHUNK_MEMORY_DIVISOR (at least
+    MIN_CHUNK_BUDGET_BYTES), never its free memory; CHUNK_BUDGET_BYTES, when set, replaces it.
+    On an 80 GB H100 a bf16 B = 1, H = 8, N = M = K = 512 problem is 8 chunks of one slice
+    (D = 128): 14 GEMMs each, forward and backward, against about 1,800 bmm calls before."""
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", None)
+    h100 = 80 * 10 ** 9
+    assert config.chunk_budget(h100) == h100 // config.CHUNK_MEMORY_DIVISOR
+    assert config.chunk_budget(10 ** 6) == config.MIN_CHUNK_BUDGET_BYTES
+    plan = config.chunk_plan(8, 512, 512, 512, 2, config.chunk_budget(h100), head_dim=128)
+    assert plan == config.ChunkPlan(1, 512, 512) and plan.count(8, 512, 512) == 8
+    # half of what torch.compile(FloydNet) peaked at there (9 GiB), with the gradients' 2.5 GiB
+    assert 512 ** 3 * config.score_bytes(2) + 4 * 512 * 512 * 128 + 5 * 512 * 512 * 128 * 2 * 8 < 4.5 * 2 ** 30
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", 12345)
+    assert config.chunk_budget(h100) == 12345
+    cpu = torch.device("cpu")
+    assert config.total_memory(cpu) > 2 ** 28
+    # a call's plan reads the total, not the free memory: the same plan whatever is allocated
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", None)
+    before = chunked._plan(torch.empty(2, 4, 64, 64, 32, dtype=torch.float16), 64)
+    hog = torch.empty(2 ** 26, dtype=torch.uint8)
+    assert chunked._plan(torch.empty(2, 4, 64, 64, 32, dtype=torch.float16), 64) == before
+    del hog
+
+
+def test_chunk_plan_uses_the_budget():
+    """Chunks use the budget they get (not much less: rows of n with every m, or square-ish
+    tiles, in multiples of 16 once past 32)."""
+    for n, m, k in ((1000, 1000, 512), (4096, 300, 512), (300, 4096, 512), (2048, 2048, 2048)):
+        budget = 256 << 20
+        plan = config.chunk_plan(8, n, m, k, 2, budget)
+        pairs = budget // config.score_bytes(2) // k
         assert plan.block_n * plan.block_m * 2 >= pairs, plan
         for side in (plan.block_n, plan.block_m):
             assert side < 32 or side % 16 == 0 or side in (n, m)
 
 
 def test_row_config():
-    for k in (1, 2, 7, 37, 1000, 1024, 5000):
-        for block_m in (1, 3, 16, 100, 4096):
-            cfg = config.row_config(k, block_m)
-            r, bk = cfg["BLOCK_R"], cfg["BLOCK_K"]
-            assert r & (r - 1) == 0 and bk & (bk - 1) == 0
-            assert bk >= min(k, 1024) and bk <= 1024
-            assert r * bk <= max(config.ROW_ELEMENTS, bk) and r <= triton.next_power_of_2(block_m)
-            assert r <= config.ROW_MAX_ROWS
+    for k in (1, 2, 7, 37, 1000, 1024, 2048, 2049, 5000):
+        cfg = config.row_config(k)
+        r, bk = cfg["BLOCK_R"], cfg["BLOCK_K"]
+        assert r & (r - 1) == 0 and bk & (bk - 1) == 0
+        assert bk >= min(k, config.ROW_ELEMENTS) and bk <= config.ROW_ELEMENTS
+        assert r * bk <= max(config.ROW_ELEMENTS, bk) and r <= config.ROW_MAX_ROWS
+        assert cfg["ONE_TILE"] == (k <= bk)
+
+
+def test_gemm_config():
+    """The GEMM tiles: powers of two from 16 (tl.dot's least) to the table's widest, a
+    function of the GEMM's shape and element size alone."""
+    for rows, cols, inner in ((1, 1, 1), (7, 300, 5), (512, 512, 128), (4096, 64, 1000)):
+        for es in (2, 4):
+            cfg = config.gemm_config(rows, cols, inner, es)
+            assert cfg == config.gemm_config(rows, cols, inner, es)
+            for key, size, top in (("BLOCK_R", rows, config.GEMM_BLOCK[es]), ("BLOCK_C", cols, config.GEMM_BLOCK[es]),
+                                   ("BLOCK_T", inner, config.GEMM_STEP[es])):
+                block = cfg[key]
+                assert block & (block - 1) == 0 and 16 <= block <= top
+                assert block >= min(top, size)
 
 
 def test_spy_sees_the_fused_strategy_too(monkeypatch, device):
@@ -836,102 +908,3 @@ def test_spy_sees_the_fused_strategy_too(monkeypatch, device):
     inputs, dy, mask = make_inputs(1, 1, 2, 3, 4, 8, torch.float16, device)
     kernels.floyd_attention(*inputs, mask, 1.0)
     assert calls == []
-
-
-# ---------------------------------------------------------------------------------------------
-# What the CPU cannot run but can check: the GPU-only branches of the rule and of the GEMMs
-# ---------------------------------------------------------------------------------------------
-def test_rule_keeps_gpu_calls_fused_where_cublas_refuses_determinism(monkeypatch, rule):
-    """torch.use_deterministic_algorithms(True) without CUBLAS_WORKSPACE_CONFIG makes every
-    cuBLAS GEMM raise: the rule then gives GPU calls the fused kernels can take to them."""
-    big = (1, 8, 512, 512, 512, 128)
-    assert config.strategy(*big, 2, cuda=True) == "chunked"
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    assert config.strategy(*big, 2, cuda=True) == "fused"
-    assert config.strategy(*big, 2) == "chunked"  # a CPU's GEMMs are not cuBLAS
-    assert config.strategy(1, 1, 2, 2, 2, 300, 2, cuda=True) == "chunked"  # past the fused kernels
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    assert config.strategy(*big, 2, cuda=True) == "chunked"
-
-
-_PRECISION_SCRIPT = r"""
-import sys, torch
-from gradops.kernels.floyd_chunked import _ieee_float32
-matmul = torch.backends.cuda.matmul
-
-
-def state():
-    out = []
-    for read in (torch.get_float32_matmul_precision, lambda: getattr(matmul, "fp32_precision", None),
-                 lambda: getattr(torch.backends, "fp32_precision", None), lambda: matmul.allow_tf32):
-        try:
-            out.append(read())
-        except RuntimeError:  # torch >= 2.9 refuses to read a legacy flag after the new API
-            out.append("refused")
-    return out
-
-
-setup = sys.argv[1]
-if setup == "medium":
-    torch.set_float32_matmul_precision("medium")
-elif setup == "new_api_tf32" and hasattr(matmul, "fp32_precision"):
-    matmul.fp32_precision = "tf32"
-elif setup == "all_tf32" and hasattr(torch.backends, "fp32_precision"):
-    torch.backends.fp32_precision = "tf32"
-before = state()
-with _ieee_float32():
-    inside = matmul.fp32_precision if hasattr(matmul, "fp32_precision") else matmul.allow_tf32
-print(before == state(), inside in ("ieee", False), before, state())
-"""
-
-
-@pytest.mark.parametrize("setup", ["default", "medium", "new_api_tf32", "all_tf32"])
-def test_ieee_float32_restores_every_precision_setting(setup):
-    """The float32 GEMMs switch TF32 off for the call and restore the caller's setting,
-    whichever API set it (torch >= 2.9 refuses to read the legacy flag after the new one,
-    so reading it would raise in the caller's setting). In a child process: the settings are
-    process-wide."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", _PRECISION_SCRIPT, setup], capture_output=True, text=True,
-                         cwd=root, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    restored, ieee_inside, *_ = out.stdout.split(" ", 2)
-    assert restored == "True" and ieee_inside == "True", out.stdout
-
-
-@pytest.mark.parametrize("layouts", ["compact_and_x8", "x8_and_compact", "transposed_and_compact"])
-def test_statistics_in_different_layouts(spy, layouts, device):
-    """The backward takes each statistic compact, as a view of CANN's [B,H,N,M,8] or in
-    any strides, independently of the other: the gradients are those of compact ones."""
-    inputs, dy, mask = make_inputs(2, 2, 5, 7, 9, 8, torch.float32, device, "random")
-    out, mx, sm = gradops.floyd_attention(*inputs, mask, SCALE, backend="triton")
-    expected = gradops.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, SCALE, backend="triton")
-
-    def x8(t):
-        return t[..., None].expand(*t.shape, 8).contiguous()
-
-    def transposed(t):
-        return t.transpose(2, 3).contiguous().transpose(2, 3)
-
-    first, second = {"compact_and_x8": (mx, x8(sm)), "x8_and_compact": (x8(mx), sm),
-                     "transposed_and_compact": (transposed(mx), sm)}[layouts]
-    grads = gradops.floyd_attention_grad(dy, *inputs, out, first, second, mask, SCALE, backend="triton")
-    for name, g, e in zip(GRAD_NAMES, grads, expected):
-        assert torch.equal(g, e), name
-
-
-@pytest.mark.parametrize("backend,strategy", [("reference", None), ("triton", "fused"), ("triton", "chunked")])
-def test_autocast_does_not_reach_the_arithmetic(monkeypatch, backend, strategy, device):
-    """gradops.floyd_attention(_grad) fix their own arithmetic: a caller's autocast region
-    changes nothing (the chunked strategy's and the reference's matmuls would otherwise run
-    in bfloat16)."""
-    monkeypatch.setattr(config, "STRATEGY", strategy)
-    inputs, dy, mask = make_inputs(1, 2, 5, 6, 7, 16, torch.float32, device, "random")
-    plain = gradops.floyd_attention(*inputs, mask, SCALE, backend=backend)
-    plain_grads = gradops.floyd_attention_grad(dy, *inputs, *plain, mask, SCALE, backend=backend)
-    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
-        cast = gradops.floyd_attention(*inputs, mask, SCALE, backend=backend)
-        cast_grads = gradops.floyd_attention_grad(dy, *inputs, *cast, mask, SCALE, backend=backend)
-    for a, b in zip((*plain, *plain_grads), (*cast, *cast_grads)):
-        assert a.dtype == b.dtype == (torch.float32) and torch.equal(a, b)

@@ -486,10 +486,9 @@ _UNIT_STRIDES_DKV = {"bwd_dk1": ("smax_loop", "ssum_loop", "sdr_loop"),
 # The chunked strategy's row kernels: integer arguments the JIT does not see as multiples of
 # 16 at the shapes of the benchmark (H = 8; a group of slices may start anywhere).
 _ROW_NOT_DIVISIBLE = ("H", "g0")
-# Pivots of the row-kernel compile check without --shape, with chunks of 128 m rows: the
-# BLOCK_R x BLOCK_K tiles 32x128, 16x256, 8x512 and 4x1024 the default grid's chunks take
-ROW_CHECK_K = (128, 256, 512, 1024)
-ROW_CHECK_BLOCK_M = 128
+# Pivots of the row-kernel compile check without --shape: the BLOCK_R x BLOCK_K tiles 16x128,
+# 4x512, 1x2048 (one tile per row) and 1x2048 walked twice (K = 4096)
+ROW_CHECK_K = (128, 512, 2048, 4096)
 
 
 def _ptr_types(dtype: torch.dtype) -> Tuple[str, str]:
@@ -523,7 +522,7 @@ def _compile_sm(kernel, sig: dict, consts: dict, attrs: dict, arch: int, num_war
         regs = [int(r) for r in re.findall(r"\bR(\d+)\b", sass)]
         row.update(shared=compiled.metadata.shared, registers=max(regs) + 1 if regs else None,
                    spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
-                   mma=sass.count("HMMA") + sass.count("DMMA"),
+                   mma=sass.count("HMMA") + sass.count("DMMA") + sass.count("HGMMA"),
                    layout_conversions=compiled.asm["ttgir"].count("convert_layout"))
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[-1][:200] if str(e) else ''}"
@@ -574,10 +573,9 @@ def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dic
     return rows
 
 
-def compile_check_rows(dtype: torch.dtype, k: int = 1024, block_m: int = ROW_CHECK_BLOCK_M,
-                       arch: int = 90) -> List[dict]:
+def compile_check_rows(dtype: torch.dtype, k: int = 1024, arch: int = 90) -> List[dict]:
     """Compile the chunked strategy's row kernels (``_softmax_rows``, forward; ``_grad_rows``,
-    backward) for ``sm_<arch>`` with the blocks ``floyd_config.row_config(k, block_m)`` gives,
+    backward) for ``sm_<arch>`` with the blocks ``floyd_config.row_config(k)`` gives,
     specialised as the JIT would for a contiguous mask and statistics and sizes that are
     multiples of 16 (but H and the chunk's first slice); report as :func:`compile_check`.
     16-bit and float32 inputs (float64 always runs fused). The rows' ``D`` is None (the row
@@ -588,10 +586,10 @@ def compile_check_rows(dtype: torch.dtype, k: int = 1024, block_m: int = ROW_CHE
     if dtype == torch.float64:
         raise ValueError("the chunked strategy's row kernels take 16-bit and float32 inputs")
     ptr, _ = _ptr_types(dtype)
-    cfg = row_config(k, block_m)
+    cfg = row_config(k)
     rows = []
     for name, kernel in (("rows_softmax", fc._softmax_rows), ("rows_grad", fc._grad_rows)):
-        consts = dict(HAS_MASK=True, BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"])
+        consts = dict(HAS_MASK=True, BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], ONE_TILE=cfg["ONE_TILE"])
         sig, attrs = {}, {}
         for idx, arg in enumerate(kernel.arg_names):
             if kernel.params[idx].is_constexpr:
@@ -603,8 +601,8 @@ def compile_check_rows(dtype: torch.dtype, k: int = 1024, block_m: int = ROW_CHE
                 sig[arg] = "i64"
                 continue
             if arg.endswith("_ptr"):
-                # the float32 score halves and statistics; P and dS in the input dtype
-                sig[arg] = "*u8" if arg == "mask_ptr" else ptr if arg[:2] in ("p_", "ds") else "*fp32"
+                # the float32 scores, dP and statistics; P and dS in the input dtype
+                sig[arg] = "*u8" if arg == "mask_ptr" else ptr if arg in ("p_ptr", "ds_ptr") else "*fp32"
             else:
                 sig[arg] = "i32"
                 if arg in _ROW_NOT_DIVISIBLE:
@@ -613,6 +611,52 @@ def compile_check_rows(dtype: torch.dtype, k: int = 1024, block_m: int = ROW_CHE
         row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": None, "K": k,
                "tile": f"{cfg['BLOCK_R']}x{cfg['BLOCK_K']}", "warps": cfg["num_warps"]}
         rows.append(_compile_sm(kernel, sig, consts, attrs, arch, cfg["num_warps"], 1, row))
+    return rows
+
+
+# The chunked strategy's GEMM as its launches use it (floyd_chunked.py), at the shapes of the
+# default grid (N = M = K = 512, D = 128): name -> (rows, cols, contraction, the strides that
+# are 1 (specialised by the JIT), ACCUMULATE, whether the result is float32).
+GEMM_CHECK = {
+    "gemm_scores": (512, 512, 128, ("sat", "sbt", "soc"), False, True),  # S = Q K1^T
+    "gemm_scores_acc": (512, 512, 128, ("sat", "sbt", "scc", "soc"), True, True),  # S += Q K2^T
+    "gemm_pv_acc": (512, 128, 512, ("sat", "sbc", "scc", "soc"), True, False),  # Y = Yp + P V2
+    "gemm_reduce_acc": (512, 128, 512, ("sar", "sbc", "scc", "soc"), True, False),  # dK1 = acc + dS^T Q
+}
+
+
+def compile_check_gemm(dtype: torch.dtype, arch: int = 90) -> List[dict]:
+    """Compile the chunked strategy's GEMM (``_gemm_kernel``) for ``sm_<arch>`` as each kind
+    of its launches runs it (:data:`GEMM_CHECK`), with ``floyd_config.gemm_config``'s blocks;
+    report as :func:`compile_check` (``D`` is the contraction, ``K`` None)."""
+    from ..kernels import floyd_chunked as fc
+    from ..kernels._floyd_common import dot_constexprs
+    from ..kernels.floyd_config import gemm_config
+
+    if dtype == torch.float64:
+        raise ValueError("the chunked strategy's GEMM takes 16-bit and float32 inputs")
+    ptr, _ = _ptr_types(dtype)
+    kernel = fc._gemm_kernel
+    rows = []
+    for name, (r, c, t, unit, accumulate, wide_out) in GEMM_CHECK.items():
+        cfg = gemm_config(r, c, t, dtype.itemsize)
+        consts = dict(ACCUMULATE=accumulate, BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"], BLOCK_T=cfg["BLOCK_T"],
+                      **dot_constexprs(dtype, torch.device("cuda")))
+        sig, attrs = {}, {}
+        for idx, arg in enumerate(kernel.arg_names):
+            if kernel.params[idx].is_constexpr:
+                continue
+            if arg in unit:
+                sig[arg], consts[arg] = "constexpr", 1
+                continue
+            if arg.endswith("_ptr"):
+                sig[arg] = "*fp32" if arg == "acc_ptr" or (arg == "out_ptr" and wide_out) else ptr
+            else:
+                sig[arg] = "i32"
+            attrs[(idx,)] = [["tt.divisibility", 16]]
+        row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": t, "K": None,
+               "tile": f"{cfg['BLOCK_R']}x{cfg['BLOCK_C']}x{cfg['BLOCK_T']}", "warps": cfg["num_warps"]}
+        rows.append(_compile_sm(kernel, sig, consts, attrs, arch, cfg["num_warps"], cfg["num_stages"], row))
     return rows
 
 
@@ -646,7 +690,7 @@ def parse_args(argv):
     parser.add_argument("--compile-check", action="store_true",
                         help="compile the kernels for an H100 (sm_90) without a GPU and report shared memory, "
                              "registers and spills (for each --dtype, default bfloat16 float32, and D in 16..256; "
-                             "the chunked strategy's row kernels at K = 128 and 1024)")
+                             "the chunked strategy's row kernels at K = 128, 512, 2048 and 4096, and its GEMM)")
     return parser.parse_args(argv)
 
 
@@ -667,6 +711,8 @@ def _size(nbytes: int) -> str:
 
 def _print_compile_row(row: dict, limit: int) -> int:
     where = f"D={row['D']:<4}" if row.get("D") is not None else f"K={row['K']:<4}"
+    if row["kernel"].startswith("gemm"):
+        where = f"T={row['D']:<4}"
     if "error" in row:
         print(f"{row['kernel']:12} {row['dtype']:9} {where} {row['tile']:14} {row['error']}")
         return 1
@@ -688,24 +734,24 @@ def _compile_check(args) -> int:
             for row in compile_check(dt, d):
                 worst = max(worst, _print_compile_row(row, limit))
         if dt != torch.float64:
-            for k, block_m in row_cases(args.shape, torch.empty((), dtype=dt).element_size()):
-                for row in compile_check_rows(dt, k, block_m):
+            for k in row_cases(args.shape):
+                for row in compile_check_rows(dt, k):
                     worst = max(worst, _print_compile_row(row, limit))
+            for row in compile_check_gemm(dt):
+                worst = max(worst, _print_compile_row(row, limit))
     return worst
 
 
-def row_cases(shapes: Optional[Sequence[Shape]], element_size: int) -> List[Tuple[int, int]]:
-    """(K, block_m) of the row-kernel launches of the chunked strategy at ``shapes`` (their
-    chunk plans, at the full budget), one per distinct row_config; without shapes, K in
-    ROW_CHECK_K with chunks of ROW_CHECK_BLOCK_M rows."""
-    from ..kernels.floyd_config import chunk_plan, row_config
+def row_cases(shapes: Optional[Sequence[Shape]]) -> List[int]:
+    """K of the row-kernel launches of the chunked strategy at ``shapes``, one per distinct
+    row_config; without shapes, ROW_CHECK_K."""
+    from ..kernels.floyd_config import row_config
 
     if not shapes:
-        return [(k, ROW_CHECK_BLOCK_M) for k in ROW_CHECK_K]
-    seen: Dict[tuple, Tuple[int, int]] = {}
-    for b, h, n, m, k, _ in shapes:
-        block_m = chunk_plan(b * h, n, m, k, element_size).block_m
-        seen.setdefault(tuple(sorted(row_config(k, block_m).items())), (k, block_m))
+        return list(ROW_CHECK_K)
+    seen: Dict[tuple, int] = {}
+    for shape in shapes:
+        seen.setdefault(tuple(sorted(row_config(shape[4]).items())), shape[4])
     return list(seen.values())
 
 

@@ -295,12 +295,14 @@ def chunk_plan(bh: int, n: int, m: int, k: int, element_size: int, budget: int, 
 
 
 # The chunked strategy's GEMM (floyd_chunked._gemm_kernel): output tiles of at most
-# GEMM_BLOCK x GEMM_BLOCK, the contraction GEMM_STEP at a time (16-bit operands: tensor
-# cores; the sm_90 compile check, tests/test_floyd_chunked.py, finds no spills at 128 x 128 x 64
-# with 8 warps, in the accumulating variant too); float32 (IEEE products, FMA) in smaller
-# tiles. Not tuned on a GPU yet: tune here.
+# GEMM_BLOCK x GEMM_BLOCK, the contraction GEMM_STEP at a time. From sm_90 compiles
+# (``gradops bench floyd --compile-check``, tests/test_bench_floyd.py), Triton 3.9: 16-bit
+# operands at 128 x 128 x 64, 8 warps, 3 stages lower to wgmma (HGMMA) with 96 KiB of shared
+# memory, 106-180 registers and no spills, accumulating variants included; float32 (IEEE
+# products: FMA) at 64 x 64 x 16, 4 warps, 2 stages has no spills where 64 x 64 x 32 spilled
+# in one variant. Not timed on a GPU yet: tune here.
 GEMM_BLOCK = {2: 128, 4: 64}
-GEMM_STEP = {2: 64, 4: 32}
+GEMM_STEP = {2: 64, 4: 16}
 GEMM_STAGES = {2: 3, 4: 2}
 
 
