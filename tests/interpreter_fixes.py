@@ -1,11 +1,22 @@
-"""Make the Triton interpreter round float32 -> bfloat16 as the GPU does.
+"""Make the Triton interpreter round float32 -> bfloat16 as the GPU does, and compute each
+element of a ``tl.dot`` independently of the tile's other sides, as a GPU's MMA does.
 
 The interpreter (Triton 3.x) converts float32 to bfloat16 by dropping the low 16 bits
 (round toward zero), where every NVIDIA GPU rounds to nearest even (``cvt.rn.bf16.f32``) and
 so does torch. Truncation doubles the worst rounding error and biases it, so a bf16 result
 of a kernel run on CPU would look up to twice as far from the float64 value as the same
 kernel on a GPU. This replaces that one conversion with round-to-nearest-even; every other
-cast is left to the interpreter. Applied by tests/conftest.py for CPU runs only.
+cast is left to the interpreter.
+
+The interpreter's ``tl.dot`` is NumPy's ``matmul``, i.e. OpenBLAS, whose kernels sum an
+element's products in an order that depends on the matrix shapes and the CPU (on an AMD EPYC,
+OpenBLAS 0.3.31, a [16, 8] tile gives other last bits than the same rows of a [16, 16] one,
+under every core type): the same score computed in two passes with different tiles then
+differs in its last bit, and the exact zeros that Floyd attention promises for a one-hot
+softmax (OPERATORS.md section 5) came out as 1e-6 on that machine and 0 on another. A GPU
+computes an element of an MMA from its own row and column alone. ``_dot_in_order`` sums each
+element's products in order of the contraction, whatever the tile, so the CPU tests see
+what a GPU does. Applied by tests/conftest.py for CPU runs only.
 """
 import numpy as np
 
@@ -19,9 +30,20 @@ def _float32_to_bfloat16_rne(values: np.ndarray) -> np.ndarray:
     return out
 
 
+def _dot_in_order(a: np.ndarray, b: np.ndarray, dtype) -> np.ndarray:
+    """``a @ b`` ([..., R, T] @ [..., T, C]) in ``dtype``, each element the sum of its products
+    in order t = 0, 1, ..., T - 1: the same bits for an element whatever R, C and the batch."""
+    a = a.astype(dtype, copy=False)
+    b = b.astype(dtype, copy=False)
+    out = a[..., :, 0:1] * b[..., 0:1, :]
+    for t in range(1, a.shape[-1]):
+        out = out + a[..., :, t:t + 1] * b[..., t:t + 1, :]
+    return out
+
+
 def install() -> bool:
-    """Patch the interpreter's cast; False when this Triton's interpreter is not the shape
-    this patch knows (the tests then see the interpreter's own truncation)."""
+    """Patch the interpreter's cast and dot; False when this Triton's interpreter is not the
+    shape this patch knows (the tests then see the interpreter's own truncation and BLAS)."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter
@@ -40,4 +62,14 @@ def install() -> bool:
 
     cast_impl._gradops_rne = True
     builder.cast_impl = cast_impl
+
+    original_dot = getattr(builder, "create_dot", None)
+    if original_dot is not None and not getattr(original_dot, "_gradops_in_order", False):
+        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            if a.data.shape[-1] == 0 or a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+                return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+            return handle(_dot_in_order(a.data, b.data, d.data.dtype) + d.data, d.dtype.scalar)
+
+        create_dot._gradops_in_order = True
+        builder.create_dot = create_dot
     return True

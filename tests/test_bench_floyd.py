@@ -145,7 +145,7 @@ def test_the_default_cuda_grid_is_the_issues():
 # ---------------------------------------------------------------------------------------------
 # The memory bound
 # ---------------------------------------------------------------------------------------------
-def test_io_bytes_and_the_memory_bound_ratio():
+def test_io_bytes_and_the_memory_bound_ratio(monkeypatch):
     from gradops.kernels import floyd_config
 
     shape = (1, 1, 2, 3, 4, 8)  # q/out/dy 2*3*8, k1/v1 2*4*8, k2/v2 4*3*8 elements
@@ -160,7 +160,12 @@ def test_io_bytes_and_the_memory_bound_ratio():
     inputs, outputs = floyd.io_bytes("floyd_bwd", shape, 2)
     assert floyd.memory_bound_ratio("floyd_bwd", shape, 2, 500, budget=1000) == (inputs + 500) / (
         inputs + outputs + 1000)
-    assert floyd.memory_bound("floyd_bwd", shape, 2) == (inputs, inputs + outputs + floyd_config.CHUNK_BUDGET_BYTES)
+    # the default budget: the chunked strategy's on this machine (a forced one where set)
+    on_this = floyd_config.chunk_budget(floyd_config.total_memory(torch.device("cpu")))
+    if not torch.cuda.is_available():
+        assert floyd.memory_bound("floyd_bwd", shape, 2) == (inputs, inputs + outputs + on_this)
+    monkeypatch.setattr(floyd_config, "CHUNK_BUDGET_BYTES", 2 ** 31)
+    assert floyd.memory_bound("floyd_bwd", shape, 2) == (inputs, inputs + outputs + 2 ** 31)
     # annotate: a record with a peak gets the ratio and the bound; one without (a CPU run) neither
     rec = floyd.annotate(Record("floyd_bwd", {}, OURS, [1.0], peak_bytes=500), shape, 2, False, "chunked",
                          budget=1000)
@@ -168,11 +173,61 @@ def test_io_bytes_and_the_memory_bound_ratio():
                          "memory_bound_ratio": pytest.approx((inputs + 500) / (inputs + outputs + 1000))}
     rec = floyd.annotate(Record("floyd_fwd", {}, OURS, [1.0]), shape, 2, False)
     assert rec.extra == {}
-    # a realistic case: the chunked backward's inputs and gradients, its budget and its fp32 dK1/dV1 sums
+    # a realistic case: the chunked backward's inputs and gradients, its budget and its fp32 dK2/dV2 sums
     big = (1, 8, 1024, 1024, 1024, 128)
     inputs, outputs = floyd.io_bytes("floyd_bwd", big, 2)
-    peak = outputs + floyd_config.CHUNK_BUDGET_BYTES + 2 * 1024 * 1024 * 128 * 4
+    peak = outputs + 2 ** 31 + 2 * 1024 * 1024 * 128 * 4
     assert 1.0 < floyd.memory_bound_ratio("floyd_bwd", big, 2, peak) < floyd.MEMORY_BOUND
+
+
+# ---------------------------------------------------------------------------------------------
+# Error against float64, memory against torch.compile, compile time
+# ---------------------------------------------------------------------------------------------
+def test_relative_errors():
+    ref = [torch.tensor([1.0, -4.0], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)]
+    got = [torch.tensor([1.5, -4.0]), torch.tensor([0.0, 1e-3])]
+    assert floyd.relative_errors(got, ref) == [0.125, 1e-3]  # an all-zero reference: absolute
+
+
+def test_record_accuracy_against_float64(device):
+    """Each measured implementation's error against the float64 reference on its fwdbwd
+    record, and ours over FloydNet's: here ours is the float32 reference backend and the
+    "FloydNet" the float16 einsum formulation, an order of magnitude apart."""
+    shape = (1, 2, 5, 6, 7, 8)
+    case = {"shape": shape}
+    inputs, dy, mask = floyd.make_inputs(shape, torch.float32, device, True)
+    builders = {OURS: lambda *a: floyd._gradops_fns("reference", *a),
+                "floydnet": lambda i, g, mk, sc: floyd._autograd_fns(
+                    lambda *t: floyd.floyd_einsum(*(x.half() for x in t[:5]), *t[5:]).float(), i, g, mk, sc)}
+    bench = Run("floyd", device)
+    for name in (OURS, "floydnet"):
+        bench.add(Record("floyd_fwdbwd", case, name, [1.0]))
+    bench.add(Record("floyd_fwd", case, OURS, [1.0]))
+    floyd.record_accuracy(bench, case, builders, inputs, dy, mask, 0.3)
+    ours, peer, fwd = bench.records
+    assert len(ours.extra["rel_errors"]) == len(peer.extra["rel_errors"]) == 6
+    assert ours.extra["max_rel_error"] < 1e-5 < 1e-4 < peer.extra["max_rel_error"] < 1e-2
+    assert ours.extra["error_over_floydnet"] == ours.extra["max_rel_error"] / peer.extra["max_rel_error"] < 0.1
+    assert fwd.extra == {}
+
+
+def test_record_peak_over_compiled():
+    case = {"N": 8}
+    bench = Run("floyd", "cpu")
+    bench.add(Record("floyd_fwdbwd", case, OURS, [1.0], peak_bytes=300))
+    bench.add(Record("floyd_fwdbwd", case, floyd.CHUNKED, [1.0], peak_bytes=900))
+    bench.add(Record("floyd_fwdbwd", case, "compiled", [1.0], peak_bytes=600))
+    bench.add(Record("floyd_fwd", case, OURS, [1.0], peak_bytes=300))  # no compiled peer measured there
+    floyd.record_peak_over_compiled(bench, case)
+    assert [r.extra.get("peak_over_compiled") for r in bench.records] == [0.5, 1.5, None, None]
+
+
+@cpu_suite_only
+def test_compile_seconds_reports_a_failure_as_its_result():
+    """The compile-time probe runs in a child process with an empty Triton cache; where it
+    cannot run (here: no GPU, the interpreter off) it returns the error, not a crash."""
+    result = floyd.compile_seconds((1, 1, 2, 2, 2, 16), "float16", "cpu", "chunked")
+    assert set(result) == {"error"} and result["error"]
 
 
 # ---------------------------------------------------------------------------------------------

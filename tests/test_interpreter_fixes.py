@@ -28,3 +28,31 @@ def test_float32_to_bfloat16_rounds_to_nearest_even():
     keep = torch.ones(x.numel(), dtype=torch.bool)
     keep[8] = False
     assert torch.equal(y[keep].view(torch.int16), expected[keep].view(torch.int16))
+
+
+@triton.jit
+def _dot_kernel(A, B, C, R: tl.constexpr, T: tl.constexpr, COLS: tl.constexpr):
+    r = tl.arange(0, R)
+    t = tl.arange(0, T)
+    c = tl.arange(0, COLS)
+    a = tl.load(A + r[:, None] * T + t[None, :])
+    b = tl.load(B + t[:, None] * COLS + c[None, :])
+    tl.store(C + r[:, None] * COLS + c[None, :], tl.dot(a, b, input_precision="ieee"))
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the fix concerns the CPU interpreter")
+def test_dot_element_does_not_depend_on_the_tile():
+    """An element of tl.dot is the same bits in a 16 x 16 tile as in a 64 x 128 one (as on a
+    GPU), and is its products summed in order of the contraction, in float32."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 32, generator=gen)
+    b = torch.randn(32, 128, generator=gen)
+    big = torch.empty(64, 128)
+    _dot_kernel[(1,)](a, b, big, R=64, T=32, COLS=128)
+    small = torch.empty(16, 16)
+    _dot_kernel[(1,)](a[:16].contiguous(), b[:, :16].contiguous(), small, R=16, T=32, COLS=16)
+    assert torch.equal(small, big[:16, :16])
+    in_order = a[:, 0:1] * b[0:1, :]
+    for t in range(1, 32):
+        in_order = in_order + a[:, t:t + 1] * b[t:t + 1, :]
+    assert torch.equal(big, in_order)

@@ -98,6 +98,15 @@ GOALS = (
          _bf16, gpu=None, excuse=OUT_OF_MEMORY),
     Goal(f"Floyd peak memory <= {MEMORY_BOUND}x inputs + outputs + the chunk budget (issue 11)", OPS,
          "extra:memory_bound_ratio", None, gpu=None, maximum=MEMORY_BOUND),
+    # issue 25: forward + backward against FloydNet, eager and compiled, in time, memory and error
+    Goal("Floyd fwd+bwd >= 2x FloydNet eager, bf16 (issue 25)", ("floyd_fwdbwd",), "speedup:floydnet", 2.0, _bf16,
+         gpu=None, excuse=OUT_OF_MEMORY),
+    Goal("Floyd fwd+bwd >= 0.8x torch.compile(FloydNet), bf16 (issue 25)", ("floyd_fwdbwd",), "speedup:compiled", 0.8,
+         _bf16, gpu=None, excuse=OUT_OF_MEMORY),
+    Goal("Floyd fwd+bwd peak memory <= 0.5x torch.compile(FloydNet)'s, bf16 (issue 25)", ("floyd_fwdbwd",),
+         "extra:peak_over_compiled", None, _bf16, gpu=None, maximum=0.5),
+    Goal("Floyd max relative error vs float64 <= 0.5x FloydNet eager's, bf16 (issue 25)", ("floyd_fwdbwd",),
+         "extra:error_over_floydnet", None, _bf16, gpu=None, maximum=0.5),
 )
 
 
@@ -155,12 +164,19 @@ def io_bytes(op: str, shape: Shape, element_size: int, masked: bool = False) -> 
     raise ValueError(f"unknown Floyd op {op!r}")
 
 
+def chunk_budget(device: str) -> int:
+    """The chunked strategy's score workspace on ``device`` (``floyd_config.chunk_budget``)."""
+    from ..kernels.floyd_config import chunk_budget as budget, total_memory
+
+    return budget(total_memory(torch.device(device)))
+
+
 def memory_bound(op: str, shape: Shape, element_size: int, masked: bool = False,
                  budget: Optional[int] = None) -> Tuple[int, int]:
     """(inputs, the bound): inputs + outputs + ``budget`` (default: the chunked strategy's
-    workspace, ``floyd_config.CHUNK_BUDGET_BYTES``)."""
+    workspace on this machine's GPU, else its CPU, :func:`chunk_budget`)."""
     if budget is None:
-        from ..kernels.floyd_config import CHUNK_BUDGET_BYTES as budget
+        budget = chunk_budget("cuda" if torch.cuda.is_available() else "cpu")
     inputs, outputs = io_bytes(op, shape, element_size, masked)
     return inputs, inputs + outputs + budget
 
@@ -458,6 +474,20 @@ def run(args) -> Run:
                 _free(device)
             del makers
             _free(device)
+        if device == "cuda":
+            record_peak_over_compiled(bench, case)
+            if args.accuracy and not bench.out_of_time():
+                try:
+                    record_accuracy(bench, case, builders, inputs, dy, mask, sc)
+                except Exception as e:  # e.g. the float64 reference out of memory: say so on ours
+                    for r in bench.records:
+                        if r.case == case and r.op == "floyd_fwdbwd" and r.impl in OUR_IMPLS:
+                            r.extra["max_rel_error_error"] = f"{type(e).__name__}: {e}"[:200]
+                _free(device)
+            if args.compile_time:
+                for r in bench.records:
+                    if r.case == case and r.op == "floyd_fwdbwd" and r.impl in OUR_IMPLS and not r.error:
+                        r.extra["compile"] = compile_seconds(shape, dt, device, FORCED.get(r.impl))
     return bench
 
 
@@ -660,6 +690,121 @@ def compile_check_gemm(dtype: torch.dtype, arch: int = 90) -> List[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------
+# Accuracy against float64, memory against torch.compile, compile time
+# ---------------------------------------------------------------------------------------------
+def relative_errors(results: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> List[float]:
+    """max |x - ref| / max |ref| per tensor (Y, then dQ, dK1, dV1, dK2, dV2), in float64."""
+    errors = []
+    for x, ref in zip(results, reference):
+        ref = ref.double()
+        scale = ref.abs().max().item() or 1.0
+        errors.append((x.double() - ref).abs().max().item() / scale)
+    return errors
+
+
+def _forward_and_grads(makers: Makers) -> List[torch.Tensor]:
+    """Y and the five gradients of one forward and one forward + backward by ``makers``."""
+    y = makers["fwd"]()()
+    y = y[0] if isinstance(y, tuple) else y
+    return [y, *makers["fwdbwd"]()()]
+
+
+def record_accuracy(bench: Run, case: dict, builders: Dict[str, Callable], inputs, dy, mask, scale) -> None:
+    """Each implementation's largest relative error against float64 (the reference backend on
+    float64 copies of the inputs: gradops' golden, chunked, bounded memory) on its
+    ``floyd_fwdbwd`` record (``extra.max_rel_error``, and ``extra.rel_errors`` per tensor),
+    and ours over FloydNet eager's (``extra.error_over_floydnet``) where both were measured."""
+    import gradops
+
+    wide = [t.double() for t in inputs]
+    out, mx, sm = gradops.floyd_attention(*wide, mask, scale, backend="reference")
+    reference = [out, *gradops.floyd_attention_grad(dy.double(), *wide, out, mx, sm, mask, scale,
+                                                    backend="reference")]
+    del wide, mx, sm
+    records = {r.impl: r for r in bench.records if r.op == "floyd_fwdbwd" and r.case == case and not r.error}
+    for name, build in builders.items():  # ours and FloydNet's: a compiled peer would compile again
+        if name not in records or name not in OUR_IMPLS + ("floydnet", "einsum"):
+            continue
+        try:
+            errors = relative_errors(_forward_and_grads(build(inputs, dy, mask, scale)), reference)
+        except Exception as e:  # a peer that cannot run it again: no error recorded
+            records[name].extra["max_rel_error_error"] = f"{type(e).__name__}: {e}"[:200]
+            continue
+        records[name].extra["rel_errors"] = errors
+        records[name].extra["max_rel_error"] = max(errors)
+    floydnet = records.get("floydnet")
+    for name in OUR_IMPLS:
+        rec = records.get(name)
+        if rec is not None and floydnet is not None and "max_rel_error" in rec.extra and \
+                floydnet.extra.get("max_rel_error"):
+            rec.extra["error_over_floydnet"] = rec.extra["max_rel_error"] / floydnet.extra["max_rel_error"]
+
+
+def record_peak_over_compiled(bench: Run, case: dict) -> None:
+    """Our peak memory over torch.compile(FloydNet)'s, per direction (``extra.peak_over_compiled``)."""
+    for op in OPS:
+        rows = {r.impl: r for r in bench.records if r.op == op and r.case == case and r.peak_bytes is not None}
+        compiled = rows.get("compiled")
+        if compiled is None or not compiled.peak_bytes:
+            continue
+        for name in OUR_IMPLS:
+            if name in rows:
+                rows[name].extra["peak_over_compiled"] = rows[name].peak_bytes / compiled.peak_bytes
+
+
+_COMPILE_SCRIPT = r"""
+import json, sys, time, torch
+import gradops
+from gradops.bench.floyd import make_inputs
+from triton.runtime.jit import JITFunction
+b, h, n, m, k, d = map(int, sys.argv[1].split(","))
+dtype, device, strategy = getattr(torch, sys.argv[2]), sys.argv[3], sys.argv[4]
+if strategy != "rule":
+    from gradops.kernels import floyd_config
+    floyd_config.STRATEGY = strategy
+inputs, dy, mask = make_inputs((b, h, n, m, k, d), dtype, device, False)
+def step():
+    out, mx, sm = gradops.floyd_attention(*inputs, None, d ** -0.5, backend="triton")
+    grads = gradops.floyd_attention_grad(dy, *inputs, out, mx, sm, None, d ** -0.5, backend="triton")
+    torch.cuda.synchronize()
+seconds = []
+for _ in range(2):
+    t0 = time.perf_counter()
+    step()
+    seconds.append(time.perf_counter() - t0)
+import gc
+try:  # Triton's per-device cache of compiled specialisations (its layout varies across versions)
+    kernels = sum(len(o.device_caches[torch.cuda.current_device()][0])
+                  for o in gc.get_objects() if isinstance(o, JITFunction) and o.device_caches)
+except Exception:
+    kernels = None
+print(json.dumps({"first_s": seconds[0], "second_s": seconds[1], "kernels": kernels}))
+"""
+
+
+def compile_seconds(shape: Shape, dtype: str, device: str, strategy: Optional[str] = None) -> dict:
+    """A user's first step: forward + backward of ``shape`` in a fresh process with an empty
+    Triton cache, so that every kernel it launches compiles. ``{"first_s", "second_s",
+    "compile_s" (first - second), "kernels" (specialisations compiled)}``, or ``{"error"}``."""
+    import json
+    import subprocess
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache,
+                   PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        env.pop("TRITON_INTERPRET", None)
+        out = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, ",".join(map(str, shape)), dtype, device,
+                              strategy or "rule"], capture_output=True, text=True, env=env, timeout=1800)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1][:300] if out.stderr.strip() else f"exit {out.returncode}"}
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["compile_s"] = result["first_s"] - result["second_s"]
+    return result
+
+
 def _raiser(error: Exception):
     def fn():
         raise error
@@ -687,6 +832,12 @@ def parse_args(argv):
                              "default: all three")
     parser.add_argument("--mask", action="store_true", help="a random [B,1,N,1,K] mask (10%% masked)")
     parser.add_argument("--scale", type=float, help="default: D**-0.5")
+    parser.add_argument("--no-accuracy", dest="accuracy", action="store_false",
+                        help="on CUDA, skip the error against float64 of each implementation's forward + backward "
+                             "(recorded on its floyd_fwdbwd record; default: measured)")
+    parser.add_argument("--compile-time", action="store_true",
+                        help="on CUDA, also time a user's first forward + backward of ours in a fresh process with an "
+                             "empty Triton cache (extra.compile on the floyd_fwdbwd records)")
     parser.add_argument("--compile-check", action="store_true",
                         help="compile the kernels for an H100 (sm_90) without a GPU and report shared memory, "
                              "registers and spills (for each --dtype, default bfloat16 float32, and D in 16..256; "
