@@ -49,6 +49,7 @@ GPU (none was available): tune them here, nowhere else.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -306,10 +307,12 @@ GEMM_STEP = {2: 64, 4: 16}
 GEMM_STAGES = {2: 3, 4: 2}
 
 
+@functools.lru_cache(maxsize=1024)
 def gemm_config(rows: int, cols: int, inner: int, element_size: int) -> Dict[str, int]:
     """Blocks of one GEMM of the chunked strategy: ``rows`` x ``cols`` outputs per batch
     entry, ``inner`` the contraction. A function of these alone, so that the same product
-    of the forward and the backward is computed the same way, bitwise."""
+    of the forward and the backward is computed the same way, bitwise. Cached (a call
+    launches 14 per chunk): read-only."""
     widest, step = GEMM_BLOCK[min(element_size, 4)], GEMM_STEP[min(element_size, 4)]
     block_r = min(widest, max(16, triton.next_power_of_2(rows)))
     block_c = min(widest, max(16, triton.next_power_of_2(cols)))
@@ -329,6 +332,7 @@ ROW_ELEMENTS = 2048
 ROW_MAX_ROWS = 256  # 2048 x 1 tiles (K = 1) spilled: the per-row vectors grow with BLOCK_R
 
 
+@functools.lru_cache(maxsize=256)
 def row_config(k: int) -> Dict[str, int]:
     """Blocks of the chunked strategy's row kernels (softmax forward, dS backward): a
     program takes BLOCK_R consecutive rows of a chunk's [rows, K] score buffers and walks
