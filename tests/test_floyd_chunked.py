@@ -331,6 +331,43 @@ def test_gemm_count_grows_only_with_the_chunks_the_budget_forces(spy, monkeypatc
     check_against_oracle((out, mx, sm, grads), inputs, dy, mask, torch.float16)
 
 
+def _specialisation(fn, bound, options):
+    """What Triton's JIT compiles a launch for, as far as the arguments show it: the kernel,
+    its constexprs and launch options, each tensor's dtype, each integer's being 1 (then a
+    constant) and a multiple of 16 (an alignment hint), but for the integers the kernel does
+    not specialise (floyd_chunked.NOT_SPECIALISED)."""
+    key = [fn.__name__, tuple(sorted(options.items()))]
+    for name, value in bound.items():
+        if isinstance(value, torch.Tensor):
+            key.append((name, value.dtype))
+        elif isinstance(value, int) and not isinstance(value, bool) and name not in chunked.NOT_SPECIALISED[fn.__name__]:
+            key.append((name, value == 1, value % 16 == 0))
+    return tuple(key)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one_chunk", "rows_of_16"])
+def test_few_kernel_specialisations_per_step(spy, monkeypatch, split, device):
+    """A user's first step compiles what it launches: a chunked forward + backward launches
+    the two row kernels and 5 kinds of GEMM (S and dP; the same with the other half
+    accumulated; Y and dQ's halves; dK1/dV1 and dK2/dV2, which share one), 7
+    specialisations, however many chunks; a sum across chunks (dK2/dV2 here, N split into rows
+    of 16 with a 4-row tail) adds 3, its first (float32 out), middle and last chunks
+    (accumulating): not one per chunk, slice or row (compile time,
+    issue 25; the fused kernels' first step took over 180 s on an H100)."""
+    b, h, n, m, k, d = 1, 2, 52, 48, 64, 128
+    if split:
+        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(16 * m, k, torch.float16))
+    launches = record_launches(monkeypatch)
+    inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.float16, device, "random")
+    out, mx, sm = kernels.floyd_attention(*inputs, mask, SCALE)
+    kernels.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, SCALE)
+    chunks = spy.plans[0][2].count(b * h, n, m)
+    assert chunks == (8 if split else 1)
+    kinds = {_specialisation(*launch) for launch in launches}
+    assert len(launches) == 16 * chunks
+    assert len(kinds) <= (7 + 3 if split else 7), sorted(map(str, kinds))
+
+
 @pytest.mark.parametrize("budget", ["rows_of_10", "groups_of_3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", ["K1", "one_hot"])

@@ -47,7 +47,18 @@ from .floyd_config import chunk_budget, chunk_plan, gemm_config, row_config, tot
 # ----------------------------------------------------------------------------------------------
 # The GEMM: out[i0, i1] = a[i0, i1] @ b[i0, i1] (+ acc[i0, i1]), a two-level batch of products
 # ----------------------------------------------------------------------------------------------
-@triton.jit
+# Integer arguments the JIT must not specialise: those that change from chunk to chunk (tail
+# sizes, the chunk's first slice and rows, batch strides of tail-sized buffers), where each
+# value 1 or multiple of 16 would be a compile of its own in a user's first step, and the
+# scale (its float64 bits).
+NOT_SPECIALISED = {
+    "_gemm_kernel": ["B1", "R", "C", "T", "sa0", "sb0", "sc0", "so0"],
+    "_softmax_rows": ["scale", "rows", "cn", "cm", "g0", "n0", "m0"],
+    "_grad_rows": ["scale", "rows", "cn", "cm", "g0", "n0", "m0"],
+}
+
+
+@triton.jit(do_not_specialize=NOT_SPECIALISED["_gemm_kernel"])
 def _gemm_kernel(
     a_ptr, b_ptr, acc_ptr, out_ptr, B1, R, C, T,
     sa0, sa1, sar, sat, sb0, sb1, sbt, sbc, sc0, sc1, scr, scc, so0, so1, sor, soc,
@@ -67,8 +78,8 @@ def _gemm_kernel(
     rows = ((pid % tiles) // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = ((pid % tiles) % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     steps = tl.arange(0, BLOCK_T)
-    a_ptrs = a_ptr + i0 * sa0 + i1 * sa1 + rows.to(tl.int64)[:, None] * sar + steps[None, :] * sat
-    b_ptrs = b_ptr + i0 * sb0 + i1 * sb1 + steps[:, None] * sbt + cols.to(tl.int64)[None, :] * sbc
+    a_ptrs = a_ptr + i0 * sa0 + i1 * sa1 + rows.to(tl.int64)[:, None] * sar + steps.to(tl.int64)[None, :] * sat
+    b_ptrs = b_ptr + i0 * sb0 + i1 * sb1 + steps.to(tl.int64)[:, None] * sbt + cols.to(tl.int64)[None, :] * sbc
     acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     for t0 in range(0, T, BLOCK_T):
         a = tl.load(a_ptrs, mask=(rows < R)[:, None] & (t0 + steps < T)[None, :], other=0.0)
@@ -152,7 +163,7 @@ def _store(ptr, x, r, k_idx, inside, K):
     tl.store(ptr + r[:, None] * K + k_idx[None, :], x.to(ptr.dtype.element_ty), mask=inside)
 
 
-@triton.jit(do_not_specialize=["scale"])
+@triton.jit(do_not_specialize=NOT_SPECIALISED["_softmax_rows"])
 def _softmax_rows(
     s_ptr, mask_ptr, p_ptr, max_ptr, sum_ptr, smk_b, smk_n, smk_k, sst_g, sst_n, sst_m,
     rows, cn, cm, K, H, g0, n0, m0, scale,
@@ -209,7 +220,7 @@ def _store_grads(p_ptr, ds_ptr, p, dp, dr, user, r, k_idx, inside, K, scale, HAS
     _store(ds_ptr, ds, r, k_idx, inside, K)
 
 
-@triton.jit(do_not_specialize=["scale"])
+@triton.jit(do_not_specialize=NOT_SPECIALISED["_grad_rows"])
 def _grad_rows(
     s_ptr, dp_ptr, mask_ptr, max_ptr, sum_ptr, p_ptr, ds_ptr, smk_b, smk_n, smk_k, sst_g, sst_n, sst_m,
     rows, cn, cm, K, H, g0, n0, m0, scale,
