@@ -292,7 +292,7 @@ def _count(launches, since=0):
     return names.count("_gemm_kernel"), len(names) - names.count("_gemm_kernel")
 
 
-@pytest.mark.parametrize("shape", [(1, 2, 8, 8, 8, 16), (2, 1, 40, 33, 70, 16), (3, 2, 17, 64, 5, 40)],
+@pytest.mark.parametrize("shape", [(1, 2, 8, 8, 8, 16), (2, 1, 40, 33, 70, 16), (3, 2, 17, 20, 5, 40)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_gemm_count_does_not_grow_with_the_problem(spy, monkeypatch, shape, device):
     """With the budget from the device's memory these problems are one chunk: the forward
@@ -348,13 +348,14 @@ def _specialisation(fn, bound, options):
 @pytest.mark.parametrize("split", [False, True], ids=["one_chunk", "rows_of_16"])
 def test_few_kernel_specialisations_per_step(spy, monkeypatch, split, device):
     """A user's first step compiles what it launches: a chunked forward + backward launches
-    the two row kernels and 5 kinds of GEMM (S and dP; the same with the other half
-    accumulated; Y and dQ's halves; dK1/dV1 and dK2/dV2, which share one), 7
-    specialisations, however many chunks; a sum across chunks (dK2/dV2 here, N split into rows
-    of 16 with a 4-row tail) adds 3, its first (float32 out), middle and last chunks
-    (accumulating): not one per chunk, slice or row (compile time,
+    the two row kernels and 6 kinds of GEMM at most (S and dP; the same with the other half
+    accumulated; Y and dQ's two halves; dK1/dV1 and dK2/dV2, one kind where their
+    contractions, M and N, take the same blocks, two here), 8 specialisations, however many
+    chunks; a sum across chunks (dK2/dV2 here, N split into rows of 16 with a 4-row tail)
+    adds 3, its first (float32 out), middle and last chunks (accumulating): not one per
+    chunk, slice or row (compile time,
     issue 25; the fused kernels' first step took over 180 s on an H100)."""
-    b, h, n, m, k, d = 1, 2, 52, 48, 64, 128
+    b, h, n, m, k, d = 1, 2, 36, 20, 16, 32
     if split:
         monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(16 * m, k, torch.float16))
     launches = record_launches(monkeypatch)
@@ -362,10 +363,10 @@ def test_few_kernel_specialisations_per_step(spy, monkeypatch, split, device):
     out, mx, sm = kernels.floyd_attention(*inputs, mask, SCALE)
     kernels.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, SCALE)
     chunks = spy.plans[0][2].count(b * h, n, m)
-    assert chunks == (8 if split else 1)
+    assert chunks == (6 if split else 1)
     kinds = {_specialisation(*launch) for launch in launches}
     assert len(launches) == 16 * chunks
-    assert len(kinds) <= (7 + 3 if split else 7), sorted(map(str, kinds))
+    assert len(kinds) <= (8 + 3 if split else 8), sorted(map(str, kinds))
 
 
 @pytest.mark.parametrize("budget", ["rows_of_10", "groups_of_3"])
