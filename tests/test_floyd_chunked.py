@@ -80,9 +80,9 @@ def run_chunked(spy, inputs, dy, mask, scale=SCALE):
     return result
 
 
-def pairs_budget(pairs, k, dtype):
-    """A CHUNK_BUDGET_BYTES that gives chunks of ``pairs`` (n, m) rows of K pivots."""
-    return config.score_bytes(dtype.itemsize) * k * pairs
+def pairs_budget(pairs, k, dtype, d):
+    """A CHUNK_BUDGET_BYTES that gives chunks of ``pairs`` (n, m) rows of K pivots, head dim D."""
+    return config.pair_bytes(k, d, dtype.itemsize) * pairs
 
 
 def check_against_oracle(result, inputs, dy, mask, dtype, scale=SCALE):
@@ -143,27 +143,41 @@ def test_bfloat16_tails(spy, device):
     check_against_oracle(run_chunked(spy, inputs, dy, mask, 0.3), inputs, dy, mask, torch.bfloat16, 0.3)
 
 
-# K past the row kernels' largest BLOCK_K (2048): the softmax and dS walk the pivots in tiles
-# (online max and sum, Dr summed over tiles), which smaller K never does; K = 1025 is one
-# tile of 2048 pivots, 1023 of them dead.
+@pytest.fixture
+def small_row_tiles(monkeypatch):
+    """Row-kernel tiles of 256 pivots (ROW_ELEMENTS), so that a few hundred pivots take
+    several tiles: the path K > 2048 takes, at interpreter cost a tenth of it."""
+    monkeypatch.setattr(config, "ROW_ELEMENTS", 256)
+    config.row_config.cache_clear()
+    yield 256
+    config.row_config.cache_clear()  # monkeypatch restores ROW_ELEMENTS after this
+
+
+# K past the row kernels' BLOCK_K: the softmax and dS walk the pivots in tiles (online max and
+# sum, Dr summed over tiles), which shorter rows never do; K = 129 is one tile of 256 pivots,
+# 127 of them dead; K = 2100 is past the real tile of 2048.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("k", [1025, 2100])
-def test_pivots_past_one_row_block(spy, k, dtype, device):
+@pytest.mark.parametrize("k", [129, 300, 2100])
+def test_pivots_past_one_row_block(spy, request, k, dtype, device):
+    if k < 2048:
+        request.getfixturevalue("small_row_tiles")
+    elif dtype == torch.float32:
+        pytest.skip("the real 2048-pivot tiles once, in float16 (the interpreter's cost)")
     shape = (1, 2, 2, 3, k, 4)
-    assert config.row_config(k)["ONE_TILE"] == (k <= config.ROW_ELEMENTS)
+    assert config.row_config(k)["ONE_TILE"] == (k <= config.ROW_ELEMENTS) == (k == 129)
     inputs, dy, mask = make_inputs(*shape, dtype, device, "full_rows")
     check_against_oracle(run_chunked(spy, inputs, dy, mask), inputs, dy, mask, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_one_hot_in_a_later_pivot_tile(spy, dtype, device):
-    """The winning pivot of every row in the second tile of 2048 pivots: the first tile's
-    max is overtaken, and dQ, dK1, dK2 are still exactly zero."""
+def test_one_hot_in_a_later_pivot_tile(spy, small_row_tiles, dtype, device):
+    """The winning pivot of every row in the second tile of pivots: the first tile's max is
+    overtaken, and dQ, dK1, dK2 are still exactly zero."""
     gen = torch.Generator().manual_seed(11)
-    b, h, n, m, k, d = 1, 2, 3, 4, 2100, 4
+    b, h, n, m, k, d = 1, 2, 3, 4, 300, 4
     inputs = _one_hot_inputs(b, h, n, m, k, d, dtype, device, gen)
-    # the softmax is over k in any order: roll the pivots so that the winners pass 2048
-    shift = 2060
+    # the softmax is over k in any order: roll the pivots so that the winners pass the first tile
+    shift = 260
     inputs = [inputs[0]] + [t.roll(shift, dims=3 if i < 2 else 2) for i, t in enumerate(inputs[1:])]
     assert all(config.row_config(k)["BLOCK_K"] <= (_winner(i, k) + shift) % k for i in range(n))
     dy = torch.randn(b, h, n, m, d, generator=gen, dtype=F64, device="cpu").to(dtype).to(device)
@@ -177,15 +191,15 @@ def test_one_hot_in_a_later_pivot_tile(spy, dtype, device):
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's nanmax
-def test_nan_score_in_a_later_pivot_tile(spy, device):
-    """A NaN score in the second tile of pivots only (K1[n, k] for k > 2048): the max of those
+def test_nan_score_in_a_later_pivot_tile(spy, small_row_tiles, device):
+    """A NaN score in the second tile of pivots only (K1[n, k] for k past it): the max of those
     rows is NaN (tl.max alone would skip it, and the first tile's max would stand), as are
     their sum and output; no other row is touched."""
-    b, h, n, m, k, d = 1, 2, 3, 4, 2100, 4
+    b, h, n, m, k, d = 1, 2, 3, 4, 300, 4
     inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.float32, device, "random")
     inputs = [t.clone() for t in inputs]
-    inputs[1][0, 1, 2, 2070, 0] = float("nan")
-    mask[0, 0, 2, 0, 2070] = False
+    inputs[1][0, 1, 2, 270, 0] = float("nan")
+    mask[0, 0, 2, 0, 270] = False
     out, mx, sm = (t.cpu() for t in run_chunked(spy, inputs, dy, mask)[:3])
     rows = torch.zeros(b, h, n, m, dtype=torch.bool, device="cpu")  # the results are moved to the CPU
     rows[0, 1, 2] = True
@@ -207,10 +221,10 @@ def slices_budget(slices, shape, dtype):
 
 # (name, shape, budget as a function of (shape, dtype))
 CHUNKINGS = [
-    ("one_row", (1, 2, 5, 3, 7, 8), lambda s, dt: pairs_budget(1, s[4], dt)),  # every (n, m) row its own chunk
-    ("split_n_and_m", (2, 1, 13, 11, 9, 8), lambda s, dt: pairs_budget(20, s[4], dt)),  # 5 x 4: tails on both
-    ("short_n", (1, 2, 3, 17, 6, 8), lambda s, dt: pairs_budget(3 * 5 + 2, s[4], dt)),  # N whole, M split: 3 x 5
-    ("whole_m_rows", (1, 2, 40, 3, 5, 8), lambda s, dt: pairs_budget(17 * 3 + 2, s[4], dt)),  # 17 x 3: M whole
+    ("one_row", (1, 2, 5, 3, 7, 8), lambda s, dt: pairs_budget(1, s[4], dt, s[5])),  # every (n, m) row its own chunk
+    ("split_n_and_m", (2, 1, 13, 11, 9, 8), lambda s, dt: pairs_budget(20, s[4], dt, s[5])),  # 5 x 4: tails on both
+    ("short_n", (1, 2, 3, 17, 6, 8), lambda s, dt: pairs_budget(3 * 5 + 2, s[4], dt, s[5])),  # N whole, M split: 3 x 5
+    ("whole_m_rows", (1, 2, 40, 3, 5, 8), lambda s, dt: pairs_budget(17 * 3 + 2, s[4], dt, s[5])),  # 17 x 3: M whole
     ("whole_slices", (2, 3, 4, 5, 6, 8), lambda s, dt: slices_budget(1, s, dt)),  # one slice a chunk
     ("groups_of_4", (2, 3, 4, 5, 6, 8), lambda s, dt: slices_budget(4, s, dt)),  # slices 0-3, 4-5
 ]
@@ -249,6 +263,29 @@ def test_many_chunks(spy, monkeypatch, name, shape, budget_of, dtype, device):
         assert (b * h) % plan.groups  # the last group is short
 
 
+def _ulps(x, y):
+    """|x - y| in units in the last place of bfloat16 at |y| (subnormals aside)."""
+    x, y = x.float(), y.float()
+    exponent = torch.floor(torch.log2(y.abs().clamp_min(2.0 ** -120)))
+    return ((x - y).abs() / torch.exp2(exponent - 7)).max().item()
+
+
+def test_sums_across_chunks_are_float32(spy, monkeypatch, device):
+    """The gradients of a bfloat16 call in 16 chunks of 8 x 8 (n, m) rows (dK1/dV1 summed
+    over 2 m-chunks, dK2/dV2 over 8 n-chunks) against the same call in one chunk: the
+    partial sums travel between chunks in float32, so the two differ by float32
+    reassociation only and round to at most one bfloat16 ulp apart (with the sums rounded to
+    bfloat16 between chunks they differ by hundreds of ulps at small elements)."""
+    b, h, n, m, k, d = 1, 1, 64, 16, 8, 16
+    inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.bfloat16, device, None)
+    whole = run_chunked(spy, inputs, dy, mask)[3]
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(4 * m, k, torch.bfloat16, d))
+    split = run_chunked(spy, inputs, dy, mask)[3]
+    assert spy.plans[-1][2].count(b * h, n, m) == 16 and spy.plans[0][2].count(b * h, n, m) == 1
+    for name, got, ref in zip(GRAD_NAMES, split, whole):
+        assert _ulps(got, ref) <= 1.0, (name, _ulps(got, ref))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("pairs", [None, 3], ids=["one_chunk", "chunks_of_3"])
 def test_fully_masked_row_gradients(spy, monkeypatch, pairs, dtype, device):
@@ -257,7 +294,7 @@ def test_fully_masked_row_gradients(spy, monkeypatch, pairs, dtype, device):
     get P dY with the uniform P = 1/K."""
     b, h, n, m, k, d = 1, 2, 4, 5, 6, 8
     if pairs is not None:
-        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(pairs, k, dtype))
+        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(pairs, k, dtype, d))
     inputs, dy, _ = make_inputs(b, h, n, m, k, d, dtype, device)
     mask = torch.zeros(b, 1, n, 1, k, dtype=torch.bool, device=device)
     mask[0, 0, 1] = True  # row n = 1: every pivot masked
@@ -316,7 +353,7 @@ def test_gemm_count_grows_only_with_the_chunks_the_budget_forces(spy, monkeypatc
     chunk, forward + backward, and no more chunks than twice the fewest the budget allows
     (rows are rounded down to multiples of 16 past 32)."""
     b, h, n, m, k, d = 1, 2, 64, 8, 8, 16
-    budget = pairs_budget(rows * m, k, torch.float16)
+    budget = pairs_budget(rows * m, k, torch.float16, d)
     monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", budget)
     launches = record_launches(monkeypatch)
     inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.float16, device, "random")
@@ -325,7 +362,7 @@ def test_gemm_count_grows_only_with_the_chunks_the_budget_forces(spy, monkeypatc
     before = len(launches)
     grads = kernels.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, SCALE)
     chunks = spy.plans[0][2].count(b * h, n, m)
-    fewest = -(-b * h * n * m * k * config.score_bytes(2) // budget)
+    fewest = -(-b * h * n * m * config.pair_bytes(k, d, 2) // budget)
     assert fewest <= chunks <= 2 * fewest and spy.plans[0][2].block_m == m
     assert fwd == (4 * chunks, chunks) and _count(launches, before) == (10 * chunks, chunks)
     check_against_oracle((out, mx, sm, grads), inputs, dy, mask, torch.float16)
@@ -357,7 +394,7 @@ def test_few_kernel_specialisations_per_step(spy, monkeypatch, split, device):
     issue 25; the fused kernels' first step took over 180 s on an H100)."""
     b, h, n, m, k, d = 1, 2, 36, 20, 16, 32
     if split:
-        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(16 * m, k, torch.float16))
+        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(16 * m, k, torch.float16, d))
     launches = record_launches(monkeypatch)
     inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.float16, device, "random")
     out, mx, sm = kernels.floyd_attention(*inputs, mask, SCALE)
@@ -383,7 +420,7 @@ def test_one_hot_softmax_gives_exactly_zero_score_gradients(spy, monkeypatch, ki
     b, h, n, m, d = 2, 2, 5, 8, 6
     k = 1 if kind == "K1" else 37
     if budget == "rows_of_10":
-        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(10, k, dtype))
+        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(10, k, dtype, d))
     else:
         monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", slices_budget(3, (b, h, n, m, k, d), dtype))
     if kind == "K1":
@@ -417,7 +454,7 @@ def test_forward_and_backward_plan_the_same_chunks(spy, monkeypatch, device):
     the chunks its forward planned, whatever the statistics or dY."""
     shape = (2, 2, 7, 6, 5, 4)
     b, h, n, m, k, d = shape
-    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(4, k, torch.float16))
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(4, k, torch.float16, d))
     inputs, dy, mask = make_inputs(*shape, torch.float16, device, "random")
     run_chunked(spy, inputs, dy, mask)
     (fwd_args, fwd_kw, fwd_plan), (bwd_args, bwd_kw, bwd_plan) = spy.plans
@@ -438,7 +475,7 @@ def test_non_contiguous_inputs_and_cann_statistics(spy, monkeypatch, pairs, devi
     from the compact ones."""
     b, h, n, m, k, d = 2, 1, 9, 11, 13, 12
     if pairs is not None:
-        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(pairs, k, torch.float32))
+        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(pairs, k, torch.float32, d))
     inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.float32, device, "random")
     views = [t.transpose(2, 3).contiguous().transpose(2, 3) for t in inputs + (dy,)]
     views[1] = torch.cat([inputs[1], inputs[1]], dim=-1)[..., ::2]  # K1: stride 2 in D
@@ -469,7 +506,7 @@ def test_deterministic(spy, monkeypatch, device):
     n-chunks), and groups of slices."""
     shape = (1, 3, 7, 5, 21, 16)
     inputs, dy, mask = make_inputs(*shape, torch.float16, device, "random")
-    budgets = ((pairs_budget(8, 21, torch.float16), 3 * 2 * 3),  # chunks of 4 x 2 rows
+    budgets = ((pairs_budget(8, 21, torch.float16, 16), 3 * 2 * 3),  # chunks of 4 x 2 rows
                (slices_budget(2, shape, torch.float16), 2))  # slices in groups of 2
     for budget, chunks in budgets:
         monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", budget)
@@ -487,7 +524,7 @@ def test_nan_in_q_stays_in_its_row(spy, monkeypatch, dtype, device):
     neighbours in its program, its chunk and the next chunks stay finite); the gradients'
     NaN pattern is the float64 oracle's."""
     b, h, n, m, k, d = 2, 2, 5, 11, 20, 6
-    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(12, k, dtype))
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(12, k, dtype, d))
     inputs, dy, mask = make_inputs(b, h, n, m, k, d, dtype, device, "random")
     inputs = [t.clone() for t in inputs]
     where = (1, 0, 3, 6)
@@ -589,7 +626,7 @@ MEMORY_SHAPE, MEMORY_PAIRS = (1, 1, 18, 15, 48, 1), 30
 
 def _memory_problem(monkeypatch, dtype, device):
     b, h, n, m, k, d = MEMORY_SHAPE
-    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(MEMORY_PAIRS, k, dtype))
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(MEMORY_PAIRS, k, dtype, d))
     plan = config.chunk_plan(b * h, n, m, k, dtype.itemsize, config.CHUNK_BUDGET_BYTES, head_dim=d)
     assert plan.groups == 1 and 1 < plan.block_n < n and 1 < plan.block_m < m
     assert n % plan.block_n == 0 and m % plan.block_m == 0 and plan.block_n * plan.block_m <= MEMORY_PAIRS
@@ -823,43 +860,43 @@ def test_rule_bad_override_raises(monkeypatch, rule, where, device):
 
 
 def _plan_cases():
-    """(bh, n, m, k, element_size, budget): edge cases, then a random sweep."""
-    cases = [(1, 1, 1, 1, 2, 1), (1, 1, 1, 1000, 4, 10), (3, 1, 1, 5, 2, 10 ** 9),
-             (6, 4, 5, 6, 2, 12 * 6 * 4 * 5 * 4 + 1), (1, 100, 100, 64, 2, 256 << 20),
-             (2, 40, 33, 17, 4, 16 * 17 * 40), (1, 300, 7, 50, 2, 12 * 50 * 64), (5, 7, 300, 3, 2, 12 * 3 * 40),
-             (1, 1000, 40, 8, 2, 12 * 8 * 40 * 16), (1, 1000, 40, 8, 2, 12 * 8 * 40 * 16 - 1)]
+    """(bh, n, m, k, d, element_size, budget): edge cases, then a random sweep."""
+    cases = [(1, 1, 1, 1, 1, 2, 1), (1, 1, 1, 1000, 8, 4, 10), (3, 1, 1, 5, 8, 2, 10 ** 9),
+             (6, 4, 5, 6, 8, 2, (12 * 6 + 32) * 4 * 5 * 4 + 1), (1, 100, 100, 64, 64, 2, 256 << 20),
+             (2, 40, 33, 17, 8, 4, 16 * 17 * 40), (1, 300, 7, 50, 1, 2, 12 * 50 * 64), (5, 7, 300, 3, 1, 2, 12 * 3 * 40),
+             (1, 1000, 40, 8, 16, 2, (12 * 8 + 64) * 40 * 16), (1, 1000, 40, 8, 16, 2, (12 * 8 + 64) * 40 * 16 - 1),
+             (2, 2048, 2048, 64, 256, 2, 2_650_000_000)]  # D large next to K: the partial dQ counts
     rng = random.Random(1234)
     for _ in range(300):
         bh, n, m, k = (rng.choice([1, 2, 3, 5, 8, 17, 33, 64, 100, 257]) for _ in range(4))
+        d = rng.choice([1, 16, 128, 300])
         es = rng.choice([2, 4])
         budget = rng.choice([1, 100, 10 ** 3, 10 ** 4, 10 ** 5, 10 ** 6, 10 ** 7, 256 << 20])
-        cases.append((bh, n, m, k, es, budget))
+        cases.append((bh, n, m, k, d, es, budget))
     return cases
 
 
 def test_chunk_plan_invariants():
     """Every (slice, n, m) in exactly one chunk, slices outermost, then n, m innermost; a
-    chunk's scores at score_bytes each within the budget unless a single 1 x 1 x K row
-    exceeds it (then chunks of one row); groups > 1 only for whole slices; M split only when
-    16 rows of n with every m do not fit; a function of its arguments alone."""
-    for bh, n, m, k, es, budget in _plan_cases():
-        plan = config.chunk_plan(bh, n, m, k, es, budget)
-        assert plan == config.chunk_plan(bh, n, m, k, es, budget)
+    chunk's rows at pair_bytes each (K scores and the float32 partial dQ) within the budget
+    unless a single 1 x 1 x K row exceeds it (then chunks of one row); groups > 1 only for
+    whole slices; M split only when 16 rows of n with every m do not fit; a function of its
+    arguments alone."""
+    for bh, n, m, k, d, es, budget in _plan_cases():
+        case = (bh, n, m, k, d, es, budget)
+        plan = config.chunk_plan(bh, n, m, k, es, budget, head_dim=d)
+        assert plan == config.chunk_plan(bh, n, m, k, es, budget, head_dim=d)
         assert 1 <= plan.groups <= bh and 1 <= plan.block_n <= n and 1 <= plan.block_m <= m
-        per_score = config.score_bytes(es)
-        if k * per_score > budget:
-            assert (plan.groups, plan.block_n, plan.block_m) == (1, 1, 1), (bh, n, m, k, es, budget)
+        per_pair = config.pair_bytes(k, d, es)
+        if per_pair > budget:
+            assert (plan.groups, plan.block_n, plan.block_m) == (1, 1, 1), case
         else:
-            assert plan.groups * plan.block_n * plan.block_m * k * per_score <= budget, (bh, n, m, k, es, budget)
+            assert plan.groups * plan.block_n * plan.block_m * per_pair <= budget, case
         if plan.groups > 1:
             assert (plan.block_n, plan.block_m) == (n, m)
+            assert plan.groups * config.slice_bytes(n, m, k, d, es) <= budget
         if plan.block_m < m:
-            assert 16 * m * k * per_score > budget, (bh, n, m, k, es, budget)
-        for d in (1, 64):  # the bytes that grow with D shrink the groups, nothing else
-            with_d = config.chunk_plan(bh, n, m, k, es, budget, head_dim=d)
-            assert (with_d.block_n, with_d.block_m) == (plan.block_n, plan.block_m)
-            assert 1 <= with_d.groups <= plan.groups
-            assert with_d.groups == 1 or with_d.groups * config.slice_bytes(n, m, k, d, es) <= budget
+            assert 16 * m * per_pair > budget, case
         walk = list(plan.chunks(bh, n, m))
         assert len(walk) == plan.count(bh, n, m)
         assert walk == sorted(walk)  # slices, then n, then m
@@ -873,24 +910,30 @@ def test_chunk_plan_invariants():
             count = torch.zeros(bh, n, m, dtype=torch.int32, device="cpu")
             for g0, g1, n0, n1, m0, m1 in walk:
                 count[g0:g1, n0:n1, m0:m1] += 1
-            assert torch.all(count == 1), (bh, n, m, k, es, budget)
+            assert torch.all(count == 1), case
 
 
-def test_chunk_budget_follows_the_device_total_memory(monkeypatch):
-    """The budget is the device's total memory / CHUNK_MEMORY_DIVISOR (at least
-    MIN_CHUNK_BUDGET_BYTES), never its free memory; CHUNK_BUDGET_BYTES, when set, replaces it.
-    On an 80 GB H100 a bf16 B = 1, H = 8, N = M = K = 512 problem is 8 chunks of one slice
-    (D = 128): 14 GEMMs each, forward and backward, against about 1,800 bmm calls before."""
+def test_chunk_budget_follows_the_device_and_the_problem(monkeypatch):
+    """The budget is the smaller of the device's total memory / CHUNK_MEMORY_DIVISOR and the
+    whole problem's workspace / CHUNK_PROBLEM_DIVISOR (at least MIN_CHUNK_BUDGET_BYTES),
+    never the free memory; CHUNK_BUDGET_BYTES, when set, replaces it. On an H100 (81559 MiB)
+    a bf16 B = 1, H = 8, N = M = K = 512, D = 128 problem is 16 chunks of 14 GEMMs (about
+    1,800 bmm calls per step before), whose peak with Y and the gradients stays under half of
+    what torch.compile(FloydNet) peaked at there (9 GiB)."""
     monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", None)
-    h100 = 80 * 10 ** 9
-    assert config.chunk_budget(h100) == h100 // config.CHUNK_MEMORY_DIVISOR
-    assert config.chunk_budget(10 ** 6) == config.MIN_CHUNK_BUDGET_BYTES
-    plan = config.chunk_plan(8, 512, 512, 512, 2, config.chunk_budget(h100), head_dim=128)
-    assert plan == config.ChunkPlan(1, 512, 512) and plan.count(8, 512, 512) == 8
-    # half of what torch.compile(FloydNet) peaked at there (9 GiB), with the gradients' 2.5 GiB
-    assert 512 ** 3 * config.score_bytes(2) + 4 * 512 * 512 * 128 + 5 * 512 * 512 * 128 * 2 * 8 < 4.5 * 2 ** 30
+    h100 = 81559 << 20
+    bh, n, k, d = 8, 512, 512, 128
+    problem = bh * n * n * config.pair_bytes(k, d, 2)
+    assert config.chunk_budget(h100, problem) == h100 // config.CHUNK_MEMORY_DIVISOR < problem // 3
+    assert config.chunk_budget(h100, 3 * 10 ** 9) == 10 ** 9  # the problem's third, under the device's share
+    assert config.chunk_budget(10 ** 6, problem) == config.chunk_budget(h100, 10) == config.MIN_CHUNK_BUDGET_BYTES
+    plan = config.chunk_plan(bh, n, n, k, 2, config.chunk_budget(h100, problem), head_dim=d)
+    assert plan == config.ChunkPlan(1, 384, 512) and plan.count(bh, n, n) == 16
+    workspace = plan.block_n * n * config.pair_bytes(k, d, 2) + 2 * k * n * d * 4  # + the float32 dK2/dV2 sums
+    outputs = 6 * bh * n * n * d * 2  # Y and the five gradients
+    assert workspace + outputs < 4.5 * 2 ** 30
     monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", 12345)
-    assert config.chunk_budget(h100) == 12345
+    assert config.chunk_budget(h100, problem) == 12345
     cpu = torch.device("cpu")
     assert config.total_memory(cpu) > 2 ** 28
     # a call's plan reads the total, not the free memory: the same plan whatever is allocated
@@ -906,8 +949,8 @@ def test_chunk_plan_uses_the_budget():
     tiles, in multiples of 16 once past 32)."""
     for n, m, k in ((1000, 1000, 512), (4096, 300, 512), (300, 4096, 512), (2048, 2048, 2048)):
         budget = 256 << 20
-        plan = config.chunk_plan(8, n, m, k, 2, budget)
-        pairs = budget // config.score_bytes(2) // k
+        plan = config.chunk_plan(8, n, m, k, 2, budget, head_dim=64)
+        pairs = budget // config.pair_bytes(k, 64, 2)
         assert plan.block_n * plan.block_m * 2 >= pairs, plan
         for side in (plan.block_n, plan.block_m):
             assert side < 32 or side % 16 == 0 or side in (n, m)

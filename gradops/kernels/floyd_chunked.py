@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ._floyd_common import _ACC, _NEG_FLT_MAX, _mask_arg, _scale_bits, _unpack_scale, dot_constexprs
-from .floyd_config import chunk_budget, chunk_plan, gemm_config, row_config, total_memory
+from .floyd_config import chunk_budget, chunk_plan, gemm_config, pair_bytes, row_config, total_memory
 
 
 # ----------------------------------------------------------------------------------------------
@@ -81,6 +81,7 @@ def _gemm_kernel(
     a_ptrs = a_ptr + i0 * sa0 + i1 * sa1 + rows.to(tl.int64)[:, None] * sar + steps.to(tl.int64)[None, :] * sat
     b_ptrs = b_ptr + i0 * sb0 + i1 * sb1 + steps.to(tl.int64)[:, None] * sbt + cols.to(tl.int64)[None, :] * sbc
     acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    step = tl.full([], BLOCK_T, tl.int64)  # BLOCK_T * a stride passes 2^31 at large shapes
     for t0 in range(0, T, BLOCK_T):
         a = tl.load(a_ptrs, mask=(rows < R)[:, None] & (t0 + steps < T)[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=(t0 + steps < T)[:, None] & (cols < C)[None, :], other=0.0)
@@ -88,8 +89,8 @@ def _gemm_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=tl.float32)
-        a_ptrs += BLOCK_T * sat
-        b_ptrs += BLOCK_T * sbt
+        a_ptrs += step * sat
+        b_ptrs += step * sbt
     inside = (rows < R)[:, None] & (cols < C)[None, :]
     if ACCUMULATE:
         acc += tl.load(acc_ptr + i0 * sc0 + i1 * sc1 + rows.to(tl.int64)[:, None] * scr + cols[None, :] * scc,
@@ -188,7 +189,10 @@ def _softmax_rows(
             inside = live[:, None] & (k0 + k_idx < K)[None, :]
             s, _ = _scores(s_ptr, mask_rows, smk_k, r, k0 + k_idx, inside, K, scale, HAS_MASK)
             new_max = tl.maximum(row_max, _tile_max(s), propagate_nan=tl.PropagateNan.ALL)
-            row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(s - new_max[:, None]), axis=1)
+            # a first tile of -inf scores only (infinite inputs) leaves the max -inf: shift by 0
+            # there, not by -inf (exp(-inf - -inf) is NaN), as one tile of the whole row would
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(s - shift[:, None]), axis=1)
             row_max = new_max
         inv_sum = 1.0 / row_sum
         for k0 in range(0, K, BLOCK_K):
@@ -274,8 +278,10 @@ def _plan(q, k):
     chunks."""
     if q.dtype == torch.float64:  # the dispatcher keeps float64 on the fused kernels
         raise TypeError("the chunked Floyd strategy takes float16, bfloat16 and float32 inputs")
-    bh, n, m = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
-    return chunk_plan(bh, n, m, k, q.element_size(), chunk_budget(total_memory(q.device)), head_dim=q.shape[4])
+    bh, n, m, d = q.shape[0] * q.shape[1], q.shape[2], q.shape[3], q.shape[4]
+    es = q.element_size()
+    budget = chunk_budget(total_memory(q.device), bh * n * m * pair_bytes(k, d, es))
+    return chunk_plan(bh, n, m, k, es, budget, head_dim=d)
 
 
 class _Workspace:

@@ -202,13 +202,18 @@ def strategy(b: int, h: int, n: int, m: int, k: int, d: int, element_size: int) 
 # ----------------------------------------------------------------------------------------------
 # The chunked strategy: the chunk budget, the chunks, the GEMM tiles and the row kernels' blocks
 # ----------------------------------------------------------------------------------------------
-# The workspace of one chunk's score-sized buffers (the backward's: S and dP in float32, P and
-# dS in the input dtype) is at most the device's total memory / CHUNK_MEMORY_DIVISOR (2.3 GiB
-# on an 80 GB H100): never the free memory at call time, so that a forward and its backward
-# walk the same chunks (bitwise the same scores), and an H100 holds a whole L = 512, H = 8
-# problem in 8 chunks, well under half of what torch.compile(FloydNet) peaks at (9 GiB).
-# At least MIN_CHUNK_BUDGET_BYTES, and never more than the whole problem needs.
-CHUNK_MEMORY_DIVISOR = 32
+# The workspace of one chunk (the backward's: S and dP in float32, P and dS in the input dtype,
+# the float32 partial dQ) is at most the smaller of the device's total memory /
+# CHUNK_MEMORY_DIVISOR (1.3 GiB on an H100, 81559 MiB) and the whole problem's workspace /
+# CHUNK_PROBLEM_DIVISOR, and at least MIN_CHUNK_BUDGET_BYTES. Never the free memory at call
+# time: a forward and its backward must walk the same chunks (bitwise the same scores). The
+# two divisors trade memory for launches (14 per chunk, ~25 us of host time each): on an
+# H100, B = 1, H = 8, N = M = K = 512, D = 128 (bf16) takes 16 chunks of 384 or 128 rows of
+# n, a peak of about 4.5 GiB with Y and the gradients, half of torch.compile(FloydNet)'s
+# 9 GiB; N = M = K = 256 takes 4 chunks of 2 slices (1.2 GiB against its 1.75:
+# docs/kernels-floyd.md, "Roofline", says why not fewer bytes there).
+CHUNK_MEMORY_DIVISOR = 64
+CHUNK_PROBLEM_DIVISOR = 3
 MIN_CHUNK_BUDGET_BYTES = 64 << 20
 # A budget that replaces the one above, for tests and benchmarks (bytes), or None.
 CHUNK_BUDGET_BYTES: Optional[int] = None
@@ -218,6 +223,11 @@ def score_bytes(element_size: int) -> int:
     """Workspace bytes per score of a chunk: S and dP in float32, P and dS in the input dtype
     (the backward's; the forward holds S and P)."""
     return 8 + 2 * element_size
+
+
+def pair_bytes(k: int, d: int, element_size: int) -> int:
+    """Workspace bytes per (n, m) row of a chunk: its K scores and its float32 partial Y or dQ."""
+    return k * score_bytes(element_size) + 4 * d
 
 
 def total_memory(device: torch.device) -> int:
@@ -230,13 +240,16 @@ def total_memory(device: torch.device) -> int:
         return 8 << 30
 
 
-def chunk_budget(device_total_bytes: int) -> int:
-    """Bytes of score workspace a chunk may take on a device with this much memory:
-    CHUNK_BUDGET_BYTES when set, else ``device_total_bytes / CHUNK_MEMORY_DIVISOR`` (at least
-    MIN_CHUNK_BUDGET_BYTES)."""
+def chunk_budget(device_total_bytes: int, problem_bytes: int) -> int:
+    """Bytes of workspace a chunk may take, on a device with this much memory, for a problem
+    whose whole workspace (every (slice, n, m) row at ``pair_bytes``) is ``problem_bytes``:
+    CHUNK_BUDGET_BYTES when set, else the smaller of ``device_total_bytes /
+    CHUNK_MEMORY_DIVISOR`` and ``problem_bytes / CHUNK_PROBLEM_DIVISOR``, at least
+    MIN_CHUNK_BUDGET_BYTES."""
     if CHUNK_BUDGET_BYTES is not None:
         return max(1, int(CHUNK_BUDGET_BYTES))
-    return max(MIN_CHUNK_BUDGET_BYTES, device_total_bytes // CHUNK_MEMORY_DIVISOR)
+    return max(MIN_CHUNK_BUDGET_BYTES, min(device_total_bytes // CHUNK_MEMORY_DIVISOR,
+                                           problem_bytes // CHUNK_PROBLEM_DIVISOR))
 
 
 @dataclass(frozen=True)
@@ -270,22 +283,20 @@ def _round_down_16(x: int) -> int:
 
 
 def slice_bytes(n: int, m: int, k: int, d: int, element_size: int) -> int:
-    """Workspace of one whole (b, h) slice taken as a chunk: its scores at ``score_bytes``,
-    and the float32 partial Y or dQ (``n * m * d``), which grows with the head dim."""
-    return n * m * k * score_bytes(element_size) + 4 * n * m * d
+    """Workspace of one whole (b, h) slice taken as a chunk."""
+    return n * m * pair_bytes(k, d, element_size)
 
 
 def chunk_plan(bh: int, n: int, m: int, k: int, element_size: int, budget: int, *, head_dim: int = 0) -> ChunkPlan:
-    """The chunks of a call: as many scores per chunk as ``budget`` bytes hold at
-    ``score_bytes`` each. Whole slices, as many as fit at ``slice_bytes`` each, when one
-    fits; else rows of n with every m (dK1/dV1 then need no sum across chunks), as many as
-    fit, a multiple of 16; else (M * K alone too large) (n, m) tiles as square as N and M
-    allow. A function of its arguments alone: a forward and its backward plan the same
-    chunks, and their GEMMs compute bitwise the same scores."""
-    pairs = max(1, budget // score_bytes(element_size) // max(1, k))  # (n, m) rows per chunk
+    """The chunks of a call: as many (n, m) rows per chunk as ``budget`` bytes hold at
+    ``pair_bytes`` each. Whole slices, as many as fit, when one fits; else rows of n with
+    every m (dK1/dV1 then need no sum across chunks), as many as fit (a multiple of 16 from
+    32 on); else (M * K alone too large) (n, m) tiles as square as N and M allow. A function
+    of its arguments alone: a forward and its backward plan the same chunks, and their GEMMs
+    compute bitwise the same scores."""
+    pairs = max(1, budget // pair_bytes(k, head_dim, element_size))  # (n, m) rows per chunk
     if pairs >= n * m:
-        per_slice = max(1, slice_bytes(n, m, k, head_dim, element_size))
-        return ChunkPlan(max(1, min(bh, budget // per_slice)), n, m)
+        return ChunkPlan(max(1, min(bh, pairs // (n * m))), n, m)
     if pairs >= 16 * m:
         return ChunkPlan(1, min(n, _round_down_16(pairs // m)), m)
     cm = min(m, max(1, _round_down_16(math.isqrt(pairs))))
