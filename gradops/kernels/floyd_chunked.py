@@ -29,10 +29,11 @@ Per chunk of ``floyd_config.chunk_plan`` (slices x n rows x m rows, every pivot)
   rounded result.
 
 The GEMMs execute the nominal 4 + 10 units of B*H*N*M*K*D multiply-adds. Memory beyond
-inputs and outputs: one chunk's score buffers (``floyd_config.score_bytes`` per score,
-within ``floyd_config.chunk_budget`` of the device's total memory), the float32 partial Y
-or dQ of a chunk, and float32 accumulators only for sums that span chunks. Deterministic:
-a fixed walk, no atomics, each GEMM's blocks a function of its shapes.
+inputs and outputs: one chunk's score buffers and float32 partial Y or dQ
+(``floyd_config.pair_bytes`` per (n, m) row, within ``floyd_config.chunk_budget``, which
+derives from the device's total memory and the problem), and float32 accumulators only for
+sums that span chunks. Deterministic: a fixed walk, no atomics, each GEMM's blocks a
+function of its shapes.
 """
 from __future__ import annotations
 
