@@ -8,11 +8,10 @@ autograd one of tests/test_kernels_floyd.py (FloydNet's einsum formulation diffe
 autograd, independent of both strategies), with its tolerances (TOL, relative to
 max(1, largest magnitude)); ``floyd_config.STRATEGY`` forces the strategy, and a spy checks
 that the chunked launchers really ran. ``floyd_config.CHUNK_BUDGET_BYTES`` shrinks the chunks:
-``score_bytes(element_size) * K * pairs`` bytes give chunks of ``pairs`` (n, m) rows.
+``pair_bytes(K, D, element_size) * pairs`` bytes give chunks of ``pairs`` (n, m) rows.
 """
 import gc
 import itertools
-import os
 import random
 
 import pytest
@@ -216,7 +215,7 @@ def test_nan_score_in_a_later_pivot_tile(spy, small_row_tiles, device):
 def slices_budget(slices, shape, dtype):
     """A budget that holds ``slices`` whole (b, h) slices of ``shape`` (and a few bytes)."""
     b, h, n, m, k, d = shape
-    return slices * config.slice_bytes(n, m, k, d, dtype.itemsize) + 3
+    return slices * n * m * config.pair_bytes(k, d, dtype.itemsize) + 3
 
 
 # (name, shape, budget as a function of (shape, dtype))
@@ -894,7 +893,7 @@ def test_chunk_plan_invariants():
             assert plan.groups * plan.block_n * plan.block_m * per_pair <= budget, case
         if plan.groups > 1:
             assert (plan.block_n, plan.block_m) == (n, m)
-            assert plan.groups * config.slice_bytes(n, m, k, d, es) <= budget
+            assert plan.groups * n * m * per_pair <= budget
         if plan.block_m < m:
             assert 16 * m * per_pair > budget, case
         walk = list(plan.chunks(bh, n, m))

@@ -54,7 +54,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import triton
@@ -280,11 +280,6 @@ class ChunkPlan:
 def _round_down_16(x: int) -> int:
     """Multiples of 16 keep the GEMMs' rows aligned to the tensor-core tiles."""
     return x - x % 16 if x >= 32 else x
-
-
-def slice_bytes(n: int, m: int, k: int, d: int, element_size: int) -> int:
-    """Workspace of one whole (b, h) slice taken as a chunk."""
-    return n * m * pair_bytes(k, d, element_size)
 
 
 def chunk_plan(bh: int, n: int, m: int, k: int, element_size: int, budget: int, *, head_dim: int = 0) -> ChunkPlan:
