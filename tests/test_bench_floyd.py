@@ -161,10 +161,10 @@ def test_io_bytes_and_the_memory_bound_ratio(monkeypatch):
     assert floyd.memory_bound_ratio("floyd_bwd", shape, 2, 500, budget=1000) == (inputs + 500) / (
         inputs + outputs + 1000)
     # the default budget: the chunked strategy's on this machine (a forced one where set)
-    on_this = floyd_config.chunk_budget(floyd_config.total_memory(torch.device("cpu")),
+    this_machine = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    on_this = floyd_config.chunk_budget(floyd_config.total_memory(this_machine),
                                         floyd_config.pair_bytes(4, 8, 2) * 2 * 3)
-    if not torch.cuda.is_available():
-        assert floyd.memory_bound("floyd_bwd", shape, 2) == (inputs, inputs + outputs + on_this)
+    assert floyd.memory_bound("floyd_bwd", shape, 2) == (inputs, inputs + outputs + on_this)
     monkeypatch.setattr(floyd_config, "CHUNK_BUDGET_BYTES", 2 ** 31)
     assert floyd.memory_bound("floyd_bwd", shape, 2) == (inputs, inputs + outputs + 2 ** 31)
     # annotate: a record with a peak gets the ratio and the bound; one without (a CPU run) neither
@@ -231,12 +231,23 @@ def test_record_peak_over_compiled():
     assert [r.extra.get("peak_over_compiled") for r in bench.records] == [0.5, 1.5, None, None]
 
 
-@cpu_suite_only
 def test_compile_seconds_reports_a_failure_as_its_result():
     """The compile-time probe runs in a child process with an empty Triton cache; where it
-    cannot run (here: no GPU, the interpreter off) it returns the error, not a crash."""
+    cannot run (CPU tensors with the interpreter off, on any machine) it returns the error,
+    not a crash."""
     result = floyd.compile_seconds((1, 1, 2, 2, 2, 16), "float16", "cpu", "chunked")
     assert set(result) == {"error"} and result["error"]
+
+
+@pytest.mark.skipif(on_cpu_suite, reason="compiles for the GPU (the CPU suite counts the specialisations from the "
+                                         "launches: test_floyd_chunked.py::test_few_kernel_specialisations_per_step)")
+def test_a_first_chunked_step_compiles_few_kernels_on_the_gpu():
+    """What Triton itself compiled for a user's first chunked forward + backward (its cache
+    of specialisations, in a fresh process): the 8 of test_few_kernel_specialisations_per_step,
+    at its shape."""
+    result = floyd.compile_seconds((1, 2, 36, 20, 16, 32), "float16", "cuda", "chunked")
+    assert "error" not in result, result
+    assert result["kernels"] is not None and 1 <= result["kernels"] <= 8, result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,12 +363,20 @@ def test_a_goal_has_a_minimum_or_a_maximum():
 _CHUNKED_SM90 = r"""
 import json, sys, torch
 from gradops.bench.floyd import compile_check_gemm, compile_check_rows, ROW_CHECK_K
+from gradops.kernels import floyd_config
 for dtype in sys.argv[1:]:
     for k in ROW_CHECK_K:
         for row in compile_check_rows(getattr(torch, dtype), k):
             print(json.dumps(row), flush=True)
+    for row in compile_check_rows(getattr(torch, dtype), 1, masked=False):
+        print(json.dumps(row), flush=True)
     for row in compile_check_gemm(getattr(torch, dtype)):
         print(json.dumps(row), flush=True)
+# the control: a single pivot without a mask, compiled with contraction allowed
+floyd_config.ROW_FP_FUSION = True
+floyd_config.row_config.cache_clear()
+for row in compile_check_rows(getattr(torch, sys.argv[1]), 1, masked=False):
+    print(json.dumps(dict(row, control=True)), flush=True)
 """
 H100_SHARED = 227 * 1024
 
@@ -366,7 +385,10 @@ H100_SHARED = 227 * 1024
 def test_chunked_kernels_compile_for_sm90_without_spills(triton_version):
     """The row kernels (no MMA) and every kind of GEMM launch (16-bit: tensor cores, which
     on sm_90 means wgmma, HGMMA in the SASS; float32: IEEE FMA), within an H100's shared
-    memory and without a spill, in the GPU image's Triton and the newest."""
+    memory and without a spill, in the GPU image's Triton and the newest. The row kernels
+    round every product (no FMA in the PTX; floyd_config.ROW_FP_FUSION), which a single
+    pivot's P = 1 rests on: the control, the K = 1 compile with contraction allowed, has
+    FMAs, so the check can see them."""
     import triton
 
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
@@ -378,9 +400,14 @@ def test_chunked_kernels_compile_for_sm90_without_spills(triton_version):
     version = ".".join(version.split(".")[:2])
     rows = [json.loads(line) for line in lines]
     print("\n".join(map(json.dumps, rows)))
+    control = [row for row in rows if row.get("control")]
+    rows = [row for row in rows if not row.get("control")]
+    assert len(control) == 2 and all("error" not in row and row["fma_f32"] > 0 for row in control), control
     gemms = [row for row in rows if row["kernel"].startswith("gemm")]
-    assert len(rows) - len(gemms) == 2 * 2 * len(floyd.ROW_CHECK_K) and len(gemms) == 2 * len(floyd.GEMM_CHECK)
+    assert len(rows) - len(gemms) == 2 * 2 * (len(floyd.ROW_CHECK_K) + 1) and len(gemms) == 2 * len(floyd.GEMM_CHECK)
     for row in rows:
+        if row not in gemms:
+            assert row["fma_f32"] == 0, (version, row)
         assert "error" not in row, row
         assert row["shared"] <= H100_SHARED, row
         assert row["spill_loads"] == row["spill_stores"] == 0, (version, row)

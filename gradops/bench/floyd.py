@@ -531,10 +531,11 @@ def _ptr_types(dtype: torch.dtype) -> Tuple[str, str]:
 
 
 def _compile_sm(kernel, sig: dict, consts: dict, attrs: dict, arch: int, num_warps: int, num_stages: int,
-                row: dict) -> dict:
+                row: dict, fp_fusion: bool = True) -> dict:
     """Compile ``kernel`` for ``sm_<arch>`` and add to ``row`` its shared memory (bytes), the
     registers a thread uses, its local-memory spill instructions and MMA count, read from the
-    SASS; or ``error`` (e.g. out of shared memory: the finding this check exists for)."""
+    SASS, and its float32 FMAs (``fma_f32``, from the PTX); or ``error`` (e.g. out of shared
+    memory: the finding this check exists for)."""
     import re
     import subprocess
     import tempfile
@@ -546,7 +547,8 @@ def _compile_sm(kernel, sig: dict, consts: dict, attrs: dict, arch: int, num_war
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     try:
         compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
-                                  options=dict(num_warps=num_warps, num_stages=num_stages))
+                                  options=dict(num_warps=num_warps, num_stages=num_stages,
+                                               enable_fp_fusion=fp_fusion))
         with tempfile.TemporaryDirectory() as tmp:
             cubin = os.path.join(tmp, "k.cubin")
             with open(cubin, "wb") as f:
@@ -556,7 +558,8 @@ def _compile_sm(kernel, sig: dict, consts: dict, attrs: dict, arch: int, num_war
         row.update(shared=compiled.metadata.shared, registers=max(regs) + 1 if regs else None,
                    spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
                    mma=sass.count("HMMA") + sass.count("DMMA") + sass.count("HGMMA"),
-                   layout_conversions=compiled.asm["ttgir"].count("convert_layout"))
+                   layout_conversions=compiled.asm["ttgir"].count("convert_layout"),
+                   fma_f32=len(re.findall(r"\bfma\.[a-z.]*f32\b", compiled.asm["ptx"])))
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[-1][:200] if str(e) else ''}"
     return row
@@ -606,13 +609,14 @@ def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dic
     return rows
 
 
-def compile_check_rows(dtype: torch.dtype, k: int = 1024, arch: int = 90) -> List[dict]:
+def compile_check_rows(dtype: torch.dtype, k: int = 1024, arch: int = 90, masked: bool = True) -> List[dict]:
     """Compile the chunked strategy's row kernels (``_softmax_rows``, forward; ``_grad_rows``,
-    backward) for ``sm_<arch>`` with the blocks ``floyd_config.row_config(k)`` gives,
-    specialised as the JIT would for a contiguous mask and statistics and sizes that are
-    multiples of 16 (but H and the chunk's first slice); report as :func:`compile_check`.
-    16-bit and float32 inputs (float64 always runs fused). The rows' ``D`` is None (the row
-    kernels do not see the head dim) and ``K`` the pivots."""
+    backward) for ``sm_<arch>`` with the blocks and launch options ``floyd_config.row_config(k)``
+    gives, specialised as the JIT would for a contiguous mask (or none: ``masked``) and
+    statistics, K = 1 as a constant, and other sizes multiples of 16 (but H and the chunk's
+    first slice); report as :func:`compile_check`. 16-bit and float32 inputs (float64 always
+    runs fused). The rows' ``D`` is None (the row kernels do not see the head dim) and ``K``
+    the pivots."""
     from ..kernels import floyd_chunked as fc
     from ..kernels.floyd_config import row_config
 
@@ -622,12 +626,13 @@ def compile_check_rows(dtype: torch.dtype, k: int = 1024, arch: int = 90) -> Lis
     cfg = row_config(k)
     rows = []
     for name, kernel in (("rows_softmax", fc._softmax_rows), ("rows_grad", fc._grad_rows)):
-        consts = dict(HAS_MASK=True, BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], ONE_TILE=cfg["ONE_TILE"])
+        consts = dict(HAS_MASK=masked, BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], ONE_TILE=cfg["ONE_TILE"])
         sig, attrs = {}, {}
         for idx, arg in enumerate(kernel.arg_names):
             if kernel.params[idx].is_constexpr:
                 continue
-            if arg in ("smk_k", "sst_m"):  # the mask's k and the statistics' m: unit strides
+            # the mask's k and the statistics' m: unit strides; K = 1: the JIT's constant 1
+            if arg in ("smk_k", "sst_m") or (arg == "K" and k == 1):
                 sig[arg], consts[arg] = "constexpr", 1
                 continue
             if arg == "scale":
@@ -641,9 +646,10 @@ def compile_check_rows(dtype: torch.dtype, k: int = 1024, arch: int = 90) -> Lis
                 if arg in _ROW_NOT_DIVISIBLE:
                     continue
             attrs[(idx,)] = [["tt.divisibility", 16]]
-        row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": None, "K": k,
+        row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": None, "K": k, "masked": masked,
                "tile": f"{cfg['BLOCK_R']}x{cfg['BLOCK_K']}", "warps": cfg["num_warps"]}
-        rows.append(_compile_sm(kernel, sig, consts, attrs, arch, cfg["num_warps"], 1, row))
+        rows.append(_compile_sm(kernel, sig, consts, attrs, arch, cfg["num_warps"], 1, row,
+                                fp_fusion=cfg["enable_fp_fusion"]))
     return rows
 
 

@@ -336,6 +336,14 @@ def gemm_config(rows: int, cols: int, inner: int, element_size: int) -> Dict[str
 ROW_WARPS = 4
 ROW_ELEMENTS = 2048
 ROW_MAX_ROWS = 256  # 2048 x 1 tiles (K = 1) spilled: the per-row vectors grow with BLOCK_R
+# No FMA contraction in the row kernels: P = 1 exactly for a single or dominant pivot rests on
+# exp(S * scale - max) being exp(0), with max the rounded product. Contracted (Triton's
+# default), the GPU computes fma(S, scale, -max), the product's rounding error, wherever no
+# select stands between the product and the subtraction: at K = 1 (specialised to a constant,
+# the pivot mask folds away) P was exp(error) / sum, not 1, and dQ, dK1, dK2 rounding noise
+# (sm_90 PTX; the interpreter never contracts). These kernels are memory-bound: rounding each
+# product costs no traffic.
+ROW_FP_FUSION = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -344,7 +352,8 @@ def row_config(k: int) -> Dict[str, int]:
     program takes BLOCK_R consecutive rows of a chunk's [rows, K] score buffers and walks
     the pivots BLOCK_K at a time. Rows of up to ROW_ELEMENTS pivots are one tile
     (ONE_TILE): each score is read once per pass; longer rows are read twice (the max and
-    sum, or Dr, then P and dS)."""
+    sum, or Dr, then P and dS). With the launch options (warps, no contraction)."""
     block_k = min(triton.next_power_of_2(max(1, k)), ROW_ELEMENTS)
     block_r = max(1, min(ROW_ELEMENTS // block_k, ROW_MAX_ROWS))
-    return dict(BLOCK_R=block_r, BLOCK_K=block_k, ONE_TILE=block_k >= k, num_warps=ROW_WARPS)
+    return dict(BLOCK_R=block_r, BLOCK_K=block_k, ONE_TILE=block_k >= k, num_warps=ROW_WARPS,
+                enable_fp_fusion=ROW_FP_FUSION)
