@@ -909,11 +909,11 @@ def test_bench_rates_divide_by_the_kernel_time_where_it_was_measured():
     assert peer["speedup_of_ours"] == pytest.approx(0.5) and peer["kernel_speedup_of_ours"] == pytest.approx(2.0)
 
 
-def test_split_backward_with_the_gpu_configuration_through_the_interpreter(fresh_configs, monkeypatch):
+def test_split_backward_with_a_gpu_configuration(fresh_configs, monkeypatch, device):
     # On the CPU the split backward's column block equals the row kernels' and rows have two
     # segments; on a GPU the column block narrows or widens with N and the segments tile is
-    # padded to a power of two. The GPU's configuration (4 SMs, to keep it small), run here:
-    # results as the reference's.
+    # padded to a power of two. A GPU's configuration (4 SMs, to keep it small), run on the
+    # test device (on a CPU through the interpreter): results as the reference's.
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(norm_config, "MAX_FUSED_N_OVERRIDE", 64)
     monkeypatch.setattr(norm_config, "_sm_count", lambda index: 4)
@@ -923,7 +923,7 @@ def test_split_backward_with_the_gpu_configuration_through_the_interpreter(fresh
     for m, n in ((3, 2048 * 5 + 7), (40, 2048 * 2 + 5)):
         cfg = whole(m, n, gpu, whole_columns=True)
         assert cfg.block_n != cfg.row_block_n or cfg.row_segments not in (1, 2, 4, 8)
-        x, dy, w, dres = (torch.randn(*shape, generator=gen, dtype=torch.float64).float()
+        x, dy, w, dres = (torch.randn(*shape, generator=gen, dtype=torch.float64, device="cpu").float().to(device)
                           for shape in ((m, n), (m, n), (n,), (m, n)))
         mean, rstd = x.mean(1), (x.var(1, unbiased=False) + 1e-5).rsqrt()
         got = KLN.layer_norm_backward(dy, x, mean, rstd, w, (True, True, True), None, dres)

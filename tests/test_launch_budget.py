@@ -123,15 +123,16 @@ def test_nsa_launches_a_fixed_number_of_kernels(device):
     assert len(counts) == 1, counts
 
 
-def test_bench_overhead_times_each_entry_point_beside_torch_and_the_floor(tmp_path, capsys):
-    # On a CPU, with the Triton launches stubbed: what it times is gradops' Python. The figures
-    # themselves are for the benchmark (docs/benchmarks.md); here, that every entry point is
-    # timed with its launches counted, beside torch's call and the bare autograd.Function floor.
+def test_bench_overhead_times_each_entry_point_beside_torch_and_the_floor(tmp_path, capsys, device):
+    # On the test device: on a CPU with the Triton launches stubbed (what it times is gradops'
+    # Python), on a GPU the real calls. The figures themselves are for the benchmark
+    # (docs/benchmarks.md); here, that every entry point is timed with its launches counted,
+    # beside torch's call and the bare autograd.Function floor.
     import json
 
     from gradops.bench import overhead
 
-    rc = overhead.main(["--device", "cpu", "--quick", "--reps", "2", "--warmup", "1", "--no-plot",
+    rc = overhead.main(["--device", device, "--quick", "--reps", "2", "--warmup", "1", "--no-plot",
                         "--out", str(tmp_path), "--tag", "t"])
     out = capsys.readouterr().out
     assert rc == 0, out
