@@ -612,11 +612,11 @@ def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dic
 def compile_check_rows(dtype: torch.dtype, k: int = 1024, arch: int = 90, masked: bool = True) -> List[dict]:
     """Compile the chunked strategy's row kernels (``_softmax_rows``, forward; ``_grad_rows``,
     backward) for ``sm_<arch>`` with the blocks and launch options ``floyd_config.row_config(k)``
-    gives, specialised as the JIT would for a contiguous mask (or none: ``masked``) and
-    statistics, K = 1 as a constant, and other sizes multiples of 16 (but H and the chunk's
-    first slice); report as :func:`compile_check`. 16-bit and float32 inputs (float64 always
-    runs fused). The rows' ``D`` is None (the row kernels do not see the head dim) and ``K``
-    the pivots."""
+    gives, specialised as the JIT would for a contiguous mask (``masked``; without one the
+    mask's arguments are dead code) and statistics, K = 1 as a constant, and sizes it
+    specialises multiples of 16 (but H and the chunk's first slice); report as
+    :func:`compile_check`. 16-bit and float32 inputs (float64 always runs fused). The rows'
+    ``D`` is None (the row kernels do not see the head dim) and ``K`` the pivots."""
     from ..kernels import floyd_chunked as fc
     from ..kernels.floyd_config import row_config
 
@@ -643,7 +643,7 @@ def compile_check_rows(dtype: torch.dtype, k: int = 1024, arch: int = 90, masked
                 sig[arg] = "*u8" if arg == "mask_ptr" else ptr if arg in ("p_ptr", "ds_ptr") else "*fp32"
             else:
                 sig[arg] = "i32"
-                if arg in _ROW_NOT_DIVISIBLE:
+                if arg in _ROW_NOT_DIVISIBLE or arg in fc.NOT_SPECIALISED[kernel.__name__]:
                     continue
             attrs[(idx,)] = [["tt.divisibility", 16]]
         row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": None, "K": k, "masked": masked,
@@ -910,7 +910,7 @@ def _print_compile_row(row: dict, limit: int) -> int:
     print(f"{row['kernel']:12} {row['dtype']:9} {where} {row['tile']:14} w{row['warps']} "
           f"shared={_size(row['shared'])}{' (over the H100 limit)' if over else ''} "
           f"registers={row['registers']} spill ld/st={row['spill_loads']}/{row['spill_stores']} "
-          f"mma={row['mma']} layout conversions={row['layout_conversions']}", flush=True)
+          f"mma={row['mma']} layout conversions={row['layout_conversions']} fma.f32={row['fma_f32']}", flush=True)
     return int(over)
 
 
@@ -927,6 +927,8 @@ def _compile_check(args) -> int:
             for k in row_cases(args.shape):
                 for row in compile_check_rows(dt, k):
                     worst = max(worst, _print_compile_row(row, limit))
+            for row in compile_check_rows(dt, 1, masked=False):  # a single pivot: no FMA (ROW_FP_FUSION)
+                worst = max(worst, _print_compile_row(row, limit))
             for row in compile_check_gemm(dt):
                 worst = max(worst, _print_compile_row(row, limit))
     return worst
