@@ -516,9 +516,10 @@ _UNIT_STRIDES = ("sq_d", "sk1_d", "sv1_d", "sk2_d", "sv2_d", "so_d", "sdy_d", "s
 # is the looped axis of the dK1/dV1 launch and the own axis of the dK2/dV2 launch.
 _UNIT_STRIDES_DKV = {"bwd_dk1": ("smax_loop", "ssum_loop", "sdr_loop"),
                      "bwd_dk2": ("smax_own", "ssum_own", "sdr_own")}
-# The chunked strategy's row kernels: integer arguments the JIT does not see as multiples of
-# 16 at the shapes of the benchmark (H = 8; a group of slices may start anywhere).
-_ROW_NOT_DIVISIBLE = ("H", "g0")
+# The chunked strategy's row kernels: an integer argument the JIT specialises but does not
+# see as a multiple of 16 at the shapes of the benchmark (H = 8); those it does not
+# specialise (floyd_chunked.NOT_SPECIALISED) get no hint either.
+_ROW_NOT_DIVISIBLE = ("H",)
 # Pivots of the row-kernel compile check without --shape: the BLOCK_R x BLOCK_K tiles 16x128,
 # 4x512, 1x2048 (one tile per row) and 1x2048 walked twice (K = 4096)
 ROW_CHECK_K = (128, 512, 2048, 4096)
@@ -692,6 +693,8 @@ def compile_check_gemm(dtype: torch.dtype, arch: int = 90) -> List[dict]:
                 sig[arg] = "*fp32" if arg == "acc_ptr" or (arg == "out_ptr" and wide_out) else ptr
             else:
                 sig[arg] = "i32"
+                if arg in fc.NOT_SPECIALISED["_gemm_kernel"]:  # no hint: the JIT does not specialise it
+                    continue
             attrs[(idx,)] = [["tt.divisibility", 16]]
         row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": t, "K": None,
                "tile": f"{cfg['BLOCK_R']}x{cfg['BLOCK_C']}x{cfg['BLOCK_T']}", "warps": cfg["num_warps"]}
