@@ -705,16 +705,6 @@ def compile_check_gemm(dtype: torch.dtype, arch: int = 90) -> List[dict]:
 # ---------------------------------------------------------------------------------------------
 # Accuracy against float64, memory against torch.compile, compile time
 # ---------------------------------------------------------------------------------------------
-def relative_errors(results: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> List[float]:
-    """max |x - ref| / max |ref| per tensor (Y, then dQ, dK1, dV1, dK2, dV2), in float64."""
-    errors = []
-    for x, ref in zip(results, reference):
-        ref = ref.double()
-        scale = ref.abs().max().item() or 1.0
-        errors.append((x.double() - ref).abs().max().item() / scale)
-    return errors
-
-
 def _forward_and_grads(makers: Makers) -> List[torch.Tensor]:
     """Y and the five gradients of one forward and one forward + backward by ``makers`` (the
     first forward's graph is let go before the second runs)."""
