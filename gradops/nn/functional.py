@@ -162,24 +162,11 @@ def _norm_op(family: str, residual) -> str:
     return family if residual is None else f"fused_add_{family}"
 
 
-def _check_norm(op: str, input, residual, normalized_shape, weight, bias, eps, backend, *, fused: bool,
-                shape_status: int, eps_optional: bool = False):
-    """The norm functionals' arguments: returns (normalized_shape as a list, eps, backend).
-    ``fused``: the residual is required; ``eps_optional``: None stays None (torch's default).
-    Remembered per call signature (``gradops.ops._plans``): a training step's calls pass once."""
-    # (the backend as requested: the default when None, which the checks resolve it to)
-    key = _plans.signature("gradops.nn.functional." + op, requested(backend), (input, residual, weight, bias),
-                           (normalized_shape, eps, fused, shape_status, eps_optional), placement=False)
-    plan = _plans.lookup(key)
-    if plan is None:
-        plan = _plans.remember(key, _checked_norm(op, input, residual, normalized_shape, weight, bias, eps, backend,
-                                                  fused=fused, shape_status=shape_status, eps_optional=eps_optional))
-    shape, eps, backend = plan
-    return list(shape), eps, backend
-
-
 def _checked_norm(op: str, input, residual, normalized_shape, weight, bias, eps, backend, *, fused: bool,
                   shape_status: int, eps_optional: bool):
+    """The norm functionals' arguments: returns (normalized_shape as a tuple, eps, backend).
+    ``fused``: the residual is required; ``eps_optional``: None stays None (torch's default).
+    The callers remember what they conclude per call signature (``gradops.ops._plans``)."""
     require_tensor(op, "input", input)
     if fused:
         check_companion(op, "residual", residual, "input", input, status=shape_status)
@@ -209,6 +196,12 @@ def _prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backen
     with renamed_errors(_NORM_NAMES):
         return _ln_ops.prepare_layer_norm(x, normalized_shape, weight, bias, eps, residual=residual,
                                           backend=backend, op=_norm_op("layer_norm", residual))
+
+
+def _layer_norm_plan(x, residual, normalized_shape, weight, bias, eps, backend):
+    with renamed_errors(_NORM_NAMES):
+        return _ln_ops.plan_layer_norm(x, normalized_shape, weight, bias, eps, residual=residual, backend=backend,
+                                       op=_norm_op("layer_norm", residual))
 
 
 @torch.library.custom_op("gradops::layer_norm", mutates_args=())
@@ -258,18 +251,17 @@ def _layer_norm_setup(ctx, inputs, output):
     ctx.backend = backend
 
 
-def _layer_norm_grads(ctx, dy, dh, impl=None):
-    """The gradients of the inputs (x, residual, normalized_shape, weight, bias, eps, backend)
-    of both LayerNorm paths. ``dh``: h's gradient from its other uses (None: unused, or no
-    residual). ``impl``: the eager path's backend module, run directly (the forward validated
-    every input, and autograd gives dy and dh its outputs' metadata); else, and always with
-    create_graph, the backward op runs, whose autograd node refuses a second backward."""
+def _layer_norm_grads(ctx, dy, dh, need_x, need_res, need_w, need_b, impl=None):
+    """(dx, dresidual, dweight, dbias) for both LayerNorm paths, None where not needed.
+    ``dh``: h's gradient from its other uses (None: unused, or no residual). ``impl``: the
+    eager path's backend module, run directly (the forward validated every input, and
+    autograd gives dy and dh its outputs' metadata); else, and always with create_graph, the
+    backward op runs, whose autograd node refuses a second backward."""
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    need_x, need_res, _, need_w, need_b = ctx.needs_input_grad[:5]
     need_input = bool(need_x or (ctx.has_residual and need_res))
     mask = [need_input, bool(need_w and weight is not None), bool(need_b and bias is not None)]
     if not any(mask):
-        return None, None, None, None, None, None, None
+        return None, None, None, None
     if dy is None:
         dy = torch.zeros_like(x)
     if impl is not None and not torch.is_grad_enabled():
@@ -281,12 +273,13 @@ def _layer_norm_grads(ctx, dy, dh, impl=None):
                                                            bias, mask, ctx.backend)
     dx = dx if mask[0] else None
     # bias is accepted by the backward operator only for its shape check; db = sum(dy) needs no bias
-    return (dx, dx if ctx.has_residual else None, None, dw if mask[1] else None, db if mask[2] else None,
-            None, None)
+    return dx, dx if ctx.has_residual else None, dw if mask[1] else None, db if mask[2] else None
 
 
 def _layer_norm_backward(ctx, dy, _dmean, _drstd, dh):
-    return _layer_norm_grads(ctx, dy, dh if ctx.has_residual else None)
+    need_x, need_res, _, need_w, need_b = ctx.needs_input_grad[:5]
+    dx, dres, dw, db = _layer_norm_grads(ctx, dy, dh if ctx.has_residual else None, need_x, need_res, need_w, need_b)
+    return dx, dres, None, dw, db, None, None
 
 
 torch.library.register_autograd("gradops::layer_norm", _layer_norm_backward, setup_context=_layer_norm_setup)
@@ -295,39 +288,59 @@ torch.library.register_autograd("gradops::layer_norm_backward",
 
 
 class _LayerNormFunction(torch.autograd.Function):
-    """The eager path of ``gradops::layer_norm`` (see ``_eager``): the same prepare, run and
-    backward operator. Returns y, and h as well with a residual."""
+    """The eager path of ``gradops::layer_norm`` (see ``_eager``): the same plan, backend and
+    backward operator, from a plan the call's signature already holds. Returns y, and h as
+    well with a residual."""
 
     @staticmethod
-    def forward(ctx, x, residual, normalized_shape, weight, bias, eps, backend):
-        p = _prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
-        out = [_fresh(t) for t in p.run()]  # (run() turns autocast off itself)
-        y, mean, rstd = out[:3]
-        ctx.has_residual = residual is not None
-        ctx.save_for_backward(out[3] if ctx.has_residual else x, weight, bias, mean, rstd)
-        ctx.normalized_shape = normalized_shape
+    def forward(ctx, x, residual, weight, bias, plan, backend):
+        with _autocast_off(x.device.type):
+            y, mean, rstd, h = _ln_ops.run_layer_norm(plan, x, weight, bias, residual)
+        ctx.has_residual = h is not None
+        ctx.save_for_backward(h if ctx.has_residual else x, weight, bias, mean, rstd)
+        ctx.normalized_shape = plan.normalized_shape
         ctx.backend = backend
-        ctx.impl = p.backend
+        ctx.impl = plan.impl
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros to add)
-        return (y, out[3]) if ctx.has_residual else y
+        return (_fresh(y), _fresh(h)) if ctx.has_residual else _fresh(y)
 
     @staticmethod
     def backward(ctx, dy, dh=None):
-        return _layer_norm_grads(ctx, dy, dh, ctx.impl)
-
-
-def _norm_call(function, op, x, residual, *args):
-    """(y, h) of a norm, h None without a residual: its eager ``function`` or, where the call
-    is traced or transformed (see ``_eager``), its custom ``op`` (which returns h last)."""
-    if _eager(x):
-        out = function.apply(x, residual, *args)
-        return out if residual is not None else (out, None)
-    out = op(x, residual, *args)
-    return out[0], (out[-1] if residual is not None else None)
+        need_x, need_res, need_w, need_b = ctx.needs_input_grad[:4]
+        return _layer_norm_grads(ctx, dy, dh, need_x, need_res, need_w, need_b, ctx.impl) + (None, None)
 
 
 def _normalized_shape(op: str, normalized_shape) -> List[int]:
     return list(as_int_tuple(op, "normalized_shape", normalized_shape))
+
+
+def _eager_plan(key, plan: tuple, make):
+    """The ops-layer plan of an eager call: the last item of its signature's ``plan``, else
+    ``make()``, remembered beside the rest (a call first traced, then run eagerly, makes it then)."""
+    if plan[-1] is None:
+        plan = _plans.remember(key, plan[:-1] + (make(),))
+    return plan[-1]
+
+
+def _layer_norm(op: str, input, residual, normalized_shape, weight, bias, eps, backend):
+    """layer_norm and fused_add_layer_norm: (y, h), h None without a residual. One key per call
+    signature holds what the checks concluded and, once the call runs eagerly, the ops
+    layer's plan: a training step's calls skip both."""
+    key = _plans.signature("gradops.nn.functional." + op, requested(backend), (input, residual, weight, bias),
+                           (normalized_shape, eps))
+    plan = _plans.lookup(key)
+    if plan is None:
+        shape, eps, backend = _checked_norm(op, input, residual, normalized_shape, weight, bias, eps, backend,
+                                            fused=op != "layer_norm", shape_status=ACLNN_ERR_PARAM_INVALID,
+                                            eps_optional=False)
+        plan = _plans.remember(key, (list(shape), eps, backend, None))
+    shape, eps, backend = plan[:3]
+    if _eager(input):
+        ln_plan = _eager_plan(key, plan, lambda: _layer_norm_plan(input, residual, shape, weight, bias, eps, backend))
+        out = _LayerNormFunction.apply(input, residual, weight, bias, ln_plan, backend)
+        return out if residual is not None else (out, None)
+    out = torch.ops.gradops.layer_norm(input, residual, list(shape), weight, bias, eps, backend)
+    return out[0], (out[-1] if residual is not None else None)
 
 
 def layer_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
@@ -340,10 +353,7 @@ def layer_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.
     A float32 weight/bias beside bf16/fp16 input is accepted (master weights); their
     gradients come back in their own dtype.
     """
-    shape, eps, backend = _check_norm("layer_norm", input, None, normalized_shape, weight, bias, eps, backend,
-                                      fused=False, shape_status=ACLNN_ERR_PARAM_INVALID)
-    return _norm_call(_LayerNormFunction, torch.ops.gradops.layer_norm, input, None, shape, weight, bias, eps,
-                      backend)[0]
+    return _layer_norm("layer_norm", input, None, normalized_shape, weight, bias, eps, backend)[0]
 
 
 def fused_add_layer_norm(input: Tensor, residual: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
@@ -353,10 +363,7 @@ def fused_add_layer_norm(input: Tensor, residual: Tensor, normalized_shape: Unio
     ``(layer_norm(h, ...), h)`` with ``h = input + residual`` (in input's dtype, as torch
     adds), computed in one pass over memory, forward and backward. ``residual`` has input's
     shape and dtype."""
-    shape, eps, backend = _check_norm("fused_add_layer_norm", input, residual, normalized_shape, weight, bias,
-                                      eps, backend, fused=True, shape_status=ACLNN_ERR_PARAM_INVALID)
-    return _norm_call(_LayerNormFunction, torch.ops.gradops.layer_norm, input, residual, shape, weight, bias, eps,
-                      backend)
+    return _layer_norm("fused_add_layer_norm", input, residual, normalized_shape, weight, bias, eps, backend)
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,6 +374,12 @@ def _prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend):
     with renamed_errors(_NORM_NAMES):
         return _rms_ops.prepare_rms_norm(x, gamma, eps, offset=offset, casting_mode=casting_mode,
                                          residual=residual, backend=backend, op=_norm_op("rms_norm", residual))
+
+
+def _rms_norm_plan(x, residual, gamma, eps, offset, casting_mode, backend):
+    with renamed_errors(_NORM_NAMES):
+        return _rms_ops.plan_rms_norm(x, gamma, eps, offset=offset, casting_mode=casting_mode, residual=residual,
+                                      backend=backend, op=_norm_op("rms_norm", residual))
 
 
 @torch.library.custom_op("gradops::rms_norm", mutates_args=())
@@ -413,13 +426,12 @@ def _rms_norm_setup(ctx, inputs, output):
     ctx.backend = backend
 
 
-def _rms_norm_grads(ctx, dy, dh, impl=None):
-    """The gradients of the inputs (x, residual, gamma, eps, offset, casting_mode, backend) of
-    both RMSNorm paths; ``dh`` and ``impl`` as in ``_layer_norm_grads``."""
+def _rms_norm_grads(ctx, dy, dh, need_x, need_res, need_gamma, impl=None):
+    """(dx, dresidual, dgamma) for both RMSNorm paths, None where not needed; ``dh`` and
+    ``impl`` as in ``_layer_norm_grads``."""
     x, gamma, rstd = ctx.saved_tensors
-    need_x, need_res, need_gamma = ctx.needs_input_grad[:3]
     if not (need_x or need_gamma or (ctx.has_residual and need_res)):
-        return None, None, None, None, None, None, None
+        return None, None, None
     if dy is None:
         dy = torch.zeros_like(x)
     if impl is not None and not torch.is_grad_enabled():
@@ -432,11 +444,12 @@ def _rms_norm_grads(ctx, dy, dh, impl=None):
         dx, dgamma = torch.ops.gradops.rms_norm_backward(dy, dh, x, rstd, gamma, ctx.offset, ctx.casting_mode,
                                                          ctx.backend)
     # the operator accumulates dgamma in float32; the parameter's gradient has its own dtype
-    return dx, dx if ctx.has_residual else None, dgamma.to(gamma.dtype), None, None, None, None
+    return dx, dx if ctx.has_residual else None, dgamma.to(gamma.dtype)
 
 
 def _rms_norm_backward(ctx, dy, _drstd, dh):
-    return _rms_norm_grads(ctx, dy, dh if ctx.has_residual else None)
+    need_x, need_res, need_gamma = ctx.needs_input_grad[:3]
+    return _rms_norm_grads(ctx, dy, dh if ctx.has_residual else None, need_x, need_res, need_gamma) + (None,) * 4
 
 
 torch.library.register_autograd("gradops::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
@@ -445,23 +458,37 @@ torch.library.register_autograd("gradops::rms_norm_backward",
 
 
 class _RmsNormFunction(torch.autograd.Function):
-    """The eager path of ``gradops::rms_norm`` (see ``_eager``). Returns y, and h as well with
-    a residual."""
+    """The eager path of ``gradops::rms_norm`` (see ``_eager``), from a plan the call's
+    signature already holds. Returns y, and h as well with a residual."""
 
     @staticmethod
-    def forward(ctx, x, residual, gamma, eps, offset, casting_mode, backend):
-        p = _prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)
-        out = [_fresh(t) for t in p.run()]  # (run() turns autocast off itself)
-        ctx.has_residual = residual is not None
-        ctx.save_for_backward(out[2] if ctx.has_residual else x, gamma, out[1])
-        ctx.offset, ctx.casting_mode, ctx.backend = offset, casting_mode, backend
-        ctx.impl = p.backend
+    def forward(ctx, x, residual, gamma, plan, casting_mode, backend):
+        with _autocast_off(x.device.type):
+            y, rstd, h = _rms_ops.run_rms_norm(plan, x, gamma, residual)
+        ctx.has_residual = h is not None
+        ctx.save_for_backward(h if ctx.has_residual else x, gamma, rstd)
+        ctx.offset, ctx.casting_mode, ctx.backend = plan.offset, casting_mode, backend
+        ctx.impl = plan.impl
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros to add)
-        return (out[0], out[2]) if ctx.has_residual else out[0]
+        return (_fresh(y), _fresh(h)) if ctx.has_residual else _fresh(y)
 
     @staticmethod
     def backward(ctx, dy, dh=None):
-        return _rms_norm_grads(ctx, dy, dh, ctx.impl)
+        need_x, need_res, need_gamma = ctx.needs_input_grad[:3]
+        return _rms_norm_grads(ctx, dy, dh, need_x, need_res, need_gamma, ctx.impl) + (None,) * 3
+
+
+def _rms_norm_call(key, plan, input, residual, weight, casting_mode, backend):
+    """(y, h) of an RMSNorm whose signature's ``plan`` ((eps, offset, the ops layer's plan or
+    None)) holds what the checks concluded: the eager path or, traced, the custom op."""
+    eps, offset = plan[:2]
+    if _eager(input):
+        rms_plan = _eager_plan(key, plan, lambda: _rms_norm_plan(input, residual, weight, eps, offset, casting_mode,
+                                                                 backend))
+        out = _RmsNormFunction.apply(input, residual, weight, rms_plan, casting_mode, backend)
+        return out if residual is not None else (out, None)
+    out = torch.ops.gradops.rms_norm(input, residual, weight, eps, offset, casting_mode, backend)
+    return out[0], (out[-1] if residual is not None else None)
 
 
 def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, casting_mode, backend):
@@ -469,15 +496,14 @@ def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, c
     # A signature seen before whose weight went to the operator as it is (the common case)
     # skips the checks and the dtype rules below: they concluded (eps, offset) for it.
     key = _plans.signature("gradops.nn.functional." + op, requested(backend), (input, residual, weight),
-                           (normalized_shape, eps, offset, casting_mode), placement=False)
+                           (normalized_shape, eps, offset, casting_mode))
     plan = _plans.lookup(key)
     if plan is not None:
-        return _norm_call(_RmsNormFunction, torch.ops.gradops.rms_norm, input, residual, weight, *plan,
-                          casting_mode, requested(backend))
+        return _rms_norm_call(key, plan, input, residual, weight, casting_mode, requested(backend))
     # RMSNorm's shape rules are tiling rules (561002)
-    shape, eps, backend = _check_norm(op, input, residual, normalized_shape, weight, None, eps, backend,
-                                      fused=op != "rms_norm", shape_status=ACLNN_ERR_INNER_TILING_ERROR,
-                                      eps_optional=True)
+    shape, eps, backend = _checked_norm(op, input, residual, normalized_shape, weight, None, eps, backend,
+                                        fused=op != "rms_norm", shape_status=ACLNN_ERR_INNER_TILING_ERROR,
+                                        eps_optional=True)
     shape = tuple(shape)
     offset = check_float_attr(op, "offset", offset)
     _rms_ops.check_casting_mode(op, casting_mode)
@@ -513,11 +539,13 @@ def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, c
             # the exactly widened weight gives the same result in CANN's dtype table
             weight = weight.float()
         else:
-            _plans.remember(key, (float(eps), offset))
+            return _rms_norm_call(key, _plans.remember(key, (float(eps), offset, None)), input, residual, weight,
+                                  casting_mode, backend)
     else:
-        _plans.remember(key, (float(eps), offset))
-    return _norm_call(_RmsNormFunction, torch.ops.gradops.rms_norm, input, residual, weight, float(eps), offset,
-                      casting_mode, backend)
+        return _rms_norm_call(key, _plans.remember(key, (float(eps), offset, None)), input, residual, weight,
+                              casting_mode, backend)
+    # a weight made or converted here is this call's own: nothing of the call is remembered
+    return _rms_norm_call(None, (float(eps), offset, None), input, residual, weight, casting_mode, backend)
 
 
 def rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],

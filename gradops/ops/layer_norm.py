@@ -8,6 +8,8 @@ residual`` and return h too; ``dresidual``: h's gradient from elsewhere, added t
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Tuple
+
 import torch
 
 from .._backend import implementation
@@ -72,46 +74,71 @@ def _check_affine(op, name, t, x, normalized_shape):
     return t
 
 
+class LayerNormPlan(NamedTuple):
+    """What the checks of a ``layer_norm`` call concluded (kept per call signature)."""
+    impl: object  # the backend module
+    normalized_shape: Tuple[int, ...]
+    eps: float
+    rows: int
+    cols: int
+    stat_shape: Tuple[int, ...]  # mean/rstd as the operator returns them (x's leading dims, then 1s)
+    outputs: tuple  # (shape, dtype) of y, mean, rstd (and h)
+
+
+def plan_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, residual=None, backend=None,
+                    op="layer_norm") -> LayerNormPlan:
+    """Checks a ``layer_norm`` call (once per call signature) and plans it."""
+    key = _plans.signature(op, backend, (x, weight, bias, residual), (normalized_shape, eps))
+    plan = _plans.lookup(key)
+    if plan is not None:
+        return plan
+    require_tensor(op, "x", x)
+    normalized_shape = as_int_tuple(op, "normalized_shape", normalized_shape)
+    check_dtype(op, "x", x, FLOAT_DTYPES)
+    check_trailing(op, "normalized_shape", x, "x", normalized_shape)
+    _check_affine(op, "weight", weight, x, normalized_shape)
+    _check_affine(op, "bias", bias, x, normalized_shape)
+    eps = check_float_attr(op, "eps", eps)
+    if residual is not None:
+        check_companion(op, "residual", residual, "x", x)
+    check_same_device(op, [("x", x), ("weight", weight), ("bias", bias), ("residual", residual)])
+    impl = implementation(op, FAMILY, backend, x.device)
+    rows, cols = rows_cols(x, len(normalized_shape))
+    stat_shape = tuple(x.shape[: x.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)
+    acc = stat_dtype(x.dtype)
+    outputs = ((tuple(x.shape), x.dtype), (stat_shape, acc), (stat_shape, acc))
+    if residual is not None:
+        outputs += ((tuple(x.shape), x.dtype),)
+    return _plans.remember(key, LayerNormPlan(impl, normalized_shape, eps, rows, cols, stat_shape, outputs))
+
+
+def run_layer_norm(plan: LayerNormPlan, x, weight, bias, residual):
+    """(y, mean, rstd, h) of a planned call: y and h (None without a residual) in x's shape,
+    mean and rstd one per row (``[rows]``, as the backward takes them)."""
+    rows, cols = plan.rows, plan.cols
+    h = None if residual is None else torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    y, mean, rstd = plan.impl.layer_norm(
+        as_shape(x, (rows, cols)),
+        None if weight is None else as_shape(weight, (cols,)),
+        None if bias is None else as_shape(bias, (cols,)),
+        plan.eps,
+        None if residual is None else as_shape(residual, (rows, cols)),
+        h,
+    )
+    return as_shape(y, x.shape), mean, rstd, None if h is None else as_shape(h, x.shape)
+
+
 def prepare_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, residual=None,
                        backend=None, op="layer_norm") -> Prepared:
     """``run()`` returns (y, mean, rstd), and h = x + residual fourth when ``residual`` is given."""
-    key = _plans.signature(op, backend, (x, weight, bias, residual), (normalized_shape, eps))
-    plan = _plans.lookup(key)
-    if plan is None:
-        require_tensor(op, "x", x)
-        normalized_shape = as_int_tuple(op, "normalized_shape", normalized_shape)
-        check_dtype(op, "x", x, FLOAT_DTYPES)
-        check_trailing(op, "normalized_shape", x, "x", normalized_shape)
-        _check_affine(op, "weight", weight, x, normalized_shape)
-        _check_affine(op, "bias", bias, x, normalized_shape)
-        eps = check_float_attr(op, "eps", eps)
-        if residual is not None:
-            check_companion(op, "residual", residual, "x", x)
-        check_same_device(op, [("x", x), ("weight", weight), ("bias", bias), ("residual", residual)])
-        impl = implementation(op, FAMILY, backend, x.device)
-        rows, cols = rows_cols(x, len(normalized_shape))
-        stat_shape = tuple(x.shape[: x.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)
-        acc = stat_dtype(x.dtype)
-        outputs = ((tuple(x.shape), x.dtype), (stat_shape, acc), (stat_shape, acc))
-        if residual is not None:
-            outputs += ((tuple(x.shape), x.dtype),)
-        plan = _plans.remember(key, (impl, eps, rows, cols, stat_shape, outputs))
-    impl, eps, rows, cols, stat_shape, outputs = plan
+    plan = plan_layer_norm(x, normalized_shape, weight, bias, eps, residual=residual, backend=backend, op=op)
 
     def run():
-        h = None if residual is None else torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-        y, mean, rstd = impl.layer_norm(
-            as_shape(x, (rows, cols)),
-            None if weight is None else as_shape(weight, (cols,)),
-            None if bias is None else as_shape(bias, (cols,)),
-            eps,
-            None if residual is None else as_shape(residual, (rows, cols)),
-            h,
-        )
-        out = (as_shape(y, x.shape), mean.reshape(stat_shape), rstd.reshape(stat_shape))
-        return out if h is None else out + (as_shape(h, x.shape),)
+        y, mean, rstd, h = run_layer_norm(plan, x, weight, bias, residual)
+        out = (y, mean.reshape(plan.stat_shape), rstd.reshape(plan.stat_shape))
+        return out if h is None else out + (h,)
 
-    return Prepared(op, x.device, impl, outputs, run)
+    return Prepared(op, x.device, plan.impl, plan.outputs, run)
 
 
 def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None, bias=None,
@@ -175,7 +202,7 @@ def run_layer_norm_backward(impl, dy, x, normalized_shape, mean, rstd, weight, o
     dx_out = in_place_rows(dy, dy2, in_place)
     # dw and db in the weight's dtype, rounded once by the backend as it writes them
     dx, dw, db = impl.layer_norm_backward(
-        dy2, as_shape(x, (rows, cols)), mean.reshape(rows).to(acc), rstd.reshape(rows).to(acc),
+        dy2, as_shape(x, (rows, cols)), _row_stat(mean, rows, acc), _row_stat(rstd, rows, acc),
         None if weight is None else as_shape(weight, (cols,)), output_mask, dx_out,
         None if dresidual is None else as_shape(dresidual, (rows, cols)),
         grad_dtype=_grad_dtype(weight, x))
@@ -186,6 +213,12 @@ def run_layer_norm_backward(impl, dy, x, normalized_shape, mean, rstd, weight, o
     if db is not None:
         db = as_shape(db, normalized_shape)
     return dx, dw, db
+
+
+def _row_stat(t, rows, acc):
+    """A per-row statistic as ``[rows]`` in the accumulator dtype."""
+    t = as_shape(t, (rows,))
+    return t if t.dtype == acc else t.to(acc)
 
 
 def _check_ascendc_rows(op, x, dy):

@@ -10,6 +10,8 @@ from elsewhere, added to dx).
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Tuple
+
 import torch
 
 from .._backend import implementation
@@ -76,40 +78,67 @@ def _check_gamma_shape(op, x, gamma):
     check_trailing(op, "gamma", x, "x", tuple(gamma.shape), status=TILING, verb="has shape")
 
 
+class RmsNormPlan(NamedTuple):
+    """What the checks of an ``rms_norm`` call concluded (kept per call signature)."""
+    impl: object  # the backend module
+    eps: float
+    offset: float
+    round_xhat: bool
+    rows: int
+    cols: int
+    rstd_shape: Tuple[int, ...]  # rstd as the operator returns it (x's leading dims, then 1s)
+    outputs: tuple  # (shape, dtype) of y, rstd (and h)
+
+
+def plan_rms_norm(x, gamma, eps=1e-6, *, offset=0.0, casting_mode="gemma", residual=None, backend=None,
+                  op="rms_norm") -> RmsNormPlan:
+    """Checks an ``rms_norm`` call (once per call signature) and plans it."""
+    key = _plans.signature(op, backend, (x, gamma, residual), (eps, offset, casting_mode))
+    plan = _plans.lookup(key)
+    if plan is not None:
+        return plan
+    require_tensor(op, "x", x)
+    require_tensor(op, "gamma", gamma)
+    eps = check_float_attr(op, "eps", eps)
+    offset = check_float_attr(op, "offset", offset)
+    round_xhat = check_casting_mode(op, casting_mode)
+    _check_dtypes(op, x, gamma)
+    if residual is not None:
+        check_companion(op, "residual", residual, "x", x, status=TILING)
+    _check_gamma_shape(op, x, gamma)
+    check_same_device(op, [("x", x), ("gamma", gamma), ("residual", residual)])
+    impl = implementation(op, FAMILY, backend, x.device)
+    n = gamma.dim()
+    rows, cols = rows_cols(x, n)
+    rstd_shape = tuple(x.shape[: x.dim() - n]) + (1,) * n
+    outputs = ((tuple(x.shape), x.dtype), (rstd_shape, stat_dtype(x.dtype)))
+    if residual is not None:
+        outputs += ((tuple(x.shape), x.dtype),)
+    return _plans.remember(key, RmsNormPlan(impl, eps, offset, round_xhat, rows, cols, rstd_shape, outputs))
+
+
+def run_rms_norm(plan: RmsNormPlan, x, gamma, residual):
+    """(y, rstd, h) of a planned call: y and h (None without a residual) in x's shape, rstd one
+    per row (``[rows]``, as the backward takes it)."""
+    rows, cols = plan.rows, plan.cols
+    h = None if residual is None else torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    y, rstd = plan.impl.rms_norm(as_shape(x, (rows, cols)), as_shape(gamma, (cols,)), plan.eps, plan.offset,
+                                 plan.round_xhat, None if residual is None else as_shape(residual, (rows, cols)), h)
+    return as_shape(y, x.shape), rstd, None if h is None else as_shape(h, x.shape)
+
+
 def prepare_rms_norm(x, gamma, eps=1e-6, *, offset=0.0, casting_mode="gemma", residual=None,
                      backend=None, op="rms_norm") -> Prepared:
     """``run()`` returns (y, rstd), and h = x + residual third when ``residual`` is given."""
-    key = _plans.signature(op, backend, (x, gamma, residual), (eps, offset, casting_mode))
-    plan = _plans.lookup(key)
-    if plan is None:
-        require_tensor(op, "x", x)
-        require_tensor(op, "gamma", gamma)
-        eps = check_float_attr(op, "eps", eps)
-        offset = check_float_attr(op, "offset", offset)
-        round_xhat = check_casting_mode(op, casting_mode)
-        _check_dtypes(op, x, gamma)
-        if residual is not None:
-            check_companion(op, "residual", residual, "x", x, status=TILING)
-        _check_gamma_shape(op, x, gamma)
-        check_same_device(op, [("x", x), ("gamma", gamma), ("residual", residual)])
-        impl = implementation(op, FAMILY, backend, x.device)
-        n = gamma.dim()
-        rows, cols = rows_cols(x, n)
-        rstd_shape = tuple(x.shape[: x.dim() - n]) + (1,) * n
-        outputs = ((tuple(x.shape), x.dtype), (rstd_shape, stat_dtype(x.dtype)))
-        if residual is not None:
-            outputs += ((tuple(x.shape), x.dtype),)
-        plan = _plans.remember(key, (impl, eps, offset, round_xhat, rows, cols, rstd_shape, outputs))
-    impl, eps, offset, round_xhat, rows, cols, rstd_shape, outputs = plan
+    plan = plan_rms_norm(x, gamma, eps, offset=offset, casting_mode=casting_mode, residual=residual,
+                         backend=backend, op=op)
 
     def run():
-        h = None if residual is None else torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-        y, rstd = impl.rms_norm(as_shape(x, (rows, cols)), as_shape(gamma, (cols,)), eps, offset, round_xhat,
-                                None if residual is None else as_shape(residual, (rows, cols)), h)
-        out = (as_shape(y, x.shape), rstd.reshape(rstd_shape))
-        return out if h is None else out + (as_shape(h, x.shape),)
+        y, rstd, h = run_rms_norm(plan, x, gamma, residual)
+        out = (y, rstd.reshape(plan.rstd_shape))
+        return out if h is None else out + (h,)
 
-    return Prepared(op, x.device, impl, outputs, run)
+    return Prepared(op, x.device, plan.impl, plan.outputs, run)
 
 
 def prepare_rms_norm_grad(dy, x, rstd, gamma, *, in_place=False, offset=0.0, casting_mode="gemma",
@@ -155,7 +184,7 @@ def run_rms_norm_grad(impl, dy, x, rstd, gamma, *, in_place=False, offset=0.0, r
     rows, cols = rows_cols(x, gamma.dim())
     dy2 = as_shape(dy, (rows, cols))
     dx_out = in_place_rows(dy, dy2, in_place)
-    dx, dgamma = impl.rms_norm_grad(dy2, as_shape(x, (rows, cols)), rstd.reshape(rows), as_shape(gamma, (cols,)),
+    dx, dgamma = impl.rms_norm_grad(dy2, as_shape(x, (rows, cols)), as_shape(rstd, (rows,)), as_shape(gamma, (cols,)),
                                     dx_out, offset, round_xhat,
                                     None if dresidual is None else as_shape(dresidual, (rows, cols)), grad_dtype)
     return finish_dx(dx, dy, dx_out, in_place, x.shape), as_shape(dgamma, gamma.shape)
