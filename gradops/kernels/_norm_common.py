@@ -10,6 +10,7 @@ import triton.language as tl
 
 from ..ops._checks import stat_dtype
 from . import norm_config
+from ._traceable import traced, tracing_launches
 
 
 def tl_acc(dtype: torch.dtype):
@@ -17,14 +18,24 @@ def tl_acc(dtype: torch.dtype):
     return tl.float64 if stat_dtype(dtype) == torch.float64 else tl.float32
 
 
-@functools.lru_cache(maxsize=4096)
 def fused_launch(kernel, m: int, n: int, dtype: torch.dtype, device: torch.device, kind: str, streams: int,
                  flags: tuple):
     """What a whole-row launch of ``kernel`` takes besides its tensors, strides and scalars,
     decided once per call signature (a training step repeats its signatures): the kernel
     bound to its grid, its configuration (the loop arguments ``tiles_per_program`` and
     ``grid``, the partial rows of a backward) and the keyword arguments (``flags`` as (name,
-    value) pairs, ACC, tile sizes, launch options)."""
+    value) pairs, ACC, tile sizes, launch options). In a traced triton_op body
+    (``_traceable``), the launch torch records instead."""
+    launch, cfg, kw = _fused_launch(kernel, m, n, dtype, device, kind, streams, flags)
+    if tracing_launches():
+        launch, options = traced(kernel, (cfg.grid,), cfg.launch())
+        kw = {k: v for k, v in kw.items() if k not in cfg.launch()} | options
+    return launch, cfg, kw
+
+
+@functools.lru_cache(maxsize=4096)
+def _fused_launch(kernel, m: int, n: int, dtype: torch.dtype, device: torch.device, kind: str, streams: int,
+                  flags: tuple):
     cfg = norm_config.fused_config(m, n, device, kind=kind, elem_bytes=dtype.itemsize, streams=streams)
     kw = dict(flags, ACC=tl_acc(dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
               **cfg.launch())

@@ -39,6 +39,7 @@ from ._norm_common import (
     vector,
 )
 from ._scalar_args import float64_bits, unpack_float64
+from ._traceable import launcher
 
 
 # --------------------------------------------------------------------------- forward
@@ -177,9 +178,10 @@ def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
         common = dict(flags, ACC=tl_acc(x.dtype))
         shape = dict(elem_bytes=x.element_size(), streams=2 if has_res else 1)
         cfg = norm_config.split_config(m, n, x.device, kind="fwd", **shape)
-        _ln_fwd_wide_kernel[(m,)](
+        launch, options = launcher(_ln_fwd_wide_kernel, (m,), cfg.row_launch())
+        launch(
             x, r, h, y, w, b, mean, rstd, n, *strides, float64_bits(eps),
-            BLOCK_N=cfg.row_block_n, NUM_STAGES=cfg.num_stages, **cfg.row_launch(), **common)
+            BLOCK_N=cfg.row_block_n, NUM_STAGES=cfg.num_stages, **options, **common)
     return y, mean, rstd
 
 

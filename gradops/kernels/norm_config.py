@@ -225,9 +225,9 @@ class ReduceConfig:
 def clear_caches() -> None:
     """Forget every configuration decided so far (they are cached per signature): for tests
     that change this module's constants."""
-    from ._norm_common import fused_launch
+    from ._norm_common import _fused_launch
 
-    for cached in (fused_config, split_config, reduce_config, fused_launch):
+    for cached in (fused_config, split_config, reduce_config, _fused_launch):
         cached.cache_clear()
 
 

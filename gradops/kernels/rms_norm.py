@@ -23,6 +23,7 @@ from ..ops._checks import stat_dtype
 from . import norm_config
 from ._norm_common import as_rows, dx_target, fused_launch, load_input, row_stride, sum_partial_rows, tl_acc, vector
 from ._scalar_args import float64_bits, unpack_float64
+from ._traceable import launcher
 
 
 # --------------------------------------------------------------------------- forward
@@ -115,9 +116,10 @@ def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=N
         common = dict(flags, ACC=tl_acc(x.dtype))
         shape = dict(elem_bytes=x.element_size(), streams=2 if has_res else 1)
         cfg = norm_config.split_config(m, n, x.device, kind="fwd", **shape)
-        _rms_fwd_wide_kernel[(m,)](
+        launch, options = launcher(_rms_fwd_wide_kernel, (m,), cfg.row_launch())
+        launch(
             x, r, h, y, w, rstd, n, *strides, float64_bits(eps), float64_bits(offset),
-            BLOCK_N=cfg.row_block_n, NUM_STAGES=cfg.num_stages, **cfg.row_launch(), **common)
+            BLOCK_N=cfg.row_block_n, NUM_STAGES=cfg.num_stages, **options, **common)
     return y, rstd
 
 

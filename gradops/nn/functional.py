@@ -33,7 +33,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from .._backend import _check_name, requested
+from .._backend import _check_name, requested, triton_available
 from ..aclnn import renamed_errors
 from ..errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, AclnnError
 from ..ops import floyd_attention as _floyd_ops
@@ -204,14 +204,17 @@ def _layer_norm_plan(x, residual, normalized_shape, weight, bias, eps, backend):
                                        op=_norm_op("layer_norm", residual))
 
 
+def _run_layer_norm_op(p, x) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    with _no_autocast(x.device.type):
+        out = p.run()
+    return _with_h(tuple(_fresh(t) for t in out), 3, x)
+
+
 @torch.library.custom_op("gradops::layer_norm", mutates_args=())
 def _layer_norm_op(x: Tensor, residual: Optional[Tensor], normalized_shape: List[int],
                    weight: Optional[Tensor], bias: Optional[Tensor], eps: float, backend: Optional[str]
                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    p = _prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
-    with _no_autocast(x.device.type):
-        out = p.run()
-    return _with_h(tuple(_fresh(t) for t in out), 3, x)
+    return _run_layer_norm_op(_prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend), x)
 
 
 @_layer_norm_op.register_fake
@@ -339,7 +342,8 @@ def _layer_norm(op: str, input, residual, normalized_shape, weight, bias, eps, b
         ln_plan = _eager_plan(key, plan, lambda: _layer_norm_plan(input, residual, shape, weight, bias, eps, backend))
         out = _LayerNormFunction.apply(input, residual, weight, bias, ln_plan, backend)
         return out if residual is not None else (out, None)
-    out = torch.ops.gradops.layer_norm(input, residual, list(shape), weight, bias, eps, backend)
+    op = torch.ops.gradops.triton_layer_norm if _takes_triton_op(input, backend) else torch.ops.gradops.layer_norm
+    out = op(input, residual, list(shape), weight, bias, eps, backend)
     return out[0], (out[-1] if residual is not None else None)
 
 
@@ -382,13 +386,16 @@ def _rms_norm_plan(x, residual, gamma, eps, offset, casting_mode, backend):
                                       backend=backend, op=_norm_op("rms_norm", residual))
 
 
-@torch.library.custom_op("gradops::rms_norm", mutates_args=())
-def _rms_norm_op(x: Tensor, residual: Optional[Tensor], gamma: Tensor, eps: float, offset: float,
-                 casting_mode: str, backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
-    p = _prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)
+def _run_rms_norm_op(p, x) -> Tuple[Tensor, Tensor, Tensor]:
     with _no_autocast(x.device.type):
         out = p.run()
     return _with_h(tuple(_fresh(t) for t in out), 2, x)
+
+
+@torch.library.custom_op("gradops::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, residual: Optional[Tensor], gamma: Tensor, eps: float, offset: float,
+                 casting_mode: str, backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
+    return _run_rms_norm_op(_prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend), x)
 
 
 @_rms_norm_op.register_fake
@@ -487,7 +494,8 @@ def _rms_norm_call(key, plan, input, residual, weight, casting_mode, backend):
                                                                  backend))
         out = _RmsNormFunction.apply(input, residual, weight, rms_plan, casting_mode, backend)
         return out if residual is not None else (out, None)
-    out = torch.ops.gradops.rms_norm(input, residual, weight, eps, offset, casting_mode, backend)
+    op = torch.ops.gradops.triton_rms_norm if _takes_triton_op(input, backend) else torch.ops.gradops.rms_norm
+    out = op(input, residual, weight, eps, offset, casting_mode, backend)
     return out[0], (out[-1] if residual is not None else None)
 
 
@@ -843,6 +851,56 @@ def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, m
 
 
 # --------------------------------------------------------------------------------------------
+# The norm forwards as Triton ops, for torch.compile on a GPU
+# --------------------------------------------------------------------------------------------
+# Traced on CUDA (static shapes, the Triton kernels), a norm forward is a
+# ``torch.library.triton_op``: AOTAutograd traces its body, whose launches are recorded
+# through ``wrap_triton`` (``gradops.kernels._traceable``), so Inductor compiles and launches
+# the forward kernel itself, with no gradops Python at run time, and CUDA graphs capture it.
+# Same schema, fake implementation (the body itself, on fake tensors), autograd and
+# autocast as the custom ops. The backwards stay opaque custom ops: Inductor compiles a
+# user kernel with its own options, and the backwards' exact results need floating-point
+# contraction off (``norm_config.fp_fusion``), which it cannot ask for. Symbolic shapes
+# (``dynamic=True``) take the custom ops: the launch configuration is decided from sizes.
+
+_TRITON_OPS = hasattr(torch.library, "triton_op") and triton_available()
+
+
+def _takes_triton_op(x: Tensor, backend: str) -> bool:
+    """Whether a traced (not eager) norm call makes its Triton op, which Inductor can compile
+    (see above), rather than its custom op."""
+    return (_TRITON_OPS and x.device.type == "cuda" and backend != "reference"
+            and all(type(s) is int for s in x.shape))
+
+
+if _TRITON_OPS:
+    from ..kernels._traceable import traced_launches
+
+    @torch.library.triton_op("gradops::triton_layer_norm", mutates_args=())
+    def _triton_layer_norm_op(x: Tensor, residual: Optional[Tensor], normalized_shape: List[int],
+                              weight: Optional[Tensor], bias: Optional[Tensor], eps: float, backend: Optional[str]
+                              ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        p = _prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
+        if p.backend_name != "triton":  # (no reference op is ever traced into the graph)
+            return torch.ops.gradops.layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
+        with traced_launches():
+            return _run_layer_norm_op(p, x)
+
+    @torch.library.triton_op("gradops::triton_rms_norm", mutates_args=())
+    def _triton_rms_norm_op(x: Tensor, residual: Optional[Tensor], gamma: Tensor, eps: float, offset: float,
+                            casting_mode: str, backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
+        p = _prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)
+        if p.backend_name != "triton":
+            return torch.ops.gradops.rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)
+        with traced_launches():
+            return _run_rms_norm_op(p, x)
+
+    torch.library.register_autograd("gradops::triton_layer_norm", _layer_norm_backward,
+                                    setup_context=_layer_norm_setup)
+    torch.library.register_autograd("gradops::triton_rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+# --------------------------------------------------------------------------------------------
 # Autocast: norms pass through untouched, matmul-like ops take the autocast dtype.
 # --------------------------------------------------------------------------------------------
 
@@ -852,4 +910,7 @@ for _name, _cast in (("layer_norm", False), ("layer_norm_backward", False),
                      ("nsa_compress_backward", False), ("nsa_compress_seqlens_tensor_backward", False),
                      ("floyd_attention", True), ("floyd_attention_backward", False)):
     _register_autocast(_name, _cast)
+if _TRITON_OPS:
+    _register_autocast("triton_layer_norm", False)
+    _register_autocast("triton_rms_norm", False)
 del _name, _cast

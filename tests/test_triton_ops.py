@@ -1,0 +1,204 @@
+"""The norm forwards as ``torch.library.triton_op``s (issue 24, item 3): under torch.compile
+on a GPU, Inductor compiles and launches gradops' forward kernels itself.
+
+On a CPU the interpreter's kernels cannot be traced, so the trace runs in a child process
+with the interpreter off, on fake CUDA tensors, with a driver that names an H100 target
+(torch asks it while it reads which tensors a traced kernel writes): what Inductor would be
+given is checked without a GPU. The eager behaviour of the Triton ops (the same results and
+gradients as the custom ops, launches that leave out the options Inductor does not take)
+runs on the test device. On a GPU, ``test_compiled_norms_launch_gradops_kernels`` compiles
+them with Inductor for real.
+"""
+import json
+
+import pytest
+import torch
+
+import gradops.nn.functional as GF
+from gradops.kernels import _traceable
+from gradops.kernels import layer_norm as KLN
+from helpers import TEST_DEVICE, run_sm90_compile
+
+pytestmark = pytest.mark.skipif(not GF._TRITON_OPS, reason="this torch has no torch.library.triton_op")
+
+_TRACE = r'''
+import json
+import torch, triton
+from triton.backends.compiler import GPUTarget
+
+
+class _Sm90Driver:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def is_active(self):
+        return True
+
+
+triton.runtime.driver.set_active(_Sm90Driver())
+from gradops.kernels import norm_config
+norm_config._sm_count = lambda index: 132
+import gradops.nn.functional as GF
+from torch._functorch.aot_autograd import aot_function
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+def graph_of(fn, *args):
+    graphs = []
+    aot_function(fn, fw_compiler=lambda gm, _: graphs.append(gm) or gm)(*args)
+    nodes = []
+    for node in graphs[0].graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = str(node.target)
+        if "triton_kernel_wrapper" not in name:
+            nodes.append({"op": name})
+            continue
+        kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+        configs = getattr(kernel, "configs", [])  # an autotuner of one config holds num_warps
+        kernel = getattr(kernel, "fn", kernel)
+        nodes.append({"op": name, "kernel": kernel.fn.__name__, "kwargs": sorted(node.kwargs["kwargs"]),
+                      "constants": sorted(kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"])),
+                      "num_warps": [c.num_warps for c in configs],
+                      "clone": sorted(node.kwargs.get("tensors_to_clone", []))})
+    return nodes
+
+
+out = {}
+with FakeTensorMode():
+    for m, n in ((64, 1024), (4, 65536)):
+        x, r = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        w, b = (torch.empty(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out[f"layer_norm {n}"] = graph_of(lambda x, w, b: GF.layer_norm(x, (n,), w, b), x, w, b)
+        out[f"rms_norm {n}"] = graph_of(lambda x, w: GF.rms_norm(x, (n,), w, 1e-6), x, w)
+        out[f"fused_add_layer_norm {n}"] = graph_of(
+            lambda x, r, w, b: GF.fused_add_layer_norm(x, r, (n,), w, b), x, r, w, b)
+        out[f"fused_add_rms_norm {n}"] = graph_of(
+            lambda x, r, w: GF.fused_add_rms_norm(x, r, (n,), w, 1e-6, casting_mode="llama"), x, r, w)
+    out["layer_norm reference"] = graph_of(lambda x, w, b: GF.layer_norm(x, (n,), w, b, backend="reference"),
+                                           x, w, b)
+print(json.dumps(out))
+'''
+
+# kernel of each traced case, and the tensors it writes (all of them outputs)
+_EXPECTED = {
+    "layer_norm 1024": ("_ln_fwd_fused_kernel", ["Mean", "Rstd", "Y"]),
+    "rms_norm 1024": ("_rms_fwd_fused_kernel", ["Rstd", "Y"]),
+    "fused_add_layer_norm 1024": ("_ln_fwd_fused_kernel", ["H", "Mean", "Rstd", "Y"]),
+    "fused_add_rms_norm 1024": ("_rms_fwd_fused_kernel", ["H", "Rstd", "Y"]),
+    "layer_norm 65536": ("_ln_fwd_wide_kernel", ["Mean", "Rstd", "Y"]),
+    "rms_norm 65536": ("_rms_fwd_wide_kernel", ["Rstd", "Y"]),
+    "fused_add_layer_norm 65536": ("_ln_fwd_wide_kernel", ["H", "Mean", "Rstd", "Y"]),
+    "fused_add_rms_norm 65536": ("_rms_fwd_wide_kernel", ["H", "Rstd", "Y"]),
+}
+
+
+@pytest.mark.parametrize("triton_version", ["installed", "3.6"])
+def test_traced_norm_forwards_are_kernel_calls_inductor_compiles(triton_version):
+    graphs = json.loads(run_sm90_compile(_TRACE, triton_version=triton_version).splitlines()[-1])
+    for case, (kernel, written) in _EXPECTED.items():
+        nodes = graphs[case]
+        calls = [node for node in nodes if "kernel" in node]
+        assert [c["kernel"] for c in calls] == [kernel], (case, nodes)
+        call = calls[0]
+        # nothing of gradops runs at run time: allocations, the kernel, its results
+        assert {node["op"] for node in nodes} <= {"aten.empty.memory_format", "triton_kernel_wrapper_functional",
+                                                   "<built-in function getitem>"}, (case, nodes)
+        assert call["clone"] == written, (case, call)  # the kernel writes its outputs, never an input
+        assert not set(call["kwargs"]) & set(_traceable.NOT_TRACED_OPTIONS), (case, call)
+        assert call["constants"] == ["ACC"] and len(call["num_warps"]) == 1, (case, call)
+    # the reference is never traced into the graph: its custom op stays opaque
+    assert [node["op"] for node in graphs["layer_norm reference"]] == ["gradops.layer_norm.default",
+                                                                       "<built-in function getitem>"]
+
+
+def _norm_calls(x, r, w, b):
+    n = x.shape[-1]
+    return {
+        "layer_norm": (torch.ops.gradops.layer_norm, torch.ops.gradops.triton_layer_norm,
+                       (x, None, [n], w, b, 1e-5, "triton")),
+        "fused_add_layer_norm": (torch.ops.gradops.layer_norm, torch.ops.gradops.triton_layer_norm,
+                                 (x, r, [n], w, b, 1e-5, "triton")),
+        "rms_norm": (torch.ops.gradops.rms_norm, torch.ops.gradops.triton_rms_norm,
+                     (x, None, w, 1e-6, 0.0, "gemma", "triton")),
+        "fused_add_rms_norm": (torch.ops.gradops.rms_norm, torch.ops.gradops.triton_rms_norm,
+                               (x, r, w, 1e-6, 1.0, "llama", "triton")),
+    }
+
+
+@pytest.mark.parametrize("n", [48, 3000])  # whole rows, and (on a CPU, past 1024) the wide forward
+def test_triton_ops_run_eagerly_as_the_custom_ops(device, n):
+    # Called eagerly (a torch.func transform, a tensor subclass on a GPU), a Triton op runs its
+    # body: the launches go through the traced path's helper (wrap_triton, which torch turns
+    # off here, and the options Inductor takes). Results and gradients are the custom op's.
+    gen = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(5, n, generator=gen, device="cpu").to(device) for _ in range(2))
+    w, b = (torch.randn(n, generator=gen, device="cpu").to(device) for _ in range(2))
+    dy = torch.randn(5, n, generator=gen, device="cpu").to(device)
+    for name, (custom, traced, args) in _norm_calls(x, r, w, b).items():
+        results = []
+        for op in (custom, traced):
+            leaves = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
+            out = op(*leaves)
+            grads = torch.autograd.grad(out[0], [a for a in leaves if isinstance(a, torch.Tensor)], dy)
+            results.append([t for t in out if t.numel()] + list(grads))
+        for got, want in zip(results[1], results[0]):
+            assert torch.equal(got, want), name
+
+
+def test_a_traced_launch_refuses_a_kernel_that_needs_contraction_off(device):
+    # The backwards' exact results need contraction off, which Inductor's compile of a user
+    # kernel cannot ask for: traced, their launch raises rather than compile into other bits.
+    x = torch.ones(4, 16, device=device)
+    stat = torch.ones(4, device=device)
+    with _traceable.traced_launches(), pytest.raises(RuntimeError, match="contraction"):
+        KLN.layer_norm_backward(x, x, stat, stat, stat.new_ones(16), (True, True, True))
+
+
+def test_only_static_cuda_calls_take_the_triton_ops():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        cuda = torch.empty(4, 8, device="cuda")
+        assert GF._takes_triton_op(cuda, "auto") and GF._takes_triton_op(cuda, "triton")
+        assert not GF._takes_triton_op(cuda, "reference")
+        assert not GF._takes_triton_op(torch.empty(4, 8, device="cpu"), "triton")
+        assert not GF._takes_triton_op(torch.empty(4, 8, device="meta"), "auto")
+    # symbolic sizes (torch.compile(dynamic=True)) keep the custom op: the launch is planned from sizes
+    from types import SimpleNamespace
+
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    rows = ShapeEnv().create_unbacked_symint()
+    assert not GF._takes_triton_op(SimpleNamespace(device=torch.device("cuda", 0), shape=(rows, 8)), "auto")
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="Inductor compiles the Triton ops' kernels on a GPU only")
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_norms_launch_gradops_kernels(mode):
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(256, 1024, generator=gen, device="cpu").to("cuda", torch.bfloat16) for _ in range(2))
+    w, b = (torch.randn(1024, generator=gen, device="cpu").to("cuda", torch.bfloat16) for _ in range(2))
+    dy = torch.randn(256, 1024, generator=gen, device="cpu").to("cuda", torch.bfloat16)
+
+    def step(x, r, w, b):
+        y1, h = GF.fused_add_rms_norm(x, r, (1024,), w, 1e-6, casting_mode="llama")
+        return GF.layer_norm(y1 + h, (1024,), w, b)
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, r, w, b)]
+        out = fn(*leaves)
+        return [out] + list(torch.autograd.grad(out, leaves, dy))
+
+    want = grads(step)
+    compiled = torch.compile(step, fullgraph=True, mode=mode)
+    got, code = run_and_get_code(grads, compiled)
+    for _ in range(2):  # (reduce-overhead records its CUDA graph on a later call, then replays it)
+        got = grads(compiled)
+    source = "\n".join(code)
+    assert "_rms_fwd_fused_kernel" in source and "_ln_fwd_fused_kernel" in source
+    for g, e in zip(got, want):
+        assert torch.equal(g, e)
