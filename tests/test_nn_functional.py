@@ -258,6 +258,30 @@ def test_double_backward_is_a_clear_error(backend, family):
         gx.sum().backward()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused_add"])
+@pytest.mark.parametrize("family", ["layer_norm", "rms_norm"])
+def test_first_order_gradients_with_create_graph_of_batched_rows(backend, family, fused, device):
+    # With create_graph the backward runs as the backward op, which takes the statistics in
+    # the operator's shapes (x's leading dims), not the eager path's one per row; rows in two
+    # leading dims, against float64 autograd of the formula.
+    gen = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(2, 3, 8, generator=gen, dtype=torch.float64, device="cpu").to(device) for _ in range(2))
+    w = torch.randn(8, generator=gen, dtype=torch.float64, device="cpu").to(device)
+    dy = torch.randn(2, 3, 8, generator=gen, dtype=torch.float64, device="cpu").to(device)
+    plain, add, formula = ((F.layer_norm, F.fused_add_layer_norm, lambda h, w: ln_oracle(h, (8,), w))
+                           if family == "layer_norm" else (F.rms_norm, F.fused_add_rms_norm,
+                                                           lambda h, w: rms_oracle(h, (8,), w)))
+    for create_graph in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+        y = add(leaves[0], leaves[1], (8,), leaves[2])[0] if fused else plain(leaves[0], (8,), leaves[2])
+        got = torch.autograd.grad(y, leaves if fused else [leaves[0], leaves[2]], dy, create_graph=create_graph)
+        ref = [t.clone().requires_grad_() for t in (x, r, w)]
+        want = torch.autograd.grad(formula(ref[0] + ref[1] if fused else ref[0], ref[2]),
+                                   ref if fused else [ref[0], ref[2]], dy)
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10)
+
+
 def test_gradients_skip_unneeded_outputs(backend, monkeypatch):
     """Only the gradients autograd asks for are computed (output_mask follows requires_grad)."""
     seen = []

@@ -17,9 +17,11 @@ import torch
 import gradops.nn.functional as GF
 from gradops.kernels import _traceable
 from gradops.kernels import layer_norm as KLN
+from gradops.kernels import norm_config
 from helpers import TEST_DEVICE, run_sm90_compile
 
-pytestmark = pytest.mark.skipif(not GF._TRITON_OPS, reason="this torch has no torch.library.triton_op")
+# (registered on first use; here, for the tests that call the ops themselves)
+pytestmark = pytest.mark.skipif(not GF._register_triton_ops(), reason="this torch has no torch.library.triton_op")
 
 _TRACE = r'''
 import json
@@ -36,10 +38,33 @@ class _Sm90Driver:
 
 
 triton.runtime.driver.set_active(_Sm90Driver())
-from gradops.kernels import norm_config
-norm_config._sm_count = lambda index: 132
 import gradops.nn.functional as GF
+from gradops.kernels import norm_config
 from torch._functorch.aot_autograd import aot_function
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+# a fresh process: the first CUDA call that would take a Triton op registers them, also
+# where dynamo meets it (run at trace time, a constant of the graph, no graph break)
+assert not GF._TRITON_OPS
+assert torch.compile(lambda t: t + 1 if GF._triton_ops_usable() else t - 1, backend="eager",
+                     fullgraph=True)(torch.zeros(2)).tolist() == [1.0, 1.0]
+assert GF._TRITON_OPS
+# the kernels each op launches are part of AOTAutograd's cache key
+for op, kernels in (("gradops::triton_layer_norm", ["_ln_fwd_fused_kernel", "_ln_fwd_wide_kernel"]),
+                    ("gradops::triton_rms_norm", ["_rms_fwd_fused_kernel", "_rms_fwd_wide_kernel"])):
+    assert [k.fn.__name__ for k in torch._library.triton.get_triton_kernels_for_op(op)] == kernels
+
+# fake CUDA tensors outside a compile get the Triton ops' fake implementations: shapes only,
+# nothing that needs a GPU to plan (this machine has none)
+with FakeTensorMode():
+    x = torch.empty(2, 3, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.empty(1024, device="cuda", dtype=torch.bfloat16)
+    assert GF.layer_norm(x, (1024,), w, w).shape == x.shape
+    y, h = GF.fused_add_rms_norm(x, x, (1024,), w, 1e-6)
+    assert y.shape == h.shape == x.shape and y.device.type == "cuda"
+
+# AOTAutograd's trace plans the launch: with an H100's SM count
+norm_config._sm_count = lambda index: 132
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -127,11 +152,33 @@ def _norm_calls(x, r, w, b):
     }
 
 
+def test_the_constant_mark_is_torchs():
+    # _triton_ops_usable carries the mark torch.compiler.assume_constant_result sets
+    def probe():
+        return True
+
+    torch.compiler.assume_constant_result(probe)
+    assert probe.__dict__ == {"_dynamo_marked_constant": True} == GF._triton_ops_usable.__dict__
+
+
 @pytest.mark.parametrize("n", [48, 3000])  # whole rows, and (on a CPU, past 1024) the wide forward
-def test_triton_ops_run_eagerly_as_the_custom_ops(device, n):
+def test_triton_ops_run_eagerly_as_the_custom_ops(device, n, monkeypatch):
     # Called eagerly (a torch.func transform, a tensor subclass on a GPU), a Triton op runs its
-    # body: the launches go through the traced path's helper (wrap_triton, which torch turns
-    # off here, and the options Inductor takes). Results and gradients are the custom op's.
+    # body: every launch goes through the traced path's helper (wrap_triton, which torch turns
+    # off here, and only the options Inductor takes). Results and gradients are the custom op's.
+    from gradops.kernels import _norm_common
+
+    traced_kernels = []
+    real = _traceable.traced
+
+    def spy(kernel, grid, options):
+        launch, kept = real(kernel, grid, options)
+        assert not set(kept) & set(_traceable.NOT_TRACED_OPTIONS) and "num_warps" in kept
+        traced_kernels.append(kernel.fn.__name__)
+        return launch, kept
+
+    monkeypatch.setattr(_traceable, "traced", spy)
+    monkeypatch.setattr(_norm_common, "traced", spy)
     gen = torch.Generator().manual_seed(0)
     x, r = (torch.randn(5, n, generator=gen, device="cpu").to(device) for _ in range(2))
     w, b = (torch.randn(n, generator=gen, device="cpu").to(device) for _ in range(2))
@@ -145,6 +192,9 @@ def test_triton_ops_run_eagerly_as_the_custom_ops(device, n):
             results.append([t for t in out if t.numel()] + list(grads))
         for got, want in zip(results[1], results[0]):
             assert torch.equal(got, want), name
+    wide = n > norm_config.max_fused_n(torch.device(device), "fwd")
+    assert traced_kernels == [f"_{family}_fwd_{'wide' if wide else 'fused'}_kernel"
+                              for family in ("ln", "ln", "rms", "rms")]
 
 
 def test_a_traced_launch_refuses_a_kernel_that_needs_contraction_off(device):
@@ -156,15 +206,24 @@ def test_a_traced_launch_refuses_a_kernel_that_needs_contraction_off(device):
         KLN.layer_norm_backward(x, x, stat, stat, stat.new_ones(16), (True, True, True))
 
 
-def test_only_static_cuda_calls_take_the_triton_ops():
+def test_only_static_cuda_calls_take_the_triton_ops(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         cuda = torch.empty(4, 8, device="cuda")
-        assert GF._takes_triton_op(cuda, "auto") and GF._takes_triton_op(cuda, "triton")
-        assert not GF._takes_triton_op(cuda, "reference")
-        assert not GF._takes_triton_op(torch.empty(4, 8, device="cpu"), "triton")
-        assert not GF._takes_triton_op(torch.empty(4, 8, device="meta"), "auto")
+        cpu, meta = torch.empty(4, 8, device="cpu"), torch.empty(4, 8, device="meta")
+    # under the interpreter (a CPU test run) no call does: its kernels cannot be traced
+    monkeypatch.setattr(GF, "triton_interpreter_on", lambda: True)
+    assert not GF._takes_triton_op(cuda, "auto")
+    monkeypatch.setattr(GF, "triton_interpreter_on", lambda: False)
+    assert GF._takes_triton_op(cuda, "auto") and GF._takes_triton_op(cuda, "triton")
+    assert not GF._takes_triton_op(cuda, "reference")
+    assert not GF._takes_triton_op(cpu, "triton")
+    assert not GF._takes_triton_op(meta, "auto")
+    # torch.export keeps the custom op: a program that loads wherever gradops imports
+    monkeypatch.setattr(GF, "_is_exporting", lambda: True)
+    assert not GF._takes_triton_op(cuda, "auto")
+    monkeypatch.setattr(GF, "_is_exporting", lambda: False)
     # symbolic sizes (torch.compile(dynamic=True)) keep the custom op: the launch is planned from sizes
     from types import SimpleNamespace
 
@@ -200,5 +259,17 @@ def test_compiled_norms_launch_gradops_kernels(mode):
         got = grads(compiled)
     source = "\n".join(code)
     assert "_rms_fwd_fused_kernel" in source and "_ln_fwd_fused_kernel" in source
+    # Inductor compiles the forward with Triton's default contraction, the eager launch asks
+    # for contraction on (norm_config.fp_fusion("fwd")): the same bits where they agree
+    import triton
+
+    language = getattr(getattr(triton, "knobs", None), "language", None)
+    if hasattr(language, "fp_fusion_enabled"):  # Triton 3.9
+        default_fusion = language.fp_fusion_enabled(None)
+    else:  # Triton 3.6: on unless TRITON_DEFAULT_FP_FUSION says otherwise
+        default_fusion = bool(getattr(language, "default_fp_fusion", True))
+    if not default_fusion:
+        pytest.skip("this Triton compiles without contraction by default (TRITON_DEFAULT_FP_FUSION=0, or "
+                    "Triton >= 3.10): the compiled forward rounds otherwise than the eager one")
     for g, e in zip(got, want):
         assert torch.equal(g, e)

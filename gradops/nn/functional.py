@@ -33,7 +33,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from .._backend import _check_name, requested, triton_available
+from .._backend import _check_name, requested, triton_available, triton_interpreter_on
 from ..aclnn import renamed_errors
 from ..errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, AclnnError
 from ..ops import floyd_attention as _floyd_ops
@@ -218,7 +218,7 @@ def _layer_norm_op(x: Tensor, residual: Optional[Tensor], normalized_shape: List
 
 
 @_layer_norm_op.register_fake
-def _(x, residual, normalized_shape, weight, bias, eps, backend):
+def _layer_norm_fake(x, residual, normalized_shape, weight, bias, eps, backend):
     p = _prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
     return _with_h(tuple(_empty_like_spec(s, x) for s in p.outputs), 3, x)
 
@@ -272,8 +272,9 @@ def _layer_norm_grads(ctx, dy, dh, need_x, need_res, need_w, need_b, impl=None):
             dx, dw, db = _ln_ops.run_layer_norm_backward(impl, dy, x, ctx.normalized_shape, mean, rstd, weight,
                                                          mask, dresidual=dh)
     else:
-        dx, dw, db = torch.ops.gradops.layer_norm_backward(dy, dh, x, ctx.normalized_shape, mean, rstd, weight,
-                                                           bias, mask, ctx.backend)
+        lead = x.shape[: x.dim() - len(ctx.normalized_shape)]  # (the eager path keeps them flat)
+        dx, dw, db = torch.ops.gradops.layer_norm_backward(dy, dh, x, ctx.normalized_shape, mean.reshape(lead),
+                                                           rstd.reshape(lead), weight, bias, mask, ctx.backend)
     dx = dx if mask[0] else None
     # bias is accepted by the backward operator only for its shape check; db = sum(dy) needs no bias
     return dx, dx if ctx.has_residual else None, dw if mask[1] else None, db if mask[2] else None
@@ -399,7 +400,7 @@ def _rms_norm_op(x: Tensor, residual: Optional[Tensor], gamma: Tensor, eps: floa
 
 
 @_rms_norm_op.register_fake
-def _(x, residual, gamma, eps, offset, casting_mode, backend):
+def _rms_norm_fake(x, residual, gamma, eps, offset, casting_mode, backend):
     p = _prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)
     return _with_h(tuple(_empty_like_spec(s, x) for s in p.outputs), 2, x)
 
@@ -448,8 +449,9 @@ def _rms_norm_grads(ctx, dy, dh, need_x, need_res, need_gamma, impl=None):
                 round_xhat=ctx.casting_mode == "llama", dresidual=dh,  # (the forward validated it)
                 grad_dtype=gamma.dtype)
     else:
-        dx, dgamma = torch.ops.gradops.rms_norm_backward(dy, dh, x, rstd, gamma, ctx.offset, ctx.casting_mode,
-                                                         ctx.backend)
+        lead = x.shape[: x.dim() - gamma.dim()]  # (the eager path keeps rstd flat)
+        dx, dgamma = torch.ops.gradops.rms_norm_backward(dy, dh, x, rstd.reshape(lead), gamma, ctx.offset,
+                                                         ctx.casting_mode, ctx.backend)
     # the operator accumulates dgamma in float32; the parameter's gradient has its own dtype
     return dx, dx if ctx.has_residual else None, dgamma.to(gamma.dtype)
 
@@ -863,17 +865,40 @@ def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, m
 # contraction off (``norm_config.fp_fusion``), which it cannot ask for. Symbolic shapes
 # (``dynamic=True``) take the custom ops: the launch configuration is decided from sizes.
 
-_TRITON_OPS = hasattr(torch.library, "triton_op") and triton_available()
+_TRITON_OPS = False  # registered (see _register_triton_ops)
+
+
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
 def _takes_triton_op(x: Tensor, backend: str) -> bool:
     """Whether a traced (not eager) norm call makes its Triton op, which Inductor can compile
-    (see above), rather than its custom op."""
-    return (_TRITON_OPS and x.device.type == "cuda" and backend != "reference"
-            and all(type(s) is int for s in x.shape))
+    (see above), rather than its custom op. Not under the Triton interpreter (its kernels
+    cannot be traced), nor for ``torch.export``: an exported program keeps the custom op,
+    which loads wherever gradops imports, with triton or without."""
+    return (x.device.type == "cuda" and backend != "reference" and all(type(s) is int for s in x.shape)
+            and not _is_exporting() and _triton_ops_usable())
 
 
-if _TRITON_OPS:
+def _triton_ops_usable() -> bool:
+    """Whether the Triton ops can be traced here (not under the interpreter), registering them
+    on the first CUDA call that would take one: registering imports triton, which at gradops'
+    import would keep ``gradops selftest`` from switching the interpreter on for a CPU run."""
+    return not triton_interpreter_on() and _register_triton_ops()
+
+
+# Where dynamo meets it, it runs the function rather than tracing it and takes the result as
+# a constant of the graph: what ``torch.compiler.assume_constant_result`` marks, marked here
+# without it, since importing it imports dynamo, and dynamo imports triton.
+_triton_ops_usable._dynamo_marked_constant = True
+
+
+def _register_triton_ops() -> bool:
+    """Registers ``gradops::triton_layer_norm`` and ``gradops::triton_rms_norm`` once, where
+    torch has ``triton_op`` and triton is installed; returns whether they are registered."""
+    global _TRITON_OPS
+    if _TRITON_OPS or not hasattr(torch.library, "triton_op") or not triton_available():
+        return _TRITON_OPS
     from ..kernels._traceable import traced_launches
 
     @torch.library.triton_op("gradops::triton_layer_norm", mutates_args=())
@@ -895,9 +920,25 @@ if _TRITON_OPS:
         with traced_launches():
             return _run_rms_norm_op(p, x)
 
+    # Outside AOTAutograd's decomposition (dynamo's fake pass, FakeTensorMode) the custom ops'
+    # fake implementations: shapes only, no launch configuration (no GPU needed to plan one).
+    _triton_layer_norm_op.register_fake(_layer_norm_fake)
+    _triton_rms_norm_op.register_fake(_rms_norm_fake)
     torch.library.register_autograd("gradops::triton_layer_norm", _layer_norm_backward,
                                     setup_context=_layer_norm_setup)
     torch.library.register_autograd("gradops::triton_rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
+    _register_autocast("triton_layer_norm", False)
+    _register_autocast("triton_rms_norm", False)
+    # The kernels each op launches, for AOTAutograd's cache key (torch finds them by reading
+    # the op's source, which cannot follow a launch made through the plan)
+    kernels_of = getattr(torch._library.triton, "triton_ops_to_kernels", None)
+    if kernels_of is not None:
+        from ..kernels import layer_norm as kln, rms_norm as krn
+
+        kernels_of["gradops::triton_layer_norm"] = [kln._ln_fwd_fused_kernel, kln._ln_fwd_wide_kernel]
+        kernels_of["gradops::triton_rms_norm"] = [krn._rms_fwd_fused_kernel, krn._rms_fwd_wide_kernel]
+    _TRITON_OPS = True
+    return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -910,7 +951,4 @@ for _name, _cast in (("layer_norm", False), ("layer_norm_backward", False),
                      ("nsa_compress_backward", False), ("nsa_compress_seqlens_tensor_backward", False),
                      ("floyd_attention", True), ("floyd_attention_backward", False)):
     _register_autocast(_name, _cast)
-if _TRITON_OPS:
-    _register_autocast("triton_layer_norm", False)
-    _register_autocast("triton_rms_norm", False)
 del _name, _cast
