@@ -21,7 +21,7 @@ from gradops.kernels import norm_config
 from helpers import TEST_DEVICE, run_sm90_compile
 
 # (registered on first use; here, for the tests that call the ops themselves)
-pytestmark = pytest.mark.skipif(not GF._register_triton_ops(), reason="this torch has no torch.library.triton_op")
+pytestmark = pytest.mark.skipif(not GF._register_triton_ops(), reason="this torch has no torch.library.triton_op, or triton is not installed")
 
 _TRACE = r'''
 import json
@@ -46,6 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 # a fresh process: the first CUDA call that would take a Triton op registers them, also
 # where dynamo meets it (run at trace time, a constant of the graph, no graph break)
 assert not GF._TRITON_OPS
+out = {}
 assert torch.compile(lambda t: t + 1 if GF._triton_ops_usable() else t - 1, backend="eager",
                      fullgraph=True)(torch.zeros(2)).tolist() == [1.0, 1.0]
 assert GF._TRITON_OPS
@@ -62,6 +63,34 @@ with FakeTensorMode():
     assert GF.layer_norm(x, (1024,), w, w).shape == x.shape
     y, h = GF.fused_add_rms_norm(x, x, (1024,), w, 1e-6)
     assert y.shape == h.shape == x.shape and y.device.type == "cuda"
+
+# dynamo on fake CUDA tensors: torch.compile's graph calls the Triton ops, torch.export's
+# (strict and not) the custom ops
+def dynamo_ops(fn, *args):
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append(sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"}))
+        return gm.forward
+
+    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    return seen[0]
+
+
+class Block(torch.nn.Module):
+    def forward(self, x, w):
+        y, h = GF.fused_add_rms_norm(GF.layer_norm(x, (1024,), w, w), x, (1024,), w, 1e-6)
+        return y + h
+
+
+with FakeTensorMode(allow_non_fake_inputs=True):
+    x = torch.empty(8, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.empty(1024, device="cuda", dtype=torch.bfloat16)
+    out["dynamo"] = dynamo_ops(Block(), x, w)
+    for strict in (True, False):
+        program = torch.export.export(Block(), (x, w), strict=strict)
+        out[f"export strict={strict}"] = sorted({str(n.target) for n in program.graph.nodes
+                                                 if n.op == "call_function"})
 
 # AOTAutograd's trace plans the launch: with an H100's SM count
 norm_config._sm_count = lambda index: 132
@@ -90,7 +119,6 @@ def graph_of(fn, *args):
     return nodes
 
 
-out = {}
 with FakeTensorMode():
     for m, n in ((64, 1024), (4, 65536)):
         x, r = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -133,9 +161,51 @@ def test_traced_norm_forwards_are_kernel_calls_inductor_compiles(triton_version)
         assert call["clone"] == written, (case, call)  # the kernel writes its outputs, never an input
         assert not set(call["kwargs"]) & set(_traceable.NOT_TRACED_OPTIONS), (case, call)
         assert call["constants"] == ["ACC"] and len(call["num_warps"]) == 1, (case, call)
+    # dynamo's graph (what torch.compile hands Inductor) holds the Triton ops; export's the custom ops
+    def norm_ops(graph):  # (dynamo names an op's packet, export its overload)
+        return {op.removesuffix(".default") for op in graph if op.startswith("gradops.")}
+
+    assert norm_ops(graphs["dynamo"]) == {"gradops.triton_layer_norm", "gradops.triton_rms_norm"}, graphs["dynamo"]
+    for strict in (True, False):
+        assert norm_ops(graphs[f"export strict={strict}"]) == {"gradops.layer_norm", "gradops.rms_norm"}, strict
     # the reference is never traced into the graph: its custom op stays opaque
     assert [node["op"] for node in graphs["layer_norm reference"]] == ["gradops.layer_norm.default",
                                                                        "<built-in function getitem>"]
+
+
+_RACE = r'''
+import threading
+import torch
+import gradops.nn.functional as GF
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+start, errors = threading.Barrier(8), []
+
+
+def call(i):
+    with FakeTensorMode():
+        x, w = torch.empty(4, 256, device="cuda"), torch.empty(256, device="cuda")
+        start.wait()
+        try:
+            (GF.rms_norm(x, (256,), w) if i % 2 else GF.layer_norm(x, (256,), w, w)).shape
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+
+
+threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert not errors and GF._TRITON_OPS, errors
+print("ok")
+'''
+
+
+def test_first_calls_in_several_threads_register_the_triton_ops_once():
+    # (before the lock, 3 runs in 3: "already has a __torch_dispatch__ rule registered", and the
+    # process stayed broken)
+    assert run_sm90_compile(_RACE).splitlines()[-1] == "ok"
 
 
 def _norm_calls(x, r, w, b):

@@ -28,6 +28,7 @@ This file deliberately avoids ``from __future__ import annotations``: ``custom_o
 the type hints to build each operator's schema.
 """
 import contextlib
+import threading
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -859,32 +860,32 @@ def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, m
 # ``torch.library.triton_op``: AOTAutograd traces its body, whose launches are recorded
 # through ``wrap_triton`` (``gradops.kernels._traceable``), so Inductor compiles and launches
 # the forward kernel itself, with no gradops Python at run time, and CUDA graphs capture it.
-# Same schema, fake implementation (the body itself, on fake tensors), autograd and
-# autocast as the custom ops. The backwards stay opaque custom ops: Inductor compiles a
+# Same schema, fake implementation (shapes only), autograd and autocast as the custom ops. The backwards stay opaque custom ops: Inductor compiles a
 # user kernel with its own options, and the backwards' exact results need floating-point
 # contraction off (``norm_config.fp_fusion``), which it cannot ask for. Symbolic shapes
 # (``dynamic=True``) take the custom ops: the launch configuration is decided from sizes.
 
-_TRITON_OPS = False  # registered (see _register_triton_ops)
-
-
+_TRITON_OPS: Optional[bool] = None  # registered; None: not tried yet (see _register_triton_ops)
+_TRITON_OPS_LOCK = threading.Lock()
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
 def _takes_triton_op(x: Tensor, backend: str) -> bool:
     """Whether a traced (not eager) norm call makes its Triton op, which Inductor can compile
-    (see above), rather than its custom op. Not under the Triton interpreter (its kernels
-    cannot be traced), nor for ``torch.export``: an exported program keeps the custom op,
-    which loads wherever gradops imports, with triton or without."""
+    (see above), rather than its custom op."""
     return (x.device.type == "cuda" and backend != "reference" and all(type(s) is int for s in x.shape)
-            and not _is_exporting() and _triton_ops_usable())
+            and _triton_ops_usable())
 
 
 def _triton_ops_usable() -> bool:
-    """Whether the Triton ops can be traced here (not under the interpreter), registering them
-    on the first CUDA call that would take one: registering imports triton, which at gradops'
-    import would keep ``gradops selftest`` from switching the interpreter on for a CPU run."""
-    return not triton_interpreter_on() and _register_triton_ops()
+    """Whether the Triton ops can be traced here, registering them on the first CUDA call that
+    would take one (registering imports triton, which at gradops' import would keep ``gradops
+    selftest`` from switching the interpreter on for a CPU run). Not under the Triton
+    interpreter (its kernels cannot be traced), nor for ``torch.export``: an exported
+    program keeps the custom op, which loads wherever gradops imports, with triton or
+    without. (Run, not traced, by dynamo: see below; so ``is_exporting`` is read for real,
+    which the dynamo of older torch folds to True while it traces.)"""
+    return not triton_interpreter_on() and not _is_exporting() and _register_triton_ops()
 
 
 # Where dynamo meets it, it runs the function rather than tracing it and takes the result as
@@ -896,9 +897,18 @@ _triton_ops_usable._dynamo_marked_constant = True
 def _register_triton_ops() -> bool:
     """Registers ``gradops::triton_layer_norm`` and ``gradops::triton_rms_norm`` once, where
     torch has ``triton_op`` and triton is installed; returns whether they are registered."""
+    if _TRITON_OPS is None:
+        with _TRITON_OPS_LOCK:  # (calls in several threads: one registers, the others wait)
+            if _TRITON_OPS is None:
+                _define_triton_ops()
+    return _TRITON_OPS
+
+
+def _define_triton_ops() -> None:
     global _TRITON_OPS
-    if _TRITON_OPS or not hasattr(torch.library, "triton_op") or not triton_available():
-        return _TRITON_OPS
+    if not hasattr(torch.library, "triton_op") or not triton_available():
+        _TRITON_OPS = False
+        return
     from ..kernels._traceable import traced_launches
 
     @torch.library.triton_op("gradops::triton_layer_norm", mutates_args=())
@@ -938,7 +948,6 @@ def _register_triton_ops() -> bool:
         kernels_of["gradops::triton_layer_norm"] = [kln._ln_fwd_fused_kernel, kln._ln_fwd_wide_kernel]
         kernels_of["gradops::triton_rms_norm"] = [krn._rms_fwd_fused_kernel, krn._rms_fwd_wide_kernel]
     _TRITON_OPS = True
-    return True
 
 
 # --------------------------------------------------------------------------------------------
