@@ -177,6 +177,28 @@ def test_a_call_signature_seen_before_still_follows_the_default_backend_and_reje
             GF.rms_norm(x, (64,), w[:32], 1e-6)
 
 
+def test_remembered_backward_calls_still_reject_bad_input_and_in_place_overlaps(device):
+    # the backward APIs remember a signature's checks too; an in-place call's overlap rules read
+    # data pointers, so such calls are checked every time
+    from gradops.errors import AclnnError
+
+    x, dy = rand((4, 64), torch.float32, device), rand((4, 64), torch.float32, device)
+    w = rand((64,), torch.float32, device)
+    mean, rstd = x.mean(1), x.var(1, unbiased=False).add(1e-5).rsqrt()
+    for _ in range(2):
+        assert gradops.layer_norm_backward(dy, x, (64,), mean, rstd, w)[0].shape == (4, 64)
+        assert gradops.rms_norm_grad(dy, x, rstd, w)[0].shape == (4, 64)
+        with pytest.raises(AclnnError, match="output_mask"):
+            gradops.layer_norm_backward(dy, x, (64,), mean, rstd, w, output_mask=(True, True))
+        with pytest.raises(AclnnError, match="rstd"):
+            gradops.rms_norm_grad(dy, x, rstd[:2], w)
+    for _ in range(2):  # dx written into dy, which x's memory is: refused every time
+        with pytest.raises(AclnnError, match="dy"):
+            gradops.layer_norm_backward(x, x, (64,), mean, rstd, w, in_place=True)
+        with pytest.raises(AclnnError, match="dy"):
+            gradops.rms_norm_grad(x, x, rstd, w, in_place=True)
+
+
 def test_a_remembered_signature_keys_its_attributes_by_type_and_value(device):
     # 64.0 == 64 and True == 1 in Python, not to the checks; a tensor-valued attribute may
     # change after the call (and a key would keep it alive): it is never remembered

@@ -146,6 +146,25 @@ def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None
                                 backend=None, op="layer_norm_backward") -> Prepared:
     """``x`` is what the forward normalised (h, with a residual); ``dresidual`` is the
     gradient h receives from elsewhere, added to dx."""
+    # (an in-place call's overlap rules read data pointers: it is checked every time)
+    key = None if in_place is not False else _plans.signature(
+        op, backend, (dy, x, mean, rstd, weight, bias, dresidual), (normalized_shape, output_mask))
+    plan = _plans.lookup(key)
+    if plan is None:
+        plan = _plans.remember(key, _check_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight, bias,
+                                                               output_mask, in_place, dresidual, backend, op))
+    impl, normalized_shape, output_mask, in_place, outputs = plan
+
+    def run():
+        return run_layer_norm_backward(impl, dy, x, normalized_shape, mean, rstd, weight, output_mask,
+                                       in_place=in_place, dresidual=dresidual)
+
+    return Prepared(op, x.device, impl, outputs, run)
+
+
+def _check_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight, bias, output_mask, in_place, dresidual,
+                               backend, op):
+    """(backend module, normalized_shape, output_mask, in_place, output specs) of a valid call."""
     for name, t in (("dy", dy), ("x", x)):
         require_tensor(op, name, t)
     normalized_shape = as_int_tuple(op, "normalized_shape", normalized_shape)
@@ -178,17 +197,12 @@ def prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight=None
                                          ("dresidual", dresidual)])
     impl = implementation(op, FAMILY, backend, x.device)
     grad_dtype = _grad_dtype(weight, x)
-
-    def run():
-        return run_layer_norm_backward(impl, dy, x, normalized_shape, mean, rstd, weight, output_mask,
-                                       in_place=in_place, dresidual=dresidual)
-
     outputs = (
         (tuple(x.shape), x.dtype) if output_mask[0] else None,
         (normalized_shape, grad_dtype) if output_mask[1] else None,
         (normalized_shape, grad_dtype) if output_mask[2] else None,
     )
-    return Prepared(op, x.device, impl, outputs, run)
+    return impl, normalized_shape, output_mask, in_place, outputs
 
 
 def run_layer_norm_backward(impl, dy, x, normalized_shape, mean, rstd, weight, output_mask, *,

@@ -145,6 +145,24 @@ def prepare_rms_norm_grad(dy, x, rstd, gamma, *, in_place=False, offset=0.0, cas
                           dresidual=None, backend=None, op="rms_norm_grad") -> Prepared:
     """``x`` is what the forward normalised (h, with a residual); ``dresidual`` is the
     gradient h receives from elsewhere, added to dx."""
+    # (an in-place call's overlap rules read data pointers: it is checked every time)
+    key = None if in_place is not False else _plans.signature(
+        op, backend, (dy, x, rstd, gamma, dresidual), (offset, casting_mode))
+    plan = _plans.lookup(key)
+    if plan is None:
+        plan = _plans.remember(key, _check_rms_norm_grad(dy, x, rstd, gamma, in_place, offset, casting_mode,
+                                                         dresidual, backend, op))
+    impl, in_place, offset, round_xhat, outputs = plan
+
+    def run():
+        return run_rms_norm_grad(impl, dy, x, rstd, gamma, in_place=in_place, offset=offset, round_xhat=round_xhat,
+                                 dresidual=dresidual)
+
+    return Prepared(op, x.device, impl, outputs, run)
+
+
+def _check_rms_norm_grad(dy, x, rstd, gamma, in_place, offset, casting_mode, dresidual, backend, op):
+    """(backend module, in_place, offset, round_xhat, output specs) of a valid call."""
     for name, t in (("dy", dy), ("x", x), ("rstd", rstd), ("gamma", gamma)):
         require_tensor(op, name, t)
     offset = check_float_attr(op, "offset", offset)
@@ -166,13 +184,8 @@ def prepare_rms_norm_grad(dy, x, rstd, gamma, *, in_place=False, offset=0.0, cas
     if in_place:  # dx is written into dy's memory
         check_overwritten(op, "dy", dy, [("x", x), ("rstd", rstd), ("gamma", gamma), ("dresidual", dresidual)])
     impl = implementation(op, FAMILY, backend, x.device)
-
-    def run():
-        return run_rms_norm_grad(impl, dy, x, rstd, gamma, in_place=in_place, offset=offset, round_xhat=round_xhat,
-                                 dresidual=dresidual)
-
     outputs = ((tuple(x.shape), x.dtype), (tuple(gamma.shape), stat_dtype(x.dtype)))
-    return Prepared(op, x.device, impl, outputs, run)
+    return impl, in_place, offset, round_xhat, outputs
 
 
 def run_rms_norm_grad(impl, dy, x, rstd, gamma, *, in_place=False, offset=0.0, round_xhat=False, dresidual=None,
