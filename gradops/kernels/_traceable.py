@@ -22,6 +22,8 @@ import contextlib
 import threading
 from typing import Iterator, Tuple
 
+import torch
+
 _state = threading.local()
 
 # Launch options Inductor's compile of a user kernel does not take.
@@ -45,8 +47,6 @@ def tracing_launches() -> bool:
 
 def traced(kernel, grid: tuple, options: dict) -> Tuple[object, dict]:
     """``wrap_triton(kernel)[grid]`` and the launch options Inductor takes (``num_warps``)."""
-    import torch
-
     if options.get("enable_fp_fusion", True) is False:
         raise RuntimeError(
             f"gradops: {kernel.fn.__name__} runs without floating-point contraction, which a launch traced for "

@@ -338,7 +338,7 @@ def _layer_norm(op: str, input, residual, normalized_shape, weight, bias, eps, b
         shape, eps, backend = _checked_norm(op, input, residual, normalized_shape, weight, bias, eps, backend,
                                             fused=op != "layer_norm", shape_status=ACLNN_ERR_PARAM_INVALID,
                                             eps_optional=False)
-        plan = _plans.remember(key, (list(shape), eps, backend, None))
+        plan = _plans.remember(key, (shape, eps, backend, None))
     shape, eps, backend = plan[:3]
     if _eager(input):
         ln_plan = _eager_plan(key, plan, lambda: _layer_norm_plan(input, residual, shape, weight, bias, eps, backend))
@@ -516,6 +516,7 @@ def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, c
                                         fused=op != "rms_norm", shape_status=ACLNN_ERR_INNER_TILING_ERROR,
                                         eps_optional=True)
     shape = tuple(shape)
+    weight_given = weight
     offset = check_float_attr(op, "offset", offset)
     _rms_ops.check_casting_mode(op, casting_mode)
     if eps is None:
@@ -549,14 +550,10 @@ def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, c
             # the other half type (fp16 beside bf16): "gemma" computes in float32 anyway, so
             # the exactly widened weight gives the same result in CANN's dtype table
             weight = weight.float()
-        else:
-            return _rms_norm_call(key, _plans.remember(key, (float(eps), offset, None)), input, residual, weight,
-                                  casting_mode, backend)
-    else:
-        return _rms_norm_call(key, _plans.remember(key, (float(eps), offset, None)), input, residual, weight,
-                              casting_mode, backend)
-    # a weight made or converted here is this call's own: nothing of the call is remembered
-    return _rms_norm_call(None, (float(eps), offset, None), input, residual, weight, casting_mode, backend)
+    if weight is not weight_given:
+        key = None  # a weight made or converted here is this call's own: the call is not remembered
+    return _rms_norm_call(key, _plans.remember(key, (float(eps), offset, None)), input, residual, weight,
+                          casting_mode, backend)
 
 
 def rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
@@ -860,10 +857,11 @@ def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, m
 # ``torch.library.triton_op``: AOTAutograd traces its body, whose launches are recorded
 # through ``wrap_triton`` (``gradops.kernels._traceable``), so Inductor compiles and launches
 # the forward kernel itself, with no gradops Python at run time, and CUDA graphs capture it.
-# Same schema, fake implementation (shapes only), autograd and autocast as the custom ops. The backwards stay opaque custom ops: Inductor compiles a
-# user kernel with its own options, and the backwards' exact results need floating-point
-# contraction off (``norm_config.fp_fusion``), which it cannot ask for. Symbolic shapes
-# (``dynamic=True``) take the custom ops: the launch configuration is decided from sizes.
+# Same schema, fake implementation (shapes only), autograd and autocast as the custom ops.
+# The backwards stay opaque custom ops: Inductor compiles a user kernel with its own
+# options, and the backwards' exact results need floating-point contraction off
+# (``norm_config.fp_fusion``), which it cannot ask for. Symbolic shapes (``dynamic=True``)
+# take the custom ops: the launch configuration is decided from sizes.
 
 _TRITON_OPS: Optional[bool] = None  # registered; None: not tried yet (see _register_triton_ops)
 _TRITON_OPS_LOCK = threading.Lock()
