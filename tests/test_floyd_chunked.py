@@ -377,7 +377,7 @@ def _specialisation(fn, bound, options):
     for name, value in bound.items():
         if isinstance(value, torch.Tensor):
             key.append((name, value.dtype, value.data_ptr() % 16 == 0))
-        elif isinstance(value, int) and not isinstance(value, bool) and name not in chunked.NOT_SPECIALISED[fn.__name__]:
+        elif isinstance(value, int) and not isinstance(value, bool) and name not in chunked.NOT_SPECIALISED.get(fn.__name__, ()):
             key.append((name, value == 1, value % 16 == 0))
     return tuple(key)
 

@@ -558,7 +558,7 @@ def _compile_sm(kernel, sig: dict, consts: dict, attrs: dict, arch: int, num_war
         regs = [int(r) for r in re.findall(r"\bR(\d+)\b", sass)]
         row.update(shared=compiled.metadata.shared, registers=max(regs) + 1 if regs else None,
                    spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
-                   mma=sass.count("HMMA") + sass.count("DMMA") + sass.count("HGMMA"),
+                   mma=sass.count("HMMA") + sass.count("DMMA") + sass.count("HGMMA"), wgmma=sass.count("HGMMA"),
                    layout_conversions=compiled.asm["ttgir"].count("convert_layout"),
                    fma_f32=len(re.findall(r"\bfma\.[a-z.]*f32\b", compiled.asm["ptx"])))
     except Exception as e:
@@ -654,52 +654,138 @@ def compile_check_rows(dtype: torch.dtype, k: int = 1024, arch: int = 90, masked
     return rows
 
 
-# The chunked strategy's GEMM as its launches use it (floyd_chunked.py), at the shapes of the
-# default grid (N = M = K = 512, D = 128): name -> (rows, cols, contraction, the strides that
-# are 1 (specialised by the JIT), ACCUMULATE, whether the result is float32).
+# The GEMM (floyd_gemm.py) as the launches of the chunked and hybrid strategies use it, at the
+# shapes of the default grid (N = M = K = 512, D = 128): name -> (its half_bits, and per product:
+# rows, cols, contraction, the strides that are 1 (specialised by the JIT), ACCUMULATE, the
+# result's kind: "in" (the input dtype), "f32" or "half" (an int16 top plane)).
 GEMM_CHECK = {
-    "gemm_scores": (512, 512, 128, ("sat", "sbt", "soc"), False, True),  # S = Q K1^T
-    "gemm_scores_acc": (512, 512, 128, ("sat", "sbt", "scc", "soc"), True, True),  # S += Q K2^T
-    "gemm_pv_acc": (512, 128, 512, ("sat", "sbc", "scc", "soc"), True, False),  # Y = Yp + P V2
-    "gemm_reduce_acc": (512, 128, 512, ("sar", "sbc", "scc", "soc"), True, False),  # dK1 = acc + dS^T Q
+    "gemm_scores": (0, [(512, 512, 128, ("sat", "sbt", "soc"), False, "f32")]),  # chunked S = Q K1^T
+    "gemm_scores_acc": (0, [(512, 512, 128, ("sat", "sbt", "scc", "soc"), True, "f32")]),  # S += Q K2^T
+    "gemm_pv_acc": (0, [(512, 128, 512, ("sat", "sbc", "scc", "soc"), True, "in")]),  # Y = Yp + P V2
+    "gemm_reduce_acc": (0, [(512, 128, 512, ("sar", "sbc", "scc", "soc"), True, "in")]),  # dK1 = acc + dS^T Q
+    # hybrid: S2 and dP2 in 24 bits, one launch; dQ2 + dQ1, dK2, dV2 in one launch
+    "gemm_halves": (24, [(512, 512, 128, ("sat", "sbt", "soc"), False, "half")] * 2),
+    "gemm_m_side": (0, [(512, 128, 512, ("sat", "sbc", "scc", "soc"), True, "in"),
+                        (512, 128, 512, ("sar", "sbc", "soc"), False, "in"),
+                        (512, 128, 512, ("sar", "sbc", "soc"), False, "in")]),
 }
 
 
 def compile_check_gemm(dtype: torch.dtype, arch: int = 90) -> List[dict]:
-    """Compile the chunked strategy's GEMM (``_gemm_kernel``) for ``sm_<arch>`` as each kind
-    of its launches runs it (:data:`GEMM_CHECK`), with ``floyd_config.gemm_config``'s blocks;
-    report as :func:`compile_check` (``D`` is the contraction, ``K`` None)."""
-    from ..kernels import floyd_chunked as fc
-    from ..kernels._floyd_common import dot_constexprs
+    """Compile the GEMM (``floyd_gemm._gemm_kernel``) for ``sm_<arch>`` as each kind of launch
+    runs it (:data:`GEMM_CHECK`), with ``floyd_config.gemm_config``'s blocks (the first
+    product's); report as :func:`compile_check` (``D`` is the first product's contraction,
+    ``K`` None). float32 inputs keep their halves in float32: a "half" result is float32 there."""
+    from ..kernels import floyd_gemm
     from ..kernels.floyd_config import gemm_config
 
     if dtype == torch.float64:
-        raise ValueError("the chunked strategy's GEMM takes 16-bit and float32 inputs")
+        raise ValueError("the GEMM takes 16-bit and float32 inputs")
     ptr, _ = _ptr_types(dtype)
-    kernel = fc._gemm_kernel
+    kernel = floyd_gemm._gemm_kernel
     rows = []
-    for name, (r, c, t, unit, accumulate, wide_out) in GEMM_CHECK.items():
+    for name, (half_bits, products) in GEMM_CHECK.items():
+        if dtype == torch.float32:  # float32 halves are stored as they are
+            half_bits = 0
+        r, c, t = products[0][:3]
         cfg = gemm_config(r, c, t, dtype.itemsize)
-        consts = dict(ACCUMULATE=accumulate, BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"], BLOCK_T=cfg["BLOCK_T"],
-                      **dot_constexprs(dtype, torch.device("cuda")))
+        slots = products + [products[0]] * (3 - len(products))
+        consts = dict(PRODUCTS=len(products), HALF_BITS=half_bits, BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"],
+                      BLOCK_T=cfg["BLOCK_T"], **dot_constexprs_for(dtype),
+                      **{f"ACCUMULATE{i}": i < len(products) and products[i][4] for i in range(3)})
         sig, attrs = {}, {}
         for idx, arg in enumerate(kernel.arg_names):
             if kernel.params[idx].is_constexpr:
                 continue
-            if arg in unit:
+            base, _, slot = arg.rpartition("_") if arg[-2:-1] == "_" else (arg[:-1], None, arg[-1:])
+            if arg == "B1":
+                sig[arg] = "i32"
+                attrs[(idx,)] = [["tt.divisibility", 16]]
+                continue
+            _, _, _, unit, _, kind = slots[int(slot)]
+            if base in unit:
                 sig[arg], consts[arg] = "constexpr", 1
                 continue
-            if arg.endswith("_ptr"):
-                sig[arg] = "*fp32" if arg == "acc_ptr" or (arg == "out_ptr" and wide_out) else ptr
+            if base in ("a", "b"):
+                sig[arg] = ptr
+            elif base == "acc":
+                sig[arg] = "*fp32"
+            elif base in ("out", "lo"):
+                if base == "lo":
+                    sig[arg] = "*u8"
+                elif kind == "half":
+                    sig[arg] = "*i16" if half_bits else "*fp32"
+                else:
+                    sig[arg] = "*fp32" if kind == "f32" else ptr
             else:
                 sig[arg] = "i32"
-                if arg in fc.NOT_SPECIALISED["_gemm_kernel"]:  # no hint: the JIT does not specialise it
-                    continue
             attrs[(idx,)] = [["tt.divisibility", 16]]
         row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": t, "K": None,
-               "tile": f"{cfg['BLOCK_R']}x{cfg['BLOCK_C']}x{cfg['BLOCK_T']}", "warps": cfg["num_warps"]}
+               "tile": f"{cfg['BLOCK_R']}x{cfg['BLOCK_C']}x{cfg['BLOCK_T']}", "warps": cfg["num_warps"],
+               "products": len(products)}
         rows.append(_compile_sm(kernel, sig, consts, attrs, arch, cfg["num_warps"], cfg["num_stages"], row))
     return rows
+
+
+# The hybrid strategy's row kernels (floyd_hybrid.py): the arguments that are unit strides for
+# contiguous inputs and statistics (specialised to the constant 1 by the JIT)
+_HYBRID_UNIT = ("sq3", "sdy3", "sk3", "sv3", "smk_k", "sst2")
+
+
+def compile_check_hybrid(dtype: torch.dtype, head_dim: int, arch: int = 90, masked: bool = True) -> List[dict]:
+    """Compile the hybrid strategy's row kernels (``_rows_forward``, ``_rows_backward``) for
+    ``sm_<arch>`` with ``floyd_config.hybrid_config``'s tiles and launch options, specialised
+    as the JIT would for contiguous inputs, halves and statistics (unit strides constant,
+    other sizes and strides multiples of 16 but those it does not specialise,
+    ``floyd_hybrid.NOT_SPECIALISED``, and H), with a mask when ``masked``; report as
+    :func:`compile_check`. 16-bit and float32 inputs (float64 always runs fused)."""
+    from ..kernels import floyd_hybrid as fh
+    from ..kernels.floyd_config import half_bits, hybrid_config
+
+    if dtype == torch.float64:
+        raise ValueError("the hybrid strategy takes 16-bit and float32 inputs")
+    ptr, _ = _ptr_types(dtype)
+    cfg = hybrid_config(head_dim, dtype)
+    bits = half_bits(dtype)
+    top = "*fp32" if bits == 32 else "*i16"
+    rows = []
+    for name, kernel in (("hybrid_fwd", fh._rows_forward), ("hybrid_bwd", fh._rows_backward)):
+        consts = dict(HAS_MASK=masked, HALF_BITS=bits, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
+                      BLOCK_D=cfg["BLOCK_D"], **dot_constexprs_for(dtype))
+        sig, attrs = {}, {}
+        for idx, arg in enumerate(kernel.arg_names):
+            if kernel.params[idx].is_constexpr:
+                continue
+            if arg in _HYBRID_UNIT:
+                sig[arg], consts[arg] = "constexpr", 1
+                continue
+            if arg == "scale":
+                sig[arg] = "i64"
+                continue
+            if arg.endswith("_ptr"):
+                sig[arg] = ("*u8" if arg == "mask_ptr" else "*fp32" if arg in ("max_ptr", "sum_ptr", "y1_ptr", "dq1_ptr")
+                            else ptr)
+            elif arg.endswith("_hi"):
+                sig[arg] = top
+            elif arg.endswith("_lo"):
+                sig[arg] = "*u8"
+            else:
+                sig[arg] = "i32"
+                if arg in _ROW_NOT_DIVISIBLE or arg in fh.NOT_SPECIALISED:
+                    continue
+            attrs[(idx,)] = [["tt.divisibility", 16]]
+        row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": head_dim, "masked": masked,
+               "tile": f"{cfg['BLOCK_M']}x{cfg['BLOCK_K']}x{cfg['BLOCK_D']}", "warps": cfg["num_warps"]}
+        rows.append(_compile_sm(kernel, sig, consts, attrs, arch, cfg["num_warps"], cfg["num_stages"], row,
+                                fp_fusion=cfg["enable_fp_fusion"]))
+    return rows
+
+
+def dot_constexprs_for(dtype: torch.dtype) -> dict:
+    """The Floyd kernels' dot constexprs as a GPU launch gets them (no interpreter widening)."""
+    from ..kernels._floyd_common import dot_constexprs
+
+    return dot_constexprs(dtype, torch.device("cuda"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -874,6 +960,13 @@ def parse_args(argv):
                         help="compile the kernels for an H100 (sm_90) without a GPU and report shared memory, "
                              "registers and spills (for each --dtype, default bfloat16 float32, and D in 16..256; "
                              "the chunked strategy's row kernels at K = 128, 512, 2048 and 4096, and its GEMM)")
+    parser.add_argument("--traffic", action="store_true",
+                        help="count the bytes each launch loads and stores, forward and backward, through the Triton "
+                             "interpreter on the CPU (gradops.bench.traffic; default --shape 1,2,64,64,64,16, "
+                             "--dtype float16)")
+    parser.add_argument("--strategy", action="append", metavar="NAME",
+                        help="with --traffic: only this strategy (repeatable; default: each of "
+                             "floyd_config.STRATEGIES)")
     return parser.parse_args(argv)
 
 
@@ -903,7 +996,7 @@ def _print_compile_row(row: dict, limit: int) -> int:
     print(f"{row['kernel']:12} {row['dtype']:9} {where} {row['tile']:14} w{row['warps']} "
           f"shared={_size(row['shared'])}{' (over the H100 limit)' if over else ''} "
           f"registers={row['registers']} spill ld/st={row['spill_loads']}/{row['spill_stores']} "
-          f"mma={row['mma']} layout conversions={row['layout_conversions']} fma.f32={row['fma_f32']}", flush=True)
+          f"mma={row['mma']} (wgmma {row['wgmma']}) layout conversions={row['layout_conversions']} fma.f32={row['fma_f32']}", flush=True)
     return int(over)
 
 
@@ -942,6 +1035,10 @@ def row_cases(shapes: Optional[Sequence[Shape]]) -> List[int]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.traffic:  # on the CPU, through the interpreter it switches on itself
+        from . import traffic
+
+        return traffic.floyd_main(args)
     if args.compile_check:  # needs the interpreter off: no device rule applied
         return _compile_check(args)
     args = prepare(args)

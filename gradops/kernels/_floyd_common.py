@@ -4,6 +4,7 @@ scale as a kernel argument, the mask as bytes."""
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from ._scalar_args import float64_bits, unpack_float64
@@ -40,3 +41,11 @@ def _mask_arg(mask, like: torch.Tensor):
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
     return mask, (mask.stride(0), mask.stride(2), mask.stride(4)), True
+
+
+@triton.jit
+def tile_max(s):
+    """The row max of a [rows, pivots] tile, NaN where a score is NaN, as torch.amax (the
+    reference) gives it: tl.max skips NaN (maxnum when compiled, nanmax in the interpreter)."""
+    row_max = tl.max(s, axis=1)
+    return tl.where(tl.max((s != s).to(tl.int32), axis=1) != 0, float("nan"), row_max)

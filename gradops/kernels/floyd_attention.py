@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import floyd_chunked
+from . import floyd_chunked, floyd_hybrid
 from ._floyd_common import _ACC, _NEG_FLT_MAX, _TL, FLT_MAX, _mask_arg, _scale_bits, _unpack_scale, dot_constexprs
 from .floyd_config import FUSED_MAX_HEAD_DIM, floyd_config, forced_strategy, strategy
 
@@ -514,10 +514,12 @@ def unsupported(q) -> "str | None":
     return None
 
 
-def _chunked(q, k1) -> bool:
-    """Whether floyd_config's rule gives this call to the chunked strategy."""
+def _strategy(q, k1):
+    """The module that runs this call by floyd_config's rule: floyd_hybrid, floyd_chunked, or
+    None for the fused kernels here."""
     B, H, N, M, D = q.shape
-    return strategy(B, H, N, M, k1.shape[3], D, q.element_size()) == "chunked"
+    return {"hybrid": floyd_hybrid, "chunked": floyd_chunked}.get(strategy(B, H, N, M, k1.shape[3], D,
+                                                                            q.element_size()))
 
 
 def floyd_attention(q, k1, v1, k2, v2, mask, scale):
@@ -532,8 +534,9 @@ def floyd_attention(q, k1, v1, k2, v2, mask, scale):
         softmax_max = torch.full((B, H, N, M), -FLT_MAX, dtype=acc, device=q.device)
         softmax_sum = torch.zeros((B, H, N, M), dtype=acc, device=q.device)
         return out, softmax_max, softmax_sum
-    if _chunked(q, k1):
-        return floyd_chunked.forward(q, k1, v1, k2, v2, mask, scale)
+    memory_strategy = _strategy(q, k1)
+    if memory_strategy is not None:
+        return memory_strategy.forward(q, k1, v1, k2, v2, mask, scale)
     return _fused_forward(q, k1, v1, k2, v2, mask, scale)
 
 
@@ -551,8 +554,9 @@ def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, m
                 torch.zeros((B, H, N, K, D), dtype=q.dtype, device=q.device),
                 torch.zeros((B, H, K, M, D), dtype=q.dtype, device=q.device),
                 torch.zeros((B, H, K, M, D), dtype=q.dtype, device=q.device))
-    if _chunked(q, k1):
-        return floyd_chunked.backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale)
+    memory_strategy = _strategy(q, k1)
+    if memory_strategy is not None:
+        return memory_strategy.backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale)
     return _fused_backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale)
 
 

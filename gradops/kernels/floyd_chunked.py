@@ -41,87 +41,27 @@ import torch
 import triton
 import triton.language as tl
 
-from ._floyd_common import _ACC, _NEG_FLT_MAX, _mask_arg, _scale_bits, _unpack_scale, dot_constexprs
-from .floyd_config import chunk_budget, chunk_plan, gemm_config, pair_bytes, row_config, total_memory
+from .floyd_gemm import Product, by_m as _by_m, gemm
+from ._floyd_common import _ACC, _NEG_FLT_MAX, _mask_arg, _scale_bits, _unpack_scale, dot_constexprs, tile_max
+from .floyd_config import chunk_budget, chunk_plan, pair_bytes, row_config, total_memory
 
 
-# ----------------------------------------------------------------------------------------------
-# The GEMM: out[i0, i1] = a[i0, i1] @ b[i0, i1] (+ acc[i0, i1]), a two-level batch of products
-# ----------------------------------------------------------------------------------------------
-# Integer arguments the JIT must not specialise: in the row kernels those that change from
-# chunk to chunk (the chunk's rows and first slice, n and m), where each value 1 or multiple
-# of 16 would be a compile of its own in a user's first step, and the scale (its float64
-# bits). The GEMM's sizes and batch strides change at tail chunks too, but are specialised:
-# without their divisibility the sm_90 compile has no cp.async (the loads' masks cannot be
-# vectorised) and, without the batch strides', spills (253 registers); a tail costs a
+# Integer arguments of the row kernels the JIT must not specialise: those that change from chunk
+# to chunk (the chunk's rows and first slice, n and m), where each value 1 or multiple of 16
+# would be a compile of its own in a user's first step, and the scale (its float64 bits). The
+# GEMM (floyd_gemm.py) does specialise its sizes and batch strides, although they change at
+# tail chunks: without their divisibility the sm_90 compile has no cp.async (the loads' masks
+# cannot be vectorised) and, without the batch strides', spills (253 registers); a tail costs a
 # compile or two instead.
 NOT_SPECIALISED = {
-    "_gemm_kernel": [],
     "_softmax_rows": ["scale", "rows", "cn", "cm", "g0", "n0", "m0"],
     "_grad_rows": ["scale", "rows", "cn", "cm", "g0", "n0", "m0"],
 }
 
 
-@triton.jit(do_not_specialize=NOT_SPECIALISED["_gemm_kernel"])
-def _gemm_kernel(
-    a_ptr, b_ptr, acc_ptr, out_ptr, B1, R, C, T,
-    sa0, sa1, sar, sat, sb0, sb1, sbt, sbc, sc0, sc1, scr, scc, so0, so1, sor, soc,
-    ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
-):
-    """One [BLOCK_R, BLOCK_C] output tile of one batch entry (i0, i1) per program: the
-    products accumulated in float32 over the contraction T, BLOCK_T at a time, then (when
-    ACCUMULATE) the float32 ``acc`` tile added, and the tile stored in ``out``'s dtype.
-    Offsets are int64: a strided view's batch and row offsets exceed 2^31 at large shapes."""
-    pid = tl.program_id(0)
-    tiles_c = tl.cdiv(C, BLOCK_C)
-    tiles = tl.cdiv(R, BLOCK_R) * tiles_c
-    batch = pid // tiles
-    i0 = (batch // B1).to(tl.int64)
-    i1 = (batch % B1).to(tl.int64)
-    rows = ((pid % tiles) // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = ((pid % tiles) % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-    steps = tl.arange(0, BLOCK_T)
-    a_ptrs = a_ptr + i0 * sa0 + i1 * sa1 + rows.to(tl.int64)[:, None] * sar + steps.to(tl.int64)[None, :] * sat
-    b_ptrs = b_ptr + i0 * sb0 + i1 * sb1 + steps.to(tl.int64)[:, None] * sbt + cols.to(tl.int64)[None, :] * sbc
-    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
-    step = tl.full([], BLOCK_T, tl.int64)  # BLOCK_T * a stride passes 2^31 at large shapes
-    for t0 in range(0, T, BLOCK_T):
-        a = tl.load(a_ptrs, mask=(rows < R)[:, None] & (t0 + steps < T)[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=(t0 + steps < T)[:, None] & (cols < C)[None, :], other=0.0)
-        if UPCAST:  # bfloat16 under the Triton interpreter, whose bf16 tl.dot is wrong (triton#11584)
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=tl.float32)
-        a_ptrs += step * sat
-        b_ptrs += step * sbt
-    inside = (rows < R)[:, None] & (cols < C)[None, :]
-    if ACCUMULATE:
-        acc += tl.load(acc_ptr + i0 * sc0 + i1 * sc1 + rows.to(tl.int64)[:, None] * scr + cols[None, :] * scc,
-                       mask=inside, other=0.0)
-    out = out_ptr + i0 * so0 + i1 * so1 + rows.to(tl.int64)[:, None] * sor + cols[None, :] * soc
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=inside)
-
-
 def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, acc: "torch.Tensor | None" = None) -> None:
-    """``out = a @ b (+ acc)`` over 4-D views: a ``[B0, B1, R, T]``, b ``[B0, B1, T, C]``,
-    out and acc (float32) ``[B0, B1, R, C]``, any strides (views of the inputs, outputs and
-    chunk buffers, transposed and sliced as each product needs). One launch."""
-    b0, b1, r, t = a.shape
-    c = b.shape[3]
-    if b0 * b1 * r * c == 0:
-        return
-    cfg = gemm_config(r, c, t, a.element_size())
-    grid = (b0 * b1 * -(-r // cfg["BLOCK_R"]) * -(-c // cfg["BLOCK_C"]),)
-    consts = dot_constexprs(a.dtype, a.device)
-    acc_t = out if acc is None else acc
-    _gemm_kernel[grid](a, b, acc_t, out, b1, r, c, t, *a.stride(), *b.stride(), *acc_t.stride(), *out.stride(),
-                       ACCUMULATE=acc is not None, **consts, **cfg)
-
-
-def _by_m(t: torch.Tensor) -> torch.Tensor:
-    """A ``[G, n, m, x]`` view as ``[G, m, n, x]``: the operand or result batched over m."""
-    return t.transpose(1, 2)
+    """``out = a @ b (+ acc)``: one product, one launch of the shared GEMM."""
+    gemm(Product(a, b, out, acc))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,13 +95,6 @@ def _scores(s_ptr, mask_rows, smk_k, r, k_idx, inside, K, scale, HAS_MASK: tl.co
 
 
 @triton.jit
-def _tile_max(s):
-    """The row max of a tile, NaN where a score is NaN, as torch.amax (tl.max skips NaN)."""
-    tile_max = tl.max(s, axis=1)
-    return tl.where(tl.max((s != s).to(tl.int32), axis=1) != 0, float("nan"), tile_max)
-
-
-@triton.jit
 def _store(ptr, x, r, k_idx, inside, K):
     """A tile into a [rows, K] buffer in its dtype (the input dtype: P and dS enter their
     GEMMs rounded, as in every flash-attention kernel)."""
@@ -182,7 +115,7 @@ def _softmax_rows(
     if ONE_TILE:  # the whole row in one tile: each score read once
         inside = live[:, None] & (k_idx < K)[None, :]
         s, _ = _scores(s_ptr, mask_rows, smk_k, r, k_idx, inside, K, scale, HAS_MASK)
-        row_max = _tile_max(s)
+        row_max = tile_max(s)
         e = tl.exp(s - row_max[:, None])
         row_sum = tl.sum(e, axis=1)
         _store(p_ptr, e * (1.0 / row_sum)[:, None], r, k_idx, inside, K)
@@ -192,7 +125,7 @@ def _softmax_rows(
         for k0 in range(0, K, BLOCK_K):
             inside = live[:, None] & (k0 + k_idx < K)[None, :]
             s, _ = _scores(s_ptr, mask_rows, smk_k, r, k0 + k_idx, inside, K, scale, HAS_MASK)
-            new_max = tl.maximum(row_max, _tile_max(s), propagate_nan=tl.PropagateNan.ALL)
+            new_max = tl.maximum(row_max, tile_max(s), propagate_nan=tl.PropagateNan.ALL)
             # a first tile of -inf scores only (infinite inputs) leaves the max -inf: shift by 0
             # there, not by -inf (exp(-inf - -inf) is NaN), as one tile of the whole row would
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)

@@ -146,7 +146,7 @@ def floyd_config(kernel: str, head_dim: int, element_size: int = 2) -> FloydConf
 # ----------------------------------------------------------------------------------------------
 # The strategy rule
 # ----------------------------------------------------------------------------------------------
-STRATEGIES = ("fused", "chunked")
+STRATEGIES = ("fused", "chunked", "hybrid")
 # Manual override for benchmarks and tests: "fused" or "chunked" forces that strategy for
 # every call it can run (float64 always runs fused). Also read from GRADOPS_FLOYD_STRATEGY.
 STRATEGY: Optional[str] = None
@@ -193,6 +193,8 @@ def strategy(b: int, h: int, n: int, m: int, k: int, d: int, element_size: int) 
     if element_size == 8:
         return "fused"
     forced = forced_strategy()
+    if forced == "hybrid" and padded_head_dim(d) > HYBRID_MAX_HEAD_DIM:
+        return "chunked"  # the hybrid row kernels hold a whole head: past their widest, chunked
     if forced is not None:
         return forced
     width = padded_head_dim(d) * element_size // 2
@@ -283,13 +285,18 @@ def _round_down_16(x: int) -> int:
 
 
 def chunk_plan(bh: int, n: int, m: int, k: int, element_size: int, budget: int, *, head_dim: int = 0) -> ChunkPlan:
+    """The chunked strategy's chunks: :func:`plan_rows` at ``pair_bytes`` per (n, m) row."""
+    return plan_rows(bh, n, m, pair_bytes(k, head_dim, element_size), budget)
+
+
+def plan_rows(bh: int, n: int, m: int, pair: int, budget: int) -> ChunkPlan:
     """The chunks of a call: as many (n, m) rows per chunk as ``budget`` bytes hold at
-    ``pair_bytes`` each. Whole slices, as many as fit, when one fits; else rows of n with
+    ``pair`` bytes each. Whole slices, as many as fit, when one fits; else rows of n with
     every m (dK1/dV1 then need no sum across chunks), as many as fit (a multiple of 16 from
     32 on); else (M * K alone too large) (n, m) tiles as square as N and M allow. A function
     of its arguments alone: a forward and its backward plan the same chunks, and their GEMMs
     compute bitwise the same scores."""
-    pairs = max(1, budget // pair_bytes(k, head_dim, element_size))  # (n, m) rows per chunk
+    pairs = max(1, budget // pair)  # (n, m) rows per chunk
     if pairs >= n * m:
         return ChunkPlan(max(1, min(bh, pairs // (n * m))), n, m)
     if pairs >= 16 * m:
@@ -310,7 +317,7 @@ def chunk_plan(bh: int, n: int, m: int, k: int, element_size: int, budget: int, 
 # in one variant. Not timed on a GPU yet: tune here.
 GEMM_BLOCK = {2: 128, 4: 64}
 GEMM_STEP = {2: 64, 4: 16}
-GEMM_STAGES = {2: 3, 4: 2}
+GEMM_STAGES = {2: 3, 4: 1}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -356,4 +363,60 @@ def row_config(k: int) -> Dict[str, int]:
     block_k = min(triton.next_power_of_2(max(1, k)), ROW_ELEMENTS)
     block_r = max(1, min(ROW_ELEMENTS // block_k, ROW_MAX_ROWS))
     return dict(BLOCK_R=block_r, BLOCK_K=block_k, ONE_TILE=block_k >= k, num_warps=ROW_WARPS,
+                enable_fp_fusion=ROW_FP_FUSION)
+
+
+# ----------------------------------------------------------------------------------------------
+# The hybrid strategy (floyd_hybrid.py): the m-side halves in memory, the row kernels' tiles
+# ----------------------------------------------------------------------------------------------
+# Bits an m-side half of a score (S2, dP2: float32 sums from the GEMMs) keeps in memory: 32 (the
+# default: the float32 sum itself, as exact as the other strategies) or, for 16-bit inputs, 24
+# (a float32 rounded to 16 bits of mantissa: relative error 2^-16, which reaches the softmax
+# statistics, about 1 byte less per half and pass) or 16 (a bfloat16: 2 bytes less, a larger
+# error; docs/kernels-floyd.md, "Halves in memory"). Each keeps float32's exponent range: no
+# underflow without loss scaling. float32 inputs keep all 32 whatever is set. Also read from
+# GRADOPS_FLOYD_HALF_BITS; a backward must run with its forward's setting.
+HALF_BITS: Optional[int] = None
+HALF_BITS_DEFAULT = 32
+
+
+def half_bits(dtype: torch.dtype) -> int:
+    """Bits of an m-side half in memory for inputs of ``dtype``: 32 for float32, else HALF_BITS
+    (or GRADOPS_FLOYD_HALF_BITS), 32 unless set to 24 or 16."""
+    if dtype == torch.float32:
+        return 32
+    bits = HALF_BITS if HALF_BITS is not None else int(os.environ.get("GRADOPS_FLOYD_HALF_BITS") or HALF_BITS_DEFAULT)
+    if bits not in (16, 24, 32):
+        raise ValueError(f"GRADOPS_FLOYD_HALF_BITS / floyd_config.HALF_BITS must be 16, 24 or 32, got {bits}")
+    return bits
+
+
+def hybrid_pair_bytes(k: int, d: int, dtype: torch.dtype) -> int:
+    """Workspace bytes per (n, m) row of a hybrid chunk (the backward's): its two m-side halves
+    (S2, dP2; P and dS are written over them) and its float32 partial dQ1."""
+    return 2 * k * half_bits(dtype) // 8 + 4 * d
+
+
+# The row kernels' tiles (floyd_hybrid._rows_forward / _rows_backward), per padded head dim and
+# element size: (BLOCK_M rows of m per program, BLOCK_K pivots per step, warps). The same for
+# both kernels: a score's n-side product is the same dot in every sweep of both, so the
+# backward recomputes the forward's scores bitwise. Chosen from sm_90 compiles (``gradops
+# bench floyd --compile-check``): the largest tile whose backward compiles without spills.
+HYBRID_TILES: Dict[int, Dict[int, Tuple[int, int, int]]] = {
+    2: {16: (64, 64, 4), 32: (64, 64, 4), 64: (128, 64, 8), 128: (128, 32, 8), 256: (64, 32, 8)},
+    4: {16: (32, 32, 4), 32: (32, 32, 4), 64: (32, 32, 8), 128: (64, 16, 8), 256: (16, 16, 8)},
+}
+HYBRID_MAX_HEAD_DIM = 256  # past it the chunked strategy takes the call
+HYBRID_STAGES = 2
+
+
+@functools.lru_cache(maxsize=64)
+def hybrid_config(d: int, dtype: torch.dtype) -> Dict[str, int]:
+    """The hybrid row kernels' constexprs and launch options for head dim ``d`` and inputs of
+    ``dtype`` (16-bit or float32), without FMA contraction (ROW_FP_FUSION)."""
+    block_d = padded_head_dim(d)
+    if block_d > HYBRID_MAX_HEAD_DIM:
+        raise ValueError(f"the hybrid strategy takes head dims up to {HYBRID_MAX_HEAD_DIM}, got {d}")
+    block_m, block_k, warps = HYBRID_TILES[min(dtype.itemsize, 4)][block_d]
+    return dict(BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=warps, num_stages=HYBRID_STAGES,
                 enable_fp_fusion=ROW_FP_FUSION)
