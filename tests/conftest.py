@@ -10,7 +10,8 @@ the default of every gradops call that does not name one, and (on a GPU) with th
 device as torch's default device (so a test drawing from a CPU ``torch.Generator`` passes
 ``device="cpu"`` and moves the result). On CPU the "triton" run goes through the interpreter, so
 those tests keep their shapes small. Tests of Floyd attention in 16-bit or float32 take
-``floyd_backend`` instead: the Triton run once per strategy of its backend (fused, chunked).
+``floyd_backend`` instead: the Triton run once per strategy the rule gives such calls (fused,
+hybrid; the chunked strategy, past the hybrid kernels' widest head, has its own tests).
 
 On CPU every test runs under ``device_guard``, which tags each tensor as on the test device or
 on the host and raises where a GPU run would (a CPU generator drawing onto the test device,
@@ -73,10 +74,11 @@ def backend(request):
         yield name
 
 
-# The Triton backend of Floyd attention has two strategies (gradops/kernels/floyd_config.py);
-# at test shapes its rule picks "fused" but for wide heads (16-bit D > 64, float32 D > 16), so
-# user-level Floyd tests force each in turn.
-FLOYD_BACKENDS = ("reference", "triton-fused", "triton-chunked")
+# The Triton backend of Floyd attention has three strategies (gradops/kernels/floyd_config.py);
+# its rule gives calls of the test shapes to "fused" or "hybrid" by their roofline, so
+# user-level Floyd tests force each of the two in turn ("chunked" takes only heads past the
+# hybrid kernels' widest and float32 calls where it executes fewer FLOP: tests/test_floyd_chunked.py).
+FLOYD_BACKENDS = ("reference", "triton-fused", "triton-hybrid")
 
 
 @pytest.fixture(params=FLOYD_BACKENDS)

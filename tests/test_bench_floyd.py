@@ -32,7 +32,7 @@ def _goal(metric: str, text: str = "") -> Goal:
 def test_interpreted_quick_run_measures_both_strategies_and_names_the_rules_choice(tmp_path, capsys):
     from gradops.kernels import floyd_config
 
-    shapes = [(1, 2, 8, 8, 8, 8), (1, 1, 4, 5, 6, 32)]  # float32: the rule picks fused, then chunked
+    shapes = [(1, 2, 8, 8, 8, 8), (1, 1, 4, 5, 6, 32)]  # float32: the rule picks fused, then hybrid
     argv = [*FAST, "--interpret", "--dtype", "float32", "--out", str(tmp_path), "--tag", "t",
             "--impl", *floyd.OUR_IMPLS, "einsum"]
     for shape in shapes:
@@ -44,11 +44,11 @@ def test_interpreted_quick_run_measures_both_strategies_and_names_the_rules_choi
     assert data["meta"]["backend_ours"] == "triton" and data["meta"]["directions"] == list(floyd.DIRECTIONS)
     assert data["meta"]["strategy_override"] is None
     rules = {shape: floyd_config.strategy(*shape, 4) for shape in shapes}
-    assert set(rules.values()) == {"fused", "chunked"}
+    assert set(rules.values()) == {"fused", "hybrid"}
     for shape, rule in rules.items():
         assert f"gradops ran {rule} (floyd_config's rule)" in out
         case = dict(zip("BHNMKD", shape))
-        for impl, strategy in ((OURS, rule), (floyd.FUSED, "fused"), (floyd.CHUNKED, "chunked")):
+        for impl, strategy in ((OURS, rule), *floyd.FORCED.items()):
             for direction in floyd.DIRECTIONS:
                 (rec,) = [r for r in data["records"] if r["impl"] == impl and r["op"] == f"floyd_{direction}"
                           and all(r["case"][k] == v for k, v in case.items())]
@@ -59,7 +59,7 @@ def test_interpreted_quick_run_measures_both_strategies_and_names_the_rules_choi
     assert floyd.fwdbwd_flops((1, 2, 3, 4, 5, 6)) == 28 * 720
     # the variants are compared with ours like any peer
     ratios = [r for r in data["ratios"] if r["impl"] in floyd.FORCED]
-    assert len(ratios) == 2 * 3 * len(shapes) and all(r["speedup_of_ours"] for r in ratios)
+    assert len(ratios) == len(floyd.FORCED) * 3 * len(shapes) and all(r["speedup_of_ours"] for r in ratios)
 
 
 def test_the_strategy_is_forced_inside_the_timed_calls_only():
@@ -108,7 +108,7 @@ def test_without_the_interpreter_on_a_cpu_none_of_ours_runs():
     names = floyd.impl_names(args)
     assert not set(floyd.OUR_IMPLS) & set(names) and {"reference", "einsum"} <= set(names)
     args = floyd.prepare(floyd.parse_args(["--device", "cpu", "--quick", "--interpret"]), need_device=False)
-    assert floyd.impl_names(args)[:3] == list(floyd.OUR_IMPLS)
+    assert floyd.impl_names(args)[:len(floyd.OUR_IMPLS)] == list(floyd.OUR_IMPLS)
 
 
 def test_compiled_is_floydnets_function_when_it_imports():

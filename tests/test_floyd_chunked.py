@@ -787,80 +787,8 @@ def test_head_dim_past_the_fused_limit_is_refused_where_only_fused_runs(monkeypa
 
 
 # ---------------------------------------------------------------------------------------------
-# The rule (floyd_config.strategy) and the plan (floyd_config.chunk_plan): no kernels
+# The plan (floyd_config.chunk_plan): no kernels (the rule: tests/test_floyd_roofline.py)
 # ---------------------------------------------------------------------------------------------
-def test_rule_float64_is_always_fused(monkeypatch, rule):
-    for d in (8, 64, 129, 512):
-        assert config.strategy(64, 16, 256, 256, 256, d, 8) == "fused"
-    for forced in ("chunked", "fused"):
-        monkeypatch.setattr(config, "STRATEGY", forced)
-        assert config.strategy(64, 16, 256, 256, 256, 300, 8) == "fused"
-    monkeypatch.setattr(config, "STRATEGY", None)
-    monkeypatch.setenv("GRADOPS_FLOYD_STRATEGY", "chunked")
-    assert config.strategy(1, 1, 2, 2, 2, 300, 8) == "fused"
-
-
-def test_rule_wide_heads_are_chunked_at_any_size(rule):
-    """Past FUSED_MAX_WIDTH (16-bit D > 64, float32 D > 16) the fused tiles spill: chunked,
-    even for a single score."""
-    for element_size, widest in config.FUSED_MAX_WIDTH.items():
-        limit = widest * 2 // element_size  # the largest padded head dim the fused kernels keep
-        for d in (limit + 1, 2 * limit, 300, 1000):
-            assert config.strategy(1, 1, 1, 1, 1, d, element_size) == "chunked", (element_size, d)
-        assert config.strategy(1, 1, 1, 1, 1, limit, element_size) == "fused"
-    assert config.strategy(1, 1, 1, 1, 1, 65, 2) == "chunked"
-    assert config.strategy(1, 1, 1, 1, 1, 17, 4) == "chunked"
-    assert config.strategy(1, 1, 1, 1, 1, 64, 2) == config.strategy(1, 1, 1, 1, 1, 16, 4) == "fused"
-
-
-def test_rule_picks_the_faster_strategy_wherever_both_were_measured(rule):
-    """floyd_config.MEASURED holds forward + backward of both strategies on an H100: at every
-    such shape the rule picks the faster one (a tie to the fused kernels), and the measured
-    shapes span both answers. Width alone decides: the same shape smaller or larger, with
-    more heads or a batch, takes the same strategy."""
-    assert {config.strategy(b, h, n, n, n, d, es) for (b, h, n, d, es) in config.MEASURED} == {"fused", "chunked"}
-    for (b, h, n, d, es), (fused_ms, chunked_ms) in config.MEASURED.items():
-        faster = "chunked" if chunked_ms < fused_ms else "fused"
-        assert config.strategy(b, h, n, n, n, d, es) == faster, (b, h, n, d, fused_ms, chunked_ms)
-        for other in ((1, 1, 16, 16, 16), (4, 16, 2048, 512, 1024), (b, h, 3, 1000, 7)):
-            assert config.strategy(*other, d, es) == faster
-
-
-def test_rule_overrides(monkeypatch, rule):
-    big, small = (4, 8, 512, 512, 512, 128, 2), (1, 1, 2, 2, 2, 8, 2)
-    assert config.strategy(*big) == "chunked" and config.strategy(*small) == "fused"
-    monkeypatch.setenv("GRADOPS_FLOYD_STRATEGY", "chunked")
-    assert config.forced_strategy() == "chunked" and config.strategy(*small) == "chunked"
-    monkeypatch.setenv("GRADOPS_FLOYD_STRATEGY", "fused")
-    assert config.strategy(*big) == "fused"
-    monkeypatch.setattr(config, "STRATEGY", "chunked")  # the attribute wins over the environment
-    assert config.strategy(*small) == "chunked"
-    monkeypatch.setattr(config, "STRATEGY", "fused")
-    assert config.strategy(*big) == "fused"
-    # past FUSED_MAX_WIDTH too: forced means forced
-    assert config.strategy(1, 1, 1, 1, 1, 128, 2) == "fused"
-    monkeypatch.setattr(config, "STRATEGY", None)
-    monkeypatch.setenv("GRADOPS_FLOYD_STRATEGY", "")  # empty: not set
-    assert config.forced_strategy() is None and config.strategy(*small) == "fused"
-
-
-@pytest.mark.parametrize("where", ["attribute", "environment"])
-def test_rule_bad_override_raises(monkeypatch, rule, where, device):
-    if where == "attribute":
-        monkeypatch.setattr(config, "STRATEGY", "Chunked")
-    else:
-        monkeypatch.setenv("GRADOPS_FLOYD_STRATEGY", "tiled")
-    with pytest.raises(ValueError, match="unknown Floyd strategy"):
-        config.forced_strategy()
-    with pytest.raises(ValueError, match="unknown Floyd strategy"):
-        config.strategy(1, 1, 2, 2, 2, 8, 2)
-    inputs, _, _ = make_inputs(1, 1, 2, 3, 4, 8, torch.float16, device)
-    with pytest.raises(ValueError, match="unknown Floyd strategy"):
-        kernels.floyd_attention(*inputs, None, 1.0)
-    # float64 never asks: it is fused whatever the override says
-    assert config.strategy(1, 1, 2, 2, 2, 8, 8) == "fused"
-
-
 def _plan_cases():
     """(bh, n, m, k, d, element_size, budget): edge cases, then a random sweep."""
     cases = [(1, 1, 1, 1, 1, 2, 1), (1, 1, 1, 1000, 8, 4, 10), (3, 1, 1, 5, 8, 2, 10 ** 9),

@@ -586,11 +586,10 @@ SM90_CASES = ("bfloat16:16", "bfloat16:32", "bfloat16:64", "bfloat16:128", "floa
 
 
 def _shipped(dtype_name: str, head_dim: int) -> bool:
-    """Whether floyd_config's rule gives calls of this dtype and head dim to the fused kernels
-    (at any size: the rule reads the width alone; float64, for checking, left out): there
-    they must not spill."""
+    """Whether floyd_config's rule may give calls of this dtype and head dim to the fused
+    kernels (float64, for checking, left out): there they must not spill."""
     element_size = getattr(torch, dtype_name).itemsize
-    return element_size < 8 and config.strategy(1, 1, 1, 1, 1, head_dim, element_size) == "fused"
+    return element_size < 8 and "fused" in config.runnable(head_dim, element_size)
 
 
 def _recorded_launches(monkeypatch):

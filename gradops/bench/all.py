@@ -79,8 +79,10 @@ GPU_PLAN = (
          "torch.compile of the reference (one compilation per case)"),
     Part("floyd", "floyd", (*_shapes("1,8,512,512,512,32", "1,8,512,512,512,64", "1,8,512,512,512,128"),
                             "--dtype", "bfloat16", "--direction", "fwd", "--direction", "bwd", "--direction", "fwdbwd",
-                            "--impl", "gradops", "gradops-fused", "gradops-chunked", "einsum", "floydnet"), 75,
-         "N = M = K = 512, D = 32/64/128, bfloat16: both strategies and the rule's choice, errors against float64"),
+                            "--impl", "gradops", "gradops-fused", "gradops-hybrid", "gradops-chunked", "einsum",
+                            "floydnet"), 75,
+         "N = M = K = 512, D = 32/64/128, bfloat16: the three strategies and the rule's choice, errors against "
+         "float64"),
     Part("floyd-large", "floyd", (*_shapes("1,4,1024,1024,1024,128"), "--dtype", "bfloat16",
                                   "--direction", "fwd", "--direction", "bwd",
                                   "--impl", "gradops", "gradops-fused", "einsum", "floydnet"), 25,

@@ -6,8 +6,8 @@ Implementations measured side by side, same process, same inputs:
   (backend="triton"; on CPU only with ``--interpret``, and then only to see that it runs:
   interpreter timings mean nothing), with the strategy ``floyd_config.strategy`` chooses for
   the case: what a user gets. Each of its records names that choice (``extra.strategy``);
-- ``gradops-fused`` and ``gradops-chunked``: the same calls with ``floyd_config.STRATEGY``
-  forcing one strategy, set around every timed call (and the forward a backward is fed
+- ``gradops-fused``, ``gradops-hybrid`` and ``gradops-chunked``: the same calls with
+  ``floyd_config.STRATEGY`` forcing one strategy, set around every timed call (and the forward a backward is fed
   from) and restored after it, so nothing leaks into the other implementations. Float64
   always runs fused (``extra.strategy`` says what ran);
 - ``reference``: the chunked PyTorch reference (backend="reference"), bounded memory;
@@ -55,11 +55,11 @@ from . import harness
 from .harness import DTYPES, OURS, Goal, Record, Run, progress
 
 FAMILY = "floyd"
-FUSED, CHUNKED = f"{OURS}-fused", f"{OURS}-chunked"
-FORCED = {FUSED: "fused", CHUNKED: "chunked"}  # our variants with floyd_config.STRATEGY forced
-OUR_IMPLS = (OURS, FUSED, CHUNKED)
+FUSED, HYBRID, CHUNKED = f"{OURS}-fused", f"{OURS}-hybrid", f"{OURS}-chunked"
+FORCED = {FUSED: "fused", HYBRID: "hybrid", CHUNKED: "chunked"}  # ours with floyd_config.STRATEGY forced
+OUR_IMPLS = (OURS, FUSED, HYBRID, CHUNKED)
 # measured in this order in each case: the reference, slowest at large N, last
-IMPLS = (OURS, FUSED, CHUNKED, "einsum", "floydnet", "compiled", "reference")
+IMPLS = (OURS, FUSED, HYBRID, CHUNKED, "einsum", "floydnet", "compiled", "reference")
 DIRECTIONS = ("fwd", "bwd", "fwdbwd")
 OPS = tuple(f"floyd_{d}" for d in DIRECTIONS)
 Shape = Tuple[int, int, int, int, int, int]  # B, H, N, M, K, D
@@ -164,21 +164,25 @@ def io_bytes(op: str, shape: Shape, element_size: int, masked: bool = False) -> 
     raise ValueError(f"unknown Floyd op {op!r}")
 
 
-def chunk_budget(device: str, shape: Shape, element_size: int) -> int:
-    """The chunked strategy's workspace per chunk for ``shape`` on ``device``
-    (``floyd_config.chunk_budget``)."""
-    from ..kernels.floyd_config import chunk_budget as budget, pair_bytes, total_memory
+def chunk_budget(device: str, shape: Shape, element_size: int, strategy: Optional[str] = None) -> int:
+    """The workspace per chunk of a memory strategy (the hybrid one's for "hybrid", else the
+    chunked one's) for ``shape`` on ``device`` (``floyd_config.chunk_budget``)."""
+    from ..kernels import floyd_config
 
     b, h, n, m, k, d = shape
-    return budget(total_memory(torch.device(device)), b * h * n * m * pair_bytes(k, d, element_size))
+    if strategy == "hybrid":
+        pair = floyd_config.hybrid_pair_bytes(k, d, torch.float32 if element_size == 4 else torch.bfloat16)
+    else:
+        pair = floyd_config.pair_bytes(k, d, element_size)
+    return floyd_config.chunk_budget(floyd_config.total_memory(torch.device(device)), b * h * n * m * pair)
 
 
 def memory_bound(op: str, shape: Shape, element_size: int, masked: bool = False,
-                 budget: Optional[int] = None) -> Tuple[int, int]:
-    """(inputs, the bound): inputs + outputs + ``budget`` (default: the chunked strategy's
-    workspace on this machine's GPU, else its CPU, :func:`chunk_budget`)."""
+                 budget: Optional[int] = None, strategy: Optional[str] = None) -> Tuple[int, int]:
+    """(inputs, the bound): inputs + outputs + ``budget`` (default: the workspace of
+    ``strategy``'s chunks on this machine's GPU, else its CPU, :func:`chunk_budget`)."""
     if budget is None:
-        budget = chunk_budget("cuda" if torch.cuda.is_available() else "cpu", shape, element_size)
+        budget = chunk_budget("cuda" if torch.cuda.is_available() else "cpu", shape, element_size, strategy)
     inputs, outputs = io_bytes(op, shape, element_size, masked)
     return inputs, inputs + outputs + budget
 
@@ -199,7 +203,7 @@ def annotate(rec: Record, shape: Shape, element_size: int, masked: bool, strateg
     if strategy is not None:
         rec.extra["strategy"] = strategy
     if rec.peak_bytes is not None:
-        inputs, bound = memory_bound(rec.op, shape, element_size, masked, budget)
+        inputs, bound = memory_bound(rec.op, shape, element_size, masked, budget, strategy)
         rec.extra["memory_bound_bytes"] = bound
         rec.extra["memory_bound_ratio"] = (inputs + rec.peak_bytes) / bound
     return rec

@@ -152,19 +152,17 @@ STRATEGIES = ("fused", "chunked", "hybrid")
 STRATEGY: Optional[str] = None
 
 # Widths as in the tile table (block_d * element_size / 2). Past FUSED_MAX_WIDTH the fused
-# kernels spill registers at every tile that fits shared memory (the sm_90 compile check),
-# and where they were measured against the chunked strategy (MEASURED below) they lost
-# there and won or tied at or below it: the rule is "chunked" past it, "fused" up to it.
-# Float32 at D = 32 (width 64) spills in the forward too, hence its own limit.
+# kernels spill registers at every tile that fits shared memory (the sm_90 compile check): the
+# rule does not give them such a call. Float32 at D = 32 (width 64) spills in the forward too,
+# hence its own limit.
 FUSED_MAX_WIDTH = {2: 64, 4: 32}
 
-# What the rule was set from: forward + backward of both strategies in one run, on an H100
-# (shared/gpu/h100-2026-11-25, bench/floyd.json and floyd-large.json; Triton 3.6, bf16,
-# gradops at 2473253, whose chunked strategy was the per-chunk bmm design before issue 25).
-# (B, H, N=M=K, D, element size): (fused ms, chunked ms); the rule must pick the faster of
-# each (tests/test_floyd_chunked.py). Where the chunked strategy was measured twice the
-# slower run is kept (at D = 64: 96.4 and 125.5 ms): a tie goes to the fused kernels,
-# which need no workspace. Rerun `gradops bench floyd` on a GPU and add its rows here.
+# Forward + backward of two strategies measured in one run on an H100, which the rule would
+# follow where they are both strategies of today (none yet: these are the fused kernels against
+# the chunked strategy before issue 25, per-chunk bmm calls, which no longer exists;
+# shared/gpu/h100-2026-11-25, bench/floyd.json and floyd-large.json; Triton 3.6, bf16).
+# (B, H, N=M=K, D, element size): (fused ms, that chunked strategy's ms). The fused times are
+# those a roofline of the fused kernels must stay under (tests/test_floyd_roofline.py).
 MEASURED: Dict[Tuple[int, int, int, int, int], Tuple[float, float]] = {
     (1, 8, 512, 32, 2): (8.69 + 36.71, 76.15 + 90.76),
     (1, 8, 512, 64, 2): (12.86 + 83.20, 57.04 + 68.50),
@@ -185,11 +183,24 @@ def forced_strategy() -> Optional[str]:
 FUSED_MAX_HEAD_DIM = {2: 256, 4: 256, 8: 128}  # past these no fused tile fits shared memory
 
 
+def runnable(d: int, element_size: int) -> Tuple[str, ...]:
+    """The strategies that can take a call of head dim ``d`` (16-bit or float32 inputs), in the
+    order the rule prefers on a tie: the fused kernels up to FUSED_MAX_WIDTH (past it they
+    spill), the hybrid one up to HYBRID_MAX_HEAD_DIM, the chunked one always."""
+    width = padded_head_dim(d) * element_size // 2
+    return tuple(name for name, fits in (("fused", width <= FUSED_MAX_WIDTH.get(element_size, 64)),
+                                         ("hybrid", padded_head_dim(d) <= HYBRID_MAX_HEAD_DIM),
+                                         ("chunked", True)) if fits)
+
+
 def strategy(b: int, h: int, n: int, m: int, k: int, d: int, element_size: int) -> str:
-    """"fused" or "chunked" for a call of this shape and element size (bytes per input
-    element). Float64 (element size 8) is always "fused": the chunked path's GEMMs and row
-    kernels are for the 16-bit and float32 inputs tensor cores serve. Both strategies are
-    deterministic, so torch's determinism setting does not enter."""
+    """"fused", "hybrid" or "chunked" for a call of this shape and element size (bytes per
+    input element): the one with the shortest roofline on an H100 among those that can take
+    it (``floyd_roofline.roofline``: HBM bytes, L2 bytes issued, FLOP at the tiles' shapes and
+    launches, each counted), or the one forced. Float64 (element size 8) is always "fused":
+    the other strategies' GEMMs and row kernels are for the 16-bit and float32 inputs tensor
+    cores serve. Every strategy is deterministic, so torch's determinism setting does not
+    enter; a forward and its backward get the same answer."""
     if element_size == 8:
         return "fused"
     forced = forced_strategy()
@@ -197,8 +208,18 @@ def strategy(b: int, h: int, n: int, m: int, k: int, d: int, element_size: int) 
         return "chunked"  # the hybrid row kernels hold a whole head: past their widest, chunked
     if forced is not None:
         return forced
-    width = padded_head_dim(d) * element_size // 2
-    return "chunked" if width > FUSED_MAX_WIDTH.get(element_size, 64) else "fused"
+    return _fastest(b, h, n, m, k, d, element_size, half_bits(torch.bfloat16))
+
+
+@functools.lru_cache(maxsize=4096)
+def _fastest(b, h, n, m, k, d, element_size, bits) -> str:
+    """The runnable strategy with the shortest roofline (``bits``: HALF_BITS, part of the key)."""
+    from .floyd_roofline import roofline
+
+    dtype = torch.bfloat16 if element_size == 2 else torch.float32
+    candidates = runnable(d, element_size)
+    times = [roofline(name, (b, h, n, m, k, d), dtype, override=False).seconds for name in candidates]
+    return candidates[times.index(min(times))]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,6 +271,12 @@ def chunk_budget(device_total_bytes: int, problem_bytes: int) -> int:
     MIN_CHUNK_BUDGET_BYTES."""
     if CHUNK_BUDGET_BYTES is not None:
         return max(1, int(CHUNK_BUDGET_BYTES))
+    return device_budget(device_total_bytes, problem_bytes)
+
+
+def device_budget(device_total_bytes: int, problem_bytes: int) -> int:
+    """:func:`chunk_budget` without the CHUNK_BUDGET_BYTES override: what a device of this much
+    memory plans with (the strategy rule's roofline plans with it on its reference device)."""
     return max(MIN_CHUNK_BUDGET_BYTES, min(device_total_bytes // CHUNK_MEMORY_DIVISOR,
                                            problem_bytes // CHUNK_PROBLEM_DIVISOR))
 
