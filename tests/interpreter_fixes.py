@@ -5,7 +5,8 @@ The interpreter (Triton 3.x) converts float32 to bfloat16 by dropping the low 16
 (round toward zero), where every NVIDIA GPU rounds to nearest even (``cvt.rn.bf16.f32``) and
 so does torch. Truncation doubles the worst rounding error and biases it, so a bf16 result
 of a kernel run on CPU would look up to twice as far from the float64 value as the same
-kernel on a GPU. This replaces that one conversion with round-to-nearest-even; every other
+kernel on a GPU. gradops.kernels._interpreter.round_bfloat16_to_nearest replaces that one
+conversion with round-to-nearest-even (the CPU accuracy benchmark uses it too); every other
 cast is left to the interpreter.
 
 The interpreter's ``tl.dot`` is NumPy's ``matmul``, i.e. OpenBLAS, whose kernels sum an
@@ -19,15 +20,6 @@ element's products in order of the contraction, whatever the tile, so the CPU te
 what a GPU does. Applied by tests/conftest.py for CPU runs only.
 """
 import numpy as np
-
-
-def _float32_to_bfloat16_rne(values: np.ndarray) -> np.ndarray:
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # ties to even; a carry moves into the exponent
-    nan = np.isnan(values)
-    out = rounded.astype(np.uint16)
-    out[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)  # keep NaN a (quiet) NaN
-    return out
 
 
 def _dot_in_order(a: np.ndarray, b: np.ndarray, dtype) -> np.ndarray:
@@ -45,24 +37,15 @@ def install() -> bool:
     """Patch the interpreter's cast and dot; False when this Triton's interpreter is not the
     shape this patch knows (the tests then see the interpreter's own truncation and BLAS)."""
     try:
-        import triton.language as tl
         from triton.runtime import interpreter
+
+        from gradops.kernels._interpreter import round_bfloat16_to_nearest
     except Exception:
         return False
-    builder = getattr(interpreter, "InterpreterBuilder", None)
-    handle = getattr(interpreter, "TensorHandle", None)
-    original = getattr(builder, "cast_impl", None)
-    if original is None or handle is None or getattr(original, "_gradops_rne", False):
-        return original is not None
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            return handle(_float32_to_bfloat16_rne(src.data), dst_type.scalar)
-        return original(self, src, dst_type)
-
-    cast_impl._gradops_rne = True
-    builder.cast_impl = cast_impl
-
+    if round_bfloat16_to_nearest() is None:
+        return False
+    builder = interpreter.InterpreterBuilder
+    handle = interpreter.TensorHandle
     original_dot = getattr(builder, "create_dot", None)
     if original_dot is not None and not getattr(original_dot, "_gradops_in_order", False):
         def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):

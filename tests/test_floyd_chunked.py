@@ -118,16 +118,20 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("mask_kind", [None, "random", "full_rows"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+# The shapes in float32 without a mask, three of them in float16 with each kind of mask: the
+# hybrid strategy, which shares the plan and the GEMM, takes the whole grid
+# (tests/test_floyd_hybrid.py); the chunked one takes wide heads and float32 calls the rule
+# gives it, or forced.
+@pytest.mark.parametrize("shape,mask_kind,dtype", [(s, None, torch.float32) for s in SHAPES]
+                         + [(s, mask, torch.float16) for s, mask in zip(SHAPES[1:4], ("random", "full_rows", None))],
+                         ids=str)
 def test_against_float64_autograd(spy, shape, mask_kind, dtype, device):
     inputs, dy, mask = make_inputs(*shape, dtype, device, mask_kind)
     check_against_oracle(run_chunked(spy, inputs, dy, mask), inputs, dy, mask, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("d", [16, 64, 96, 128, 256])
+@pytest.mark.parametrize("d,dtype", [(16, torch.bfloat16), (96, torch.float16), (128, torch.float32),
+                                     (256, torch.bfloat16)], ids=str)
 def test_head_dims(spy, d, dtype, device):
     """Every head dim the fused kernels take, and their widest; bfloat16 too (its GEMM tiles
     widened to float32 in the interpreter: exact products, float32 sums, as tensor cores)."""
@@ -229,8 +233,9 @@ CHUNKINGS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name,shape,budget_of", CHUNKINGS, ids=[c[0] for c in CHUNKINGS])
+@pytest.mark.parametrize("name,shape,budget_of,dtype", [c + (dt,) for c, dt in zip(
+    CHUNKINGS, (torch.float32, torch.float16, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16))],
+    ids=[c[0] for c in CHUNKINGS])
 def test_many_chunks(spy, monkeypatch, name, shape, budget_of, dtype, device):
     """Small budgets: chunks of one row, chunks with tails on n and m, N whole and M split,
     rows of n with M whole, whole slices, and groups of slices with a short last group; the
@@ -270,23 +275,23 @@ def _ulps(x, y):
 
 
 def test_sums_across_chunks_are_float32(spy, monkeypatch, device):
-    """The gradients of a bfloat16 call in 16 chunks of 8 x 8 (n, m) rows (dK1/dV1 summed
-    over 2 m-chunks, dK2/dV2 over 8 n-chunks) against the same call in one chunk: the
+    """The gradients of a bfloat16 call in 8 chunks of 8 x 8 (n, m) rows (dK1/dV1 summed
+    over 2 m-chunks, dK2/dV2 over 4 n-chunks) against the same call in one chunk: the
     partial sums travel between chunks in float32, so the two differ by float32
     reassociation only and round to at most one bfloat16 ulp apart (with the sums rounded to
     bfloat16 between chunks they differ by hundreds of ulps at small elements)."""
-    b, h, n, m, k, d = 1, 1, 64, 16, 8, 16
+    b, h, n, m, k, d = 1, 1, 32, 16, 8, 16
     inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.bfloat16, device, None)
     whole = run_chunked(spy, inputs, dy, mask)[3]
-    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(4 * m, k, torch.bfloat16, d))
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(8 * 8, k, torch.bfloat16, d))
     split = run_chunked(spy, inputs, dy, mask)[3]
-    assert spy.plans[-1][2].count(b * h, n, m) == 16 and spy.plans[0][2].count(b * h, n, m) == 1
+    assert spy.plans[-1][2].count(b * h, n, m) == 8 and spy.plans[-1][2].block_m < m
+    assert spy.plans[0][2].count(b * h, n, m) == 1
     for name, got, ref in zip(GRAD_NAMES, split, whole):
         assert _ulps(got, ref) <= 1.0, (name, _ulps(got, ref))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("pairs", [None, 3], ids=["one_chunk", "chunks_of_3"])
+@pytest.mark.parametrize("pairs,dtype", [(None, torch.float32), (3, torch.float16)], ids=str)
 def test_fully_masked_row_gradients(spy, monkeypatch, pairs, dtype, device):
     """As the fused kernels (test_kernels_floyd.py::test_fully_masked_row_gradients): dS is
     zero where masked, so Q, K1, K2 get exactly nothing from a fully masked row, and V1, V2
@@ -328,7 +333,7 @@ def _count(launches, since=0):
     return names.count("_gemm_kernel"), len(names) - names.count("_gemm_kernel")
 
 
-@pytest.mark.parametrize("shape", [(1, 2, 8, 8, 8, 16), (2, 1, 40, 33, 70, 16), (3, 2, 17, 20, 5, 40)],
+@pytest.mark.parametrize("shape", [(2, 1, 17, 20, 5, 40)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_gemm_count_does_not_grow_with_the_problem(spy, monkeypatch, shape, device):
     """With the budget from the device's memory these problems are one chunk: the forward
@@ -346,7 +351,7 @@ def test_gemm_count_does_not_grow_with_the_problem(spy, monkeypatch, shape, devi
     check_against_oracle((out, mx, sm, grads), inputs, dy, mask, torch.float16)
 
 
-@pytest.mark.parametrize("rows", [16, 32, 40, 64])
+@pytest.mark.parametrize("rows", [40])
 def test_gemm_count_grows_only_with_the_chunks_the_budget_forces(spy, monkeypatch, rows, device):
     """A budget of ``rows`` rows of n (every m and pivot): 14 GEMMs and 2 row kernels per
     chunk, forward + backward, and no more chunks than twice the fewest the budget allows
@@ -408,9 +413,9 @@ def test_few_kernel_specialisations_per_step(spy, monkeypatch, split, device):
     assert len(kinds) <= (8 + 3 + 6 if split else 8), sorted(map(str, kinds))
 
 
-@pytest.mark.parametrize("budget", ["rows_of_10", "groups_of_3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", ["K1", "one_hot"])
+@pytest.mark.parametrize("kind,dtype,budget", [("K1", torch.float16, "rows_of_10"), ("K1", torch.float32, "groups_of_3"),
+                                               ("one_hot", torch.bfloat16, "rows_of_10"),
+                                               ("one_hot", torch.float32, "groups_of_3")], ids=str)
 def test_one_hot_softmax_gives_exactly_zero_score_gradients(spy, monkeypatch, kind, dtype, budget, device):
     """test_floyd_attention.py's exactness test (which runs the chunked strategy at one chunk
     through the floyd_backend fixture) with many chunks: with K = 1, or one pivot dominating
@@ -456,7 +461,7 @@ def test_forward_and_backward_plan_the_same_chunks(spy, monkeypatch, device):
     the chunks its forward planned, whatever the statistics or dY."""
     shape = (2, 2, 7, 6, 5, 4)
     b, h, n, m, k, d = shape
-    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(4, k, torch.float16, d))
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(16, k, torch.float16, d))
     inputs, dy, mask = make_inputs(*shape, torch.float16, device, "random")
     run_chunked(spy, inputs, dy, mask)
     (fwd_args, fwd_kw, fwd_plan), (bwd_args, bwd_kw, bwd_plan) = spy.plans
@@ -469,7 +474,7 @@ def test_forward_and_backward_plan_the_same_chunks(spy, monkeypatch, device):
 # ---------------------------------------------------------------------------------------------
 # Layouts, statistics, determinism
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("pairs", [None, 50], ids=["one_chunk", "chunks_of_50"])
+@pytest.mark.parametrize("pairs", [None], ids=["one_chunk"])
 def test_non_contiguous_inputs_and_cann_statistics(spy, monkeypatch, pairs, device):
     """Views with arbitrary strides (inputs, dY, mask) give the contiguous inputs' results
     (within rounding: the GEMMs may see other layouts), and the backward reads statistics
@@ -508,7 +513,7 @@ def test_deterministic(spy, monkeypatch, device):
     n-chunks), and groups of slices."""
     shape = (1, 3, 7, 5, 21, 16)
     inputs, dy, mask = make_inputs(*shape, torch.float16, device, "random")
-    budgets = ((pairs_budget(8, 21, torch.float16, 16), 3 * 2 * 3),  # chunks of 4 x 2 rows
+    budgets = ((pairs_budget(20, 21, torch.float16, 16), 3 * 2 * 2),  # chunks of 5 x 4 rows
                (slices_budget(2, shape, torch.float16), 2))  # slices in groups of 2
     for budget, chunks in budgets:
         monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", budget)
@@ -519,14 +524,14 @@ def test_deterministic(spy, monkeypatch, device):
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's nanmax
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32], ids=str)
 def test_nan_in_q_stays_in_its_row(spy, monkeypatch, dtype, device):
     """A NaN in q[b,h,n,m] makes that row's max, sum and output NaN and nothing else, with
     chunks splitting n and m and a row-kernel program holding several m rows (the NaN's
     neighbours in its program, its chunk and the next chunks stay finite); the gradients'
     NaN pattern is the float64 oracle's."""
-    b, h, n, m, k, d = 2, 2, 5, 11, 20, 6
-    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(12, k, dtype, d))
+    b, h, n, m, k, d = 2, 1, 5, 11, 20, 6
+    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(24, k, dtype, d))
     inputs, dy, mask = make_inputs(b, h, n, m, k, d, dtype, device, "random")
     inputs = [t.clone() for t in inputs]
     where = (1, 0, 3, 6)
@@ -676,8 +681,7 @@ def test_no_cubic_allocation(spy, monkeypatch, dtype, device):
     assert naive.largest >= cube and naive.peak >= cube * 8
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("launcher", ["forward", "backward"])
+@pytest.mark.parametrize("launcher,dtype", [("forward", torch.float16), ("backward", torch.float32)], ids=str)
 def test_score_workspace_within_the_chunk_budget(spy, monkeypatch, launcher, dtype, device):
     """The score-sized buffers held at once (S and dP in float32, P and dS in the input
     dtype; the forward S and P) within one chunk's scores at ``score_bytes`` each: the

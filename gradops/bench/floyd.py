@@ -754,8 +754,8 @@ def compile_check_hybrid(dtype: torch.dtype, head_dim: int, arch: int = 90, mask
     top = "*fp32" if bits == 32 else "*i16"
     rows = []
     for name, kernel in (("hybrid_fwd", fh._rows_forward), ("hybrid_bwd", fh._rows_backward)):
-        consts = dict(HAS_MASK=masked, HALF_BITS=bits, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
-                      BLOCK_D=cfg["BLOCK_D"], **dot_constexprs_for(dtype))
+        consts = dict(HAS_MASK=masked, HALF_BITS=bits, P_SPREAD=fh.p_spread(dtype), BLOCK_M=cfg["BLOCK_M"],
+                      BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], **dot_constexprs_for(dtype))
         sig, attrs = {}, {}
         for idx, arg in enumerate(kernel.arg_names):
             if kernel.params[idx].is_constexpr:
@@ -970,7 +970,18 @@ def parse_args(argv):
                              "--dtype float16)")
     parser.add_argument("--strategy", action="append", metavar="NAME",
                         help="with --traffic: only this strategy (repeatable; default: each of "
-                             "floyd_config.STRATEGIES)")
+                             "floyd_config.STRATEGIES); with --accuracy: ours forced to it (default: the rule's)")
+    parser.add_argument("--accuracy", dest="accuracy_run", action="store_true",  # "accuracy": --no-accuracy's
+                        help="ours' max relative error vs float64 (Y and the five gradients) against FloydNet "
+                             "eager's, per seed (gradops.bench.floyd_accuracy; on a CPU through the Triton "
+                             "interpreter; default --shape 1,2,64,64,64,16, --dtype float16); exit 1 where a "
+                             "ratio exceeds 0.5")
+    parser.add_argument("--seeds", type=int, default=5, help="with --accuracy: seeds 0 .. SEEDS-1 (default 5)")
+    parser.add_argument("--dy-scale", type=float, default=1.0,
+                        help="with --accuracy: dY multiplied by this before rounding (1e-4: bf16 training without "
+                             "loss scaling; default 1)")
+    parser.add_argument("--half-bits", type=int, choices=(16, 24, 32),
+                        help="with --accuracy: floyd_config.HALF_BITS for the run (default: its default)")
     return parser.parse_args(argv)
 
 
@@ -1043,6 +1054,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from . import traffic
 
         return traffic.floyd_main(args)
+    if args.accuracy_run:  # on a CPU through the interpreter it switches on itself
+        from . import floyd_accuracy
+
+        return floyd_accuracy.main(args)
     if args.compile_check:  # needs the interpreter off: no device rule applied
         return _compile_check(args)
     args = prepare(args)

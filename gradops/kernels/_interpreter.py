@@ -1,5 +1,6 @@
 """The Triton interpreter (how the kernels run on CPU tensors, with TRITON_INTERPRET=1) made
-to work with the NumPy beside it.
+to work with the NumPy beside it, and (:func:`round_bfloat16_to_nearest`) to round float32 to
+bfloat16 as a GPU does.
 
 Triton 3.6's interpreter turns a scalar kernel argument into a Python index with
 ``int(array)`` of its one-element array (``range(0, tiles_per_program)`` in a kernel does
@@ -69,3 +70,44 @@ def fix() -> None:
 
     APPLIED = (f"the interpreter of triton {triton.__version__} converts scalars with int() of a one-element "
                f"array, which NumPy {np.__version__} refuses: gradops takes the element instead")
+
+
+def float32_to_bfloat16_rne(values: np.ndarray) -> np.ndarray:
+    """The bfloat16 bits of float32 ``values`` rounded to nearest, ties to even (a GPU's
+    ``cvt.rn.bf16.f32``, and torch's), a NaN kept a (quiet) NaN."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # a carry moves into the exponent
+    nan = np.isnan(values)
+    out[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
+    return out
+
+
+def round_bfloat16_to_nearest():
+    """Make the interpreter's float32 -> bfloat16 conversion round to nearest even, where Triton
+    3.x's interpreter drops the low 16 bits (round toward zero: twice the worst error of a
+    GPU's conversion, and biased); every other cast is left as it is. Returns a function that
+    undoes it, a no-op one where it was already done, or None where this interpreter is not
+    of the shape this knows (its own truncation stays)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    handle = getattr(interpreter, "TensorHandle", None)
+    original = getattr(builder, "cast_impl", None)
+    if original is None or handle is None:
+        return None
+    if getattr(original, "_gradops_rne", False):
+        return lambda: None
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return handle(float32_to_bfloat16_rne(src.data), dst_type.scalar)
+        return original(self, src, dst_type)
+
+    cast_impl._gradops_rne = True
+    builder.cast_impl = cast_impl
+
+    def undo():
+        builder.cast_impl = original
+
+    return undo

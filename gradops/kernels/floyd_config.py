@@ -399,23 +399,25 @@ def row_config(k: int) -> Dict[str, int]:
 # Bits an m-side half of a score (S2, dP2: float32 sums from the GEMMs) keeps in memory: 32 (the
 # default: the float32 sum itself, as exact as the other strategies) or, for 16-bit inputs, 24
 # (a float32 rounded to 16 bits of mantissa: relative error 2^-16, which reaches the softmax
-# statistics, about 1 byte less per half and pass) or 16 (a bfloat16: 2 bytes less, a larger
-# error; docs/kernels-floyd.md, "Halves in memory"). Each keeps float32's exponent range: no
-# underflow without loss scaling. float32 inputs keep all 32 whatever is set. Also read from
-# GRADOPS_FLOYD_HALF_BITS; a backward must run with its forward's setting.
+# statistics; 1 byte less per half and pass) or, for bfloat16 inputs, 16 (a bfloat16: 2 bytes
+# less, at 0.46-0.67x FloydNet eager's error where 24 and 32 bits give 0.26-0.41x; float16
+# inputs keep 24 then: a bfloat16 half has 3 bits less than their mantissa, and gave 2.4-4.4x
+# FloydNet's error; docs/kernels-floyd.md, "Halves in memory"). Each keeps float32's exponent
+# range: no underflow without loss scaling. float32 inputs keep all 32 whatever is set. Also
+# read from GRADOPS_FLOYD_HALF_BITS; a backward must run with its forward's setting.
 HALF_BITS: Optional[int] = None
 HALF_BITS_DEFAULT = 32
 
 
 def half_bits(dtype: torch.dtype) -> int:
     """Bits of an m-side half in memory for inputs of ``dtype``: 32 for float32, else HALF_BITS
-    (or GRADOPS_FLOYD_HALF_BITS), 32 unless set to 24 or 16."""
+    (or GRADOPS_FLOYD_HALF_BITS), 32 unless set to 24 or 16 (24 for float16 inputs set to 16)."""
     if dtype == torch.float32:
         return 32
     bits = HALF_BITS if HALF_BITS is not None else int(os.environ.get("GRADOPS_FLOYD_HALF_BITS") or HALF_BITS_DEFAULT)
     if bits not in (16, 24, 32):
         raise ValueError(f"GRADOPS_FLOYD_HALF_BITS / floyd_config.HALF_BITS must be 16, 24 or 32, got {bits}")
-    return bits
+    return 24 if bits == 16 and dtype == torch.float16 else bits
 
 
 def hybrid_pair_bytes(k: int, d: int, dtype: torch.dtype) -> int:
@@ -430,7 +432,7 @@ def hybrid_pair_bytes(k: int, d: int, dtype: torch.dtype) -> int:
 # backward recomputes the forward's scores bitwise. Chosen from sm_90 compiles (``gradops
 # bench floyd --compile-check``): the largest tile whose backward compiles without spills.
 HYBRID_TILES: Dict[int, Dict[int, Tuple[int, int, int]]] = {
-    2: {16: (64, 64, 4), 32: (64, 64, 4), 64: (128, 64, 8), 128: (128, 32, 8), 256: (64, 32, 8)},
+    2: {16: (64, 64, 4), 32: (64, 64, 4), 64: (128, 64, 8), 128: (128, 32, 8), 256: (64, 16, 8)},
     4: {16: (32, 32, 4), 32: (32, 32, 4), 64: (32, 32, 8), 128: (64, 16, 8), 256: (16, 16, 8)},
 }
 HYBRID_MAX_HEAD_DIM = 256  # past it the chunked strategy takes the call

@@ -121,11 +121,14 @@ def _scores(q, k1, hi_ptr, lo_ptr, offs, inside, mask_row, smk_k, k_idx, k_ok, s
 @triton.jit
 def _over_half(ptr, x, m_loc, k_idx, inside, K, P_SPREAD: tl.constexpr):
     """Store a [BLOCK_M, BLOCK_K] tile of P or dS over the half this program has read: rows
-    P_SPREAD * K elements apart (2 when a 16-bit P goes over float32 halves, into the first
-    half of each row's bytes). The barrier first: a tile's bytes may overlap the half's values
-    of earlier pivots of the same rows, which other threads of the program read, this step or
-    before (never another program's: a program owns its rows)."""
-    tl.debug_barrier()
+    P_SPREAD * K elements apart. Where an element of P takes a half's element (P_SPREAD 1) it
+    is computed from that very element, which its thread has therefore read; where two take
+    one (P_SPREAD 2: a 16-bit P over float32 halves, into the first half of each row's bytes)
+    a tile's bytes overlap the halves of earlier pivots of the same rows, which other threads
+    of the program read, this step or before: a barrier first (never another program's rows:
+    a program owns its own)."""
+    if P_SPREAD > 1:
+        tl.debug_barrier()
     tl.store(ptr + m_loc[:, None] * (K * P_SPREAD) + k_idx[None, :], x, mask=inside)
 
 
@@ -292,6 +295,12 @@ def _plan(q, k):
     return plan_rows(bh, n, m, pair, chunk_budget(total_memory(q.device), bh * n * m * pair))
 
 
+def p_spread(dtype: torch.dtype) -> int:
+    """Elements of P (in ``dtype``, the inputs') that one element of an m-side half holds: 2 for
+    16-bit inputs over float32 halves, else 1 (the row kernels' P_SPREAD)."""
+    return 4 // dtype.itemsize if half_bits(dtype) == 32 else 1
+
+
 class _Half(NamedTuple):
     """One chunk's m-side half, ``[G, cn, cm, K]``: its float32 values (HALF_BITS 32) or top
     plane (24, 16: int16) ``hi``, its low plane ``lo`` (uint8, 24 bits only; else ``hi`` again,
@@ -327,9 +336,7 @@ class _Workspace:
 
     @property
     def spread(self) -> int:
-        """Elements of P (input dtype) in one element of a half: 2 for 16-bit inputs over
-        float32 halves, else 1."""
-        return 4 // self.dtype.itemsize if self.bits == 32 else 1
+        return p_spread(self.dtype)
 
     def part(self, g, cn, cm, d):
         return self._part[:g * cn * cm * d].view(g, cn, cm, d)
