@@ -220,3 +220,14 @@ def test_h100_plan_and_launches_at_the_headline_shape(rule):
     slice per chunk, 8 chunks: 56 launches per forward + backward (<= 64)."""
     estimate = roofline.roofline("hybrid", (1, 8, 512, 512, 512, 128), torch.bfloat16, override=False)
     assert estimate.launches == 56
+
+
+def test_the_roofline_command_prints_each_strategy_and_the_rules_pick(rule, capsys):
+    from gradops.bench import floyd
+
+    assert floyd.main(["--roofline", "--shape", "1,8,512,512,512,128", "--shape", "1,1,2,2,2,300"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    picked = [line for line in lines if " * " in line]
+    assert len(picked) == 2 and "hybrid" in picked[0] and "chunked" in picked[1]
+    assert any("chunked" in line and "256 launches" in line for line in lines)
+    assert "56 launches" in picked[0]
