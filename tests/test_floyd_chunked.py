@@ -1,13 +1,13 @@
-"""The chunked strategy of the Triton Floyd attention backend (gradops/kernels/floyd_chunked.py)
-and the rule that chooses between it and the fused kernels (gradops/kernels/floyd_config.py).
+"""The chunked strategy of the Triton Floyd attention backend (gradops/kernels/floyd_chunked.py):
+its own tests (row tiles, launches, compiles, memory, the plan and the budget). What it promises
+alike with the hybrid strategy (the float64 oracle, chunks, exact zeros, layouts, determinism,
+NaN) is tested for both in tests/test_floyd_memory_strategies.py; the rule in
+tests/test_floyd_roofline.py.
 
 On CPU the GEMM and row kernels run through the Triton interpreter (bfloat16 tiles widened
 to float32 as they are loaded, the interpreter's bf16 tl.dot being wrong): tiny shapes,
-tails on every axis. The oracle is the float64
-autograd one of tests/test_kernels_floyd.py (FloydNet's einsum formulation differentiated by
-autograd, independent of both strategies), with its tolerances (TOL, relative to
-max(1, largest magnitude)); ``floyd_config.STRATEGY`` forces the strategy, and a spy checks
-that the chunked launchers really ran. ``floyd_config.CHUNK_BUDGET_BYTES`` shrinks the chunks:
+tails on every axis. ``floyd_config.STRATEGY`` forces the strategy, and a spy checks that the
+chunked launchers really ran. ``floyd_config.CHUNK_BUDGET_BYTES`` shrinks the chunks:
 ``pair_bytes(K, D, element_size) * pairs`` bytes give chunks of ``pairs`` (n, m) rows.
 """
 import gc
@@ -29,12 +29,9 @@ import triton.runtime.interpreter as triton_interpreter
 from gradops.kernels import floyd_chunked as chunked
 from gradops.kernels import floyd_config as config
 from helpers import raises_status, record_launches
-from test_floyd_attention import _one_hot_inputs, _winner
-from test_kernels_floyd import (
-    FLT_MAX, GRAD_NAMES, TOL, assert_close, assert_stats, make_inputs, oracle, run_kernels,
-)
+from test_floyd_memory_strategies import check_against_oracle
+from test_kernels_floyd import make_inputs, run_kernels
 
-F64 = torch.float64
 SCALE = 0.37
 
 
@@ -84,68 +81,10 @@ def pairs_budget(pairs, k, dtype, d):
     return config.pair_bytes(k, d, dtype.itemsize) * pairs
 
 
-def check_against_oracle(result, inputs, dy, mask, dtype, scale=SCALE):
-    out, mx, sm, grads = result
-    y_ref, mx_ref, sm_ref, grads_ref = oracle(inputs, dy, mask, scale)
-    b, h, n, m, _ = inputs[0].shape
-    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
-    assert mx.dtype == sm.dtype == torch.float32 and mx.shape == sm.shape == (b, h, n, m)
-    tol = TOL[dtype]
-    assert_close(out, y_ref, tol, "out")
-    assert_stats(mx, sm, mx_ref, sm_ref, mask, inputs[1].shape[3], "stats")
-    for g, g_ref, name in zip(grads, grads_ref, GRAD_NAMES):
-        assert_close(g, g_ref, tol, name)
-
-
-def flat(result):
-    out, mx, sm, grads = result
-    return [out, mx, sm, *grads]
-
-
 # ---------------------------------------------------------------------------------------------
-# Against the float64 oracle
+# Against the float64 oracle (the rest of the oracle tests, shared with the hybrid strategy:
+# tests/test_floyd_memory_strategies.py)
 # ---------------------------------------------------------------------------------------------
-# (B, H, N, M, K, D): single elements, odd sizes, N = 1 and M = 1, K past the row kernels'
-# BLOCK_K of one power of two (K = 33: 64 lanes, 31 dead), D not a power of two.
-SHAPES = [
-    (1, 1, 1, 1, 1, 1),
-    (2, 3, 5, 7, 3, 8),
-    (1, 2, 19, 21, 23, 20),
-    (2, 1, 17, 3, 37, 8),
-    (1, 1, 3, 18, 33, 72),
-    (3, 1, 1, 13, 40, 5),
-    (1, 3, 11, 1, 9, 12),
-]
-
-
-# The shapes in float32 without a mask, three of them in float16 with each kind of mask: the
-# hybrid strategy, which shares the plan and the GEMM, takes the whole grid
-# (tests/test_floyd_hybrid.py); the chunked one takes wide heads and float32 calls the rule
-# gives it, or forced.
-@pytest.mark.parametrize("shape,mask_kind,dtype", [(s, None, torch.float32) for s in SHAPES]
-                         + [(s, mask, torch.float16) for s, mask in zip(SHAPES[1:4], ("random", "full_rows", None))],
-                         ids=str)
-def test_against_float64_autograd(spy, shape, mask_kind, dtype, device):
-    inputs, dy, mask = make_inputs(*shape, dtype, device, mask_kind)
-    check_against_oracle(run_chunked(spy, inputs, dy, mask), inputs, dy, mask, dtype)
-
-
-@pytest.mark.parametrize("d,dtype", [(16, torch.bfloat16), (96, torch.float16), (128, torch.float32),
-                                     (256, torch.bfloat16)], ids=str)
-def test_head_dims(spy, d, dtype, device):
-    """Every head dim the fused kernels take, and their widest; bfloat16 too (its GEMM tiles
-    widened to float32 in the interpreter: exact products, float32 sums, as tensor cores)."""
-    shape = (2, 1, 5, 6, 7, d)
-    inputs, dy, mask = make_inputs(*shape, dtype, device, "full_rows")
-    check_against_oracle(run_chunked(spy, inputs, dy, mask), inputs, dy, mask, dtype)
-
-
-def test_bfloat16_tails(spy, device):
-    shape = (1, 2, 19, 21, 23, 20)
-    inputs, dy, mask = make_inputs(*shape, torch.bfloat16, device, "full_rows")
-    check_against_oracle(run_chunked(spy, inputs, dy, mask, 0.3), inputs, dy, mask, torch.bfloat16, 0.3)
-
-
 @pytest.fixture
 def small_row_tiles(monkeypatch):
     """Row-kernel tiles of 256 pivots (ROW_ELEMENTS), so that a few hundred pivots take
@@ -172,157 +111,6 @@ def test_pivots_past_one_row_block(spy, request, k, dtype, device):
     check_against_oracle(run_chunked(spy, inputs, dy, mask), inputs, dy, mask, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_one_hot_in_a_later_pivot_tile(spy, small_row_tiles, dtype, device):
-    """The winning pivot of every row in the second tile of pivots: the first tile's max is
-    overtaken, and dQ, dK1, dK2 are still exactly zero."""
-    gen = torch.Generator().manual_seed(11)
-    b, h, n, m, k, d = 1, 2, 3, 4, 300, 4
-    inputs = _one_hot_inputs(b, h, n, m, k, d, dtype, device, gen)
-    # the softmax is over k in any order: roll the pivots so that the winners pass the first tile
-    shift = 260
-    inputs = [inputs[0]] + [t.roll(shift, dims=3 if i < 2 else 2) for i, t in enumerate(inputs[1:])]
-    assert all(config.row_config(k)["BLOCK_K"] <= (_winner(i, k) + shift) % k for i in range(n))
-    dy = torch.randn(b, h, n, m, d, generator=gen, dtype=F64, device="cpu").to(dtype).to(device)
-    out, mx, sm, (dq, dk1, dv1, dk2, dv2) = run_chunked(spy, inputs, dy, None, 0.8)
-    assert torch.equal(sm, torch.ones_like(sm))
-    for name, g in (("dq", dq), ("dk1", dk1), ("dk2", dk2)):
-        assert torch.equal(g, torch.zeros_like(g)), (name, g.abs().max().item())
-    _, _, dv1_ref, _, dv2_ref = oracles.floyd_attention_backward(dy, *inputs, scale=0.8)
-    assert_close(dv1, dv1_ref, TOL[dtype], "dv1")
-    assert_close(dv2, dv2_ref, TOL[dtype], "dv2")
-
-
-@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's nanmax
-def test_nan_score_in_a_later_pivot_tile(spy, small_row_tiles, device):
-    """A NaN score in the second tile of pivots only (K1[n, k] for k past it): the max of those
-    rows is NaN (tl.max alone would skip it, and the first tile's max would stand), as are
-    their sum and output; no other row is touched."""
-    b, h, n, m, k, d = 1, 2, 3, 4, 300, 4
-    inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.float32, device, "random")
-    inputs = [t.clone() for t in inputs]
-    inputs[1][0, 1, 2, 270, 0] = float("nan")
-    mask[0, 0, 2, 0, 270] = False
-    out, mx, sm = (t.cpu() for t in run_chunked(spy, inputs, dy, mask)[:3])
-    rows = torch.zeros(b, h, n, m, dtype=torch.bool, device="cpu")  # the results are moved to the CPU
-    rows[0, 1, 2] = True
-    y_ref, mx_ref = (t.cpu() for t in oracle(inputs, dy, mask, SCALE)[:2])
-    assert torch.equal(torch.isnan(mx_ref), rows) and torch.equal(torch.isnan(mx), rows)
-    assert torch.equal(torch.isnan(sm), rows) and torch.equal(torch.isnan(out).any(dim=-1), rows)
-    assert_close(out[~rows], y_ref[~rows], TOL[torch.float32], "out")
-    assert_close(mx[~rows], mx_ref[~rows], 1e-5, "max")
-
-
-# ---------------------------------------------------------------------------------------------
-# Many chunks
-# ---------------------------------------------------------------------------------------------
-def slices_budget(slices, shape, dtype):
-    """A budget that holds ``slices`` whole (b, h) slices of ``shape`` (and a few bytes)."""
-    b, h, n, m, k, d = shape
-    return slices * n * m * config.pair_bytes(k, d, dtype.itemsize) + 3
-
-
-# (name, shape, budget as a function of (shape, dtype))
-CHUNKINGS = [
-    ("one_row", (1, 2, 5, 3, 7, 8), lambda s, dt: pairs_budget(1, s[4], dt, s[5])),  # every (n, m) row its own chunk
-    ("split_n_and_m", (2, 1, 13, 11, 9, 8), lambda s, dt: pairs_budget(20, s[4], dt, s[5])),  # 5 x 4: tails on both
-    ("short_n", (1, 2, 3, 17, 6, 8), lambda s, dt: pairs_budget(3 * 5 + 2, s[4], dt, s[5])),  # N whole, M split: 3 x 5
-    ("whole_m_rows", (1, 2, 40, 3, 5, 8), lambda s, dt: pairs_budget(17 * 3 + 2, s[4], dt, s[5])),  # 17 x 3: M whole
-    ("whole_slices", (2, 3, 4, 5, 6, 8), lambda s, dt: slices_budget(1, s, dt)),  # one slice a chunk
-    ("groups_of_4", (2, 3, 4, 5, 6, 8), lambda s, dt: slices_budget(4, s, dt)),  # slices 0-3, 4-5
-]
-
-
-@pytest.mark.parametrize("name,shape,budget_of,dtype", [c + (dt,) for c, dt in zip(
-    CHUNKINGS, (torch.float32, torch.float16, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16))],
-    ids=[c[0] for c in CHUNKINGS])
-def test_many_chunks(spy, monkeypatch, name, shape, budget_of, dtype, device):
-    """Small budgets: chunks of one row, chunks with tails on n and m, N whole and M split,
-    rows of n with M whole, whole slices, and groups of slices with a short last group; the
-    float32 dK1/dV1 sums over m-chunks and dK2/dV2 over n-chunks are the oracle's."""
-    b, h, n, m, k, d = shape
-    budget = budget_of(shape, dtype)
-    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", budget)
-    inputs, dy, mask = make_inputs(*shape, dtype, device, "full_rows")
-    result = run_chunked(spy, inputs, dy, mask)
-    check_against_oracle(result, inputs, dy, mask, dtype)
-    # the walk the test meant: both launchers planned this, and it splits what it says
-    assert len(spy.plans) == 2
-    plan = spy.plans[0][2]
-    assert spy.plans[1][2] == plan
-    assert plan == config.chunk_plan(b * h, n, m, k, dtype.itemsize, budget, head_dim=d)
-    if name == "one_row":
-        assert (plan.groups, plan.block_n, plan.block_m) == (1, 1, 1)
-    if name == "split_n_and_m":
-        assert plan.groups == 1 and 1 < plan.block_n < n and 1 < plan.block_m < m
-        assert n % plan.block_n and m % plan.block_m  # tails on both
-    if name == "short_n":
-        assert plan.groups == 1 and plan.block_n == n and 1 < plan.block_m < m and m % plan.block_m
-    if name == "whole_m_rows":
-        assert (plan.groups, plan.block_n, plan.block_m) == (1, 17, m)  # a tail of 6 rows of n
-    if name == "whole_slices":
-        assert (plan.groups, plan.block_n, plan.block_m) == (1, n, m)
-    if name == "groups_of_4":
-        assert (plan.groups, plan.block_n, plan.block_m) == (4, n, m)
-        assert (b * h) % plan.groups  # the last group is short
-
-
-def _ulps(x, y):
-    """|x - y| in units in the last place of bfloat16 at |y| (subnormals aside)."""
-    x, y = x.float(), y.float()
-    exponent = torch.floor(torch.log2(y.abs().clamp_min(2.0 ** -120)))
-    return ((x - y).abs() / torch.exp2(exponent - 7)).max().item()
-
-
-def test_sums_across_chunks_are_float32(spy, monkeypatch, device):
-    """The gradients of a bfloat16 call in 8 chunks of 8 x 8 (n, m) rows (dK1/dV1 summed
-    over 2 m-chunks, dK2/dV2 over 4 n-chunks) against the same call in one chunk: the
-    partial sums travel between chunks in float32, so the two differ by float32
-    reassociation only and round to at most one bfloat16 ulp apart (with the sums rounded to
-    bfloat16 between chunks they differ by hundreds of ulps at small elements)."""
-    b, h, n, m, k, d = 1, 1, 32, 16, 8, 16
-    inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.bfloat16, device, None)
-    whole = run_chunked(spy, inputs, dy, mask)[3]
-    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(8 * 8, k, torch.bfloat16, d))
-    split = run_chunked(spy, inputs, dy, mask)[3]
-    assert spy.plans[-1][2].count(b * h, n, m) == 8 and spy.plans[-1][2].block_m < m
-    assert spy.plans[0][2].count(b * h, n, m) == 1
-    for name, got, ref in zip(GRAD_NAMES, split, whole):
-        assert _ulps(got, ref) <= 1.0, (name, _ulps(got, ref))
-
-
-@pytest.mark.parametrize("pairs,dtype", [(None, torch.float32), (3, torch.float16)], ids=str)
-def test_fully_masked_row_gradients(spy, monkeypatch, pairs, dtype, device):
-    """As the fused kernels (test_kernels_floyd.py::test_fully_masked_row_gradients): dS is
-    zero where masked, so Q, K1, K2 get exactly nothing from a fully masked row, and V1, V2
-    get P dY with the uniform P = 1/K."""
-    b, h, n, m, k, d = 1, 2, 4, 5, 6, 8
-    if pairs is not None:
-        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(pairs, k, dtype, d))
-    inputs, dy, _ = make_inputs(b, h, n, m, k, d, dtype, device)
-    mask = torch.zeros(b, 1, n, 1, k, dtype=torch.bool, device=device)
-    mask[0, 0, 1] = True  # row n = 1: every pivot masked
-    mask[0, 0, 2, 0, ::2] = True  # and some pivots of another row
-    out, mx, sm, (dq, dk1, dv1, dk2, dv2) = run_chunked(spy, inputs, dy, mask, 0.5)
-    assert (dq[:, :, 1] == 0).all() and (dk1[:, :, 1] == 0).all()
-    assert (mx[:, :, 1] == -FLT_MAX).all() and (sm[:, :, 1] == k).all()
-    _, _, v1, _, v2 = (t.double() for t in inputs)
-    tol = TOL[dtype]
-    assert_close(out[:, :, 1], v1[:, :, 1].mean(dim=2, keepdim=True) + v2.mean(dim=2), tol, "uniform Y")
-    assert_close(dv1[:, :, 1], dy[:, :, 1].double().sum(dim=2, keepdim=True).expand(-1, -1, k, -1) / k, tol, "dV1")
-    # dS is zero in row 1, so dK2 is the gradient of the other rows alone ...
-    rows = [0, 2, 3]
-    sub_mask = mask[:, :, rows]
-    _, _, _, grads_sub = oracle([t[:, :, rows] for t in inputs[:3]] + list(inputs[3:]), dy[:, :, rows],
-                                sub_mask, 0.5)
-    assert_close(dk2, grads_sub[3], tol, "dK2 without the masked row")
-    # ... and the whole result is the oracle's
-    check_against_oracle((out, mx, sm, (dq, dk1, dv1, dk2, dv2)), inputs, dy, mask, dtype, 0.5)
-
-
-# ---------------------------------------------------------------------------------------------
-# Exact zeros: P one-hot to the last bit (the same S in the backward as in the forward)
-# ---------------------------------------------------------------------------------------------
 # ---------------------------------------------------------------------------------------------
 # Launches: a few GEMMs per chunk, and only as many chunks as the memory bound forces
 # ---------------------------------------------------------------------------------------------
@@ -413,151 +201,9 @@ def test_few_kernel_specialisations_per_step(spy, monkeypatch, split, device):
     assert len(kinds) <= (8 + 3 + 6 if split else 8), sorted(map(str, kinds))
 
 
-@pytest.mark.parametrize("kind,dtype,budget", [("K1", torch.float16, "rows_of_10"), ("K1", torch.float32, "groups_of_3"),
-                                               ("one_hot", torch.bfloat16, "rows_of_10"),
-                                               ("one_hot", torch.float32, "groups_of_3")], ids=str)
-def test_one_hot_softmax_gives_exactly_zero_score_gradients(spy, monkeypatch, kind, dtype, budget, device):
-    """test_floyd_attention.py's exactness test (which runs the chunked strategy at one chunk
-    through the floyd_backend fixture) with many chunks: with K = 1, or one pivot dominating
-    every row, dQ, dK1, dK2 are exactly zero. That needs the backward's recomputed scores to be
-    bitwise the forward's (P = exp(S - max) / sum is exactly 1 only then), so the forward and
-    the backward must have walked the same chunks; and every (b, h) group boundary, n- and
-    m-chunk edge must keep it."""
-    gen = torch.Generator().manual_seed(3)
-    b, h, n, m, d = 2, 2, 5, 8, 6
-    k = 1 if kind == "K1" else 37
-    if budget == "rows_of_10":
-        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(10, k, dtype, d))
-    else:
-        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", slices_budget(3, (b, h, n, m, k, d), dtype))
-    if kind == "K1":
-        inputs = [torch.randn(s, generator=gen, dtype=F64, device="cpu").to(dtype).to(device)
-                  for s in [(b, h, n, m, d), (b, h, n, k, d), (b, h, n, k, d), (b, h, k, m, d), (b, h, k, m, d)]]
-        mask = torch.rand(b, 1, n, 1, k, generator=gen, device="cpu") < 0.4
-    else:
-        inputs = _one_hot_inputs(b, h, n, m, k, d, dtype, device, gen)
-        mask = torch.rand(b, 1, n, 1, k, generator=gen, device="cpu") < 0.4  # some of the losers
-        for i in range(n):
-            mask[:, :, i, :, _winner(i, k)] = False
-    mask[0, 0, n - 1] = True  # a fully masked row: uniform P, dS zero by the mask
-    mask = mask.to(device)
-    dy = torch.randn(b, h, n, m, d, generator=gen, dtype=F64, device="cpu").to(dtype).to(device)
-    out, mx, sm, (dq, dk1, dv1, dk2, dv2) = run_chunked(spy, inputs, dy, mask, 0.8)
-    plan = spy.plans[0][2]
-    assert spy.plans[1] == spy.plans[0]
-    if budget == "rows_of_10":  # 3 x 3: tails on n and m
-        assert plan.groups == 1 and n % plan.block_n and m % plan.block_m
-    else:  # slices 0-2, then 3
-        assert plan.groups == 3
-    for name, g in (("dq", dq), ("dk1", dk1), ("dk2", dk2)):
-        assert torch.equal(g, torch.zeros_like(g)), (name, g.abs().max().item())
-    _, _, dv1_ref, _, dv2_ref = oracles.floyd_attention_backward(dy, *inputs, mask=mask, scale=0.8)
-    assert_close(dv1, dv1_ref, TOL[dtype], "dv1")
-    assert_close(dv2, dv2_ref, TOL[dtype], "dv2")
-
-
-def test_forward_and_backward_plan_the_same_chunks(spy, monkeypatch, device):
-    """chunk_plan is a function of the shape and budget alone: the backward of a call plans
-    the chunks its forward planned, whatever the statistics or dY."""
-    shape = (2, 2, 7, 6, 5, 4)
-    b, h, n, m, k, d = shape
-    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(16, k, torch.float16, d))
-    inputs, dy, mask = make_inputs(*shape, torch.float16, device, "random")
-    run_chunked(spy, inputs, dy, mask)
-    (fwd_args, fwd_kw, fwd_plan), (bwd_args, bwd_kw, bwd_plan) = spy.plans
-    assert fwd_args == bwd_args and fwd_kw == bwd_kw and fwd_plan == bwd_plan
-    assert fwd_args[:5] == (b * h, n, m, k, 2)
-    chunks = list(fwd_plan.chunks(b * h, n, m))
-    assert len(chunks) > 4
-
-
 # ---------------------------------------------------------------------------------------------
 # Layouts, statistics, determinism
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("pairs", [None], ids=["one_chunk"])
-def test_non_contiguous_inputs_and_cann_statistics(spy, monkeypatch, pairs, device):
-    """Views with arbitrary strides (inputs, dY, mask) give the contiguous inputs' results
-    (within rounding: the GEMMs may see other layouts), and the backward reads statistics
-    from CANN's [B,H,N,M,8] layout (a stride-8 view, or through the public API) bitwise as
-    from the compact ones."""
-    b, h, n, m, k, d = 2, 1, 9, 11, 13, 12
-    if pairs is not None:
-        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(pairs, k, torch.float32, d))
-    inputs, dy, mask = make_inputs(b, h, n, m, k, d, torch.float32, device, "random")
-    views = [t.transpose(2, 3).contiguous().transpose(2, 3) for t in inputs + (dy,)]
-    views[1] = torch.cat([inputs[1], inputs[1]], dim=-1)[..., ::2]  # K1: stride 2 in D
-    views[1].copy_(inputs[1])
-    views[4] = inputs[4].permute(4, 0, 1, 2, 3).contiguous().permute(1, 2, 3, 4, 0)  # V2: D outermost
-    mask_view = mask[:, 0, :, 0, :].permute(2, 1, 0).contiguous().permute(2, 1, 0)[:, None, :, None, :]
-    assert torch.equal(mask_view, mask) and not mask_view.is_contiguous()
-    assert not any(v.is_contiguous() for v in views)
-    for v, t in zip(views, inputs + (dy,)):
-        assert torch.equal(v, t)
-    strided = run_chunked(spy, views[:5], views[5], mask_view, 0.8)
-    check_against_oracle(strided, inputs, dy, mask, torch.float32, 0.8)
-    out, mx, sm, grads = run_chunked(spy, inputs, dy, mask, 0.8)
-    for a, c, name in zip(flat(strided), [out, mx, sm, *grads], ("out", "max", "sum") + GRAD_NAMES):
-        assert_close(a, c, TOL[torch.float32], f"strided {name}")
-
-    mx8 = mx.unsqueeze(-1).expand(b, h, n, m, 8).contiguous()
-    sm8 = sm.unsqueeze(-1).expand(b, h, n, m, 8).contiguous()
-    from_view = kernels.floyd_attention_grad(dy, *inputs, out, mx8[..., 0], sm8[..., 0], mask, 0.8)
-    public = gradops.floyd_attention_grad(dy, *inputs, out, mx8, sm8, mask.to(torch.uint8), 0.8, backend="triton")
-    assert spy.launches[-2:] == ["backward", "backward"]
-    for a, p, c, name in zip(from_view, public, grads, GRAD_NAMES):
-        assert torch.equal(a, c) and torch.equal(p, c), name
-
-
-def test_deterministic(spy, monkeypatch, device):
-    """Two runs are bitwise equal: many chunks (dK1/dV1 summed over m-chunks, dK2/dV2 over
-    n-chunks), and groups of slices."""
-    shape = (1, 3, 7, 5, 21, 16)
-    inputs, dy, mask = make_inputs(*shape, torch.float16, device, "random")
-    budgets = ((pairs_budget(20, 21, torch.float16, 16), 3 * 2 * 2),  # chunks of 5 x 4 rows
-               (slices_budget(2, shape, torch.float16), 2))  # slices in groups of 2
-    for budget, chunks in budgets:
-        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", budget)
-        first, second = (flat(run_chunked(spy, inputs, dy, mask, 0.6)) for _ in range(2))
-        assert spy.plans[-1][2].count(3, 7, 5) == len(list(spy.plans[-1][2].chunks(3, 7, 5))) == chunks
-        for a, b_ in zip(first, second):
-            assert torch.equal(a, b_)
-
-
-@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's nanmax
-@pytest.mark.parametrize("dtype", [torch.float32], ids=str)
-def test_nan_in_q_stays_in_its_row(spy, monkeypatch, dtype, device):
-    """A NaN in q[b,h,n,m] makes that row's max, sum and output NaN and nothing else, with
-    chunks splitting n and m and a row-kernel program holding several m rows (the NaN's
-    neighbours in its program, its chunk and the next chunks stay finite); the gradients'
-    NaN pattern is the float64 oracle's."""
-    b, h, n, m, k, d = 2, 1, 5, 11, 20, 6
-    monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pairs_budget(24, k, dtype, d))
-    inputs, dy, mask = make_inputs(b, h, n, m, k, d, dtype, device, "random")
-    inputs = [t.clone() for t in inputs]
-    where = (1, 0, 3, 6)
-    inputs[0][where + (2,)] = float("nan")
-    mask[where[0], 0, where[2], 0, :3] = True  # some masked pivots in the NaN's row
-    out, mx, sm, grads = run_chunked(spy, inputs, dy, mask, 0.6)
-    out, mx, sm, grads = out.cpu(), mx.cpu(), sm.cpu(), [g.cpu() for g in grads]
-    plan = spy.plans[0][2]
-    assert plan.block_n < n and plan.block_m < m and config.row_config(k)["BLOCK_R"] > 1
-    row = torch.zeros(b, h, n, m, dtype=torch.bool, device="cpu")  # the results are moved to the CPU
-    row[where] = True
-    assert torch.equal(torch.isnan(mx), row) and torch.equal(torch.isnan(sm), row)
-    assert torch.equal(torch.isnan(out).any(dim=-1), row) and torch.isnan(out[where]).all()
-    y_ref, _, _, grads_ref = oracle(inputs, dy, mask, 0.6)
-    assert_close(out[~row], y_ref.cpu()[~row], TOL[dtype], "out")
-    for g, g_ref, name in zip(grads, grads_ref, GRAD_NAMES):
-        g_ref = g_ref.cpu()
-        nan = torch.isnan(g)
-        assert torch.equal(nan, torch.isnan(g_ref)), name
-        assert_close(g[~nan], g_ref[~nan], TOL[dtype], name)
-    bi, hi, ni, mi = where
-    assert torch.equal(torch.isnan(grads[0]).any(dim=-1), row)
-    for g in grads[1:3]:  # dK1, dV1: row n only
-        assert torch.isnan(g).sum() == torch.isnan(g[bi, hi, ni]).sum() > 0
-    for g in grads[3:]:  # dK2, dV2: column m only
-        assert torch.isnan(g).sum() == torch.isnan(g[bi, hi, :, mi]).sum() > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -705,45 +351,6 @@ def test_score_workspace_within_the_chunk_budget(spy, monkeypatch, launcher, dty
 # ---------------------------------------------------------------------------------------------
 # The scale, and empty problems
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("scale", [1 / 3, -2.7182818284590451])
-def test_scale_reaches_the_row_kernel_exactly(spy, dtype, scale, device):
-    """With D = 1 each half of a score is one product (exact for 16-bit inputs, rounded once
-    for float32), the two are added in float32 and multiplied by the scale rounded to
-    float32: the softmax max must be that expression, bitwise."""
-    b, h, n, m, k, d = 1, 2, 5, 19, 20, 1
-    inputs, _, _ = make_inputs(b, h, n, m, k, d, dtype, device)
-    _, mx, _ = kernels.floyd_attention(*inputs, None, scale)
-    assert spy.launches == ["forward"]
-    q, k1, _, k2, _ = (t.float().cpu()[..., 0] for t in inputs)
-    s = q[..., None] * k1[:, :, :, None, :] + q[..., None] * k2.transpose(2, 3)[:, :, None]
-    assert torch.equal(mx.cpu(), (s * torch.tensor(scale, dtype=torch.float32, device="cpu")).amax(dim=-1))
-
-
-@pytest.mark.parametrize("shape", [(0, 2, 3, 4, 5, 8), (1, 1, 0, 4, 5, 8), (1, 1, 3, 0, 5, 8)])
-def test_empty(spy, shape, device):
-    b, h, n, m, k, d = shape
-    inputs, dy, _ = make_inputs(*shape, torch.float16, device)
-    out, mx, sm, grads = run_kernels(inputs, dy, None, 1.0)
-    assert out.shape == (b, h, n, m, d) and mx.shape == (b, h, n, m)
-    for g, t in zip(grads, inputs):
-        assert g.shape == t.shape and (g == 0).all()
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_zero_head_dim(spy, dtype, device):
-    """D = 0 (docs/operators.md, section 5): every score is 0, so the max is 0 (-FLT_MAX in a
-    fully masked row) and the sum the number of unmasked pivots (K in a fully masked row),
-    the output and every gradient empty: as the reference backend and the fused kernels."""
-    b, h, n, m, k, d = 2, 2, 3, 4, 5, 0
-    inputs, dy, mask = make_inputs(b, h, n, m, k, d, dtype, device, "full_rows")
-    out, mx, sm = gradops.floyd_attention(*inputs, mask, 1.0, backend="triton")
-    assert spy.launches == ["forward"]
-    r_out, r_mx, r_sm = gradops.floyd_attention(*inputs, mask, 1.0, backend="reference")
-    assert out.shape == r_out.shape and torch.equal(mx, r_mx) and torch.equal(sm, r_sm)
-    grads = gradops.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, 1.0, backend="triton")
-    for g, t in zip(grads, inputs):
-        assert g.shape == t.shape and g.dtype == dtype
 
 
 # ---------------------------------------------------------------------------------------------

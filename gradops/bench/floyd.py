@@ -616,6 +616,32 @@ def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dic
     return rows
 
 
+def _row_signature(kernel, consts: dict, unit: Sequence[str], pointer: Callable[[str], str],
+                   not_specialised: Sequence[str]) -> Tuple[dict, dict]:
+    """(signature, attributes) of a row kernel as the JIT specialises it: ``unit`` arguments
+    the constant 1 (added to ``consts``), the scale's float64 bits an i64, pointers typed by
+    ``pointer(name)``, other integers i32 with a divisibility hint but those the kernel does
+    not specialise (``not_specialised``) and H (a multiple of 16 only by chance)."""
+    sig, attrs = {}, {}
+    for idx, arg in enumerate(kernel.arg_names):
+        if kernel.params[idx].is_constexpr:
+            continue
+        if arg in unit:
+            sig[arg], consts[arg] = "constexpr", 1
+            continue
+        if arg == "scale":
+            sig[arg] = "i64"
+            continue
+        if arg.endswith(("_ptr", "_hi", "_lo")):
+            sig[arg] = pointer(arg)
+        else:
+            sig[arg] = "i32"
+            if arg in _ROW_NOT_DIVISIBLE or arg in not_specialised:
+                continue
+        attrs[(idx,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
 def compile_check_rows(dtype: torch.dtype, k: int = 1024, arch: int = 90, masked: bool = True) -> List[dict]:
     """Compile the chunked strategy's row kernels (``_softmax_rows``, forward; ``_grad_rows``,
     backward) for ``sm_<arch>`` with the blocks and launch options ``floyd_config.row_config(k)``
@@ -634,25 +660,11 @@ def compile_check_rows(dtype: torch.dtype, k: int = 1024, arch: int = 90, masked
     rows = []
     for name, kernel in (("rows_softmax", fc._softmax_rows), ("rows_grad", fc._grad_rows)):
         consts = dict(HAS_MASK=masked, BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], ONE_TILE=cfg["ONE_TILE"])
-        sig, attrs = {}, {}
-        for idx, arg in enumerate(kernel.arg_names):
-            if kernel.params[idx].is_constexpr:
-                continue
-            # the mask's k and the statistics' m: unit strides; K = 1: the JIT's constant 1
-            if arg in ("smk_k", "sst_m") or (arg == "K" and k == 1):
-                sig[arg], consts[arg] = "constexpr", 1
-                continue
-            if arg == "scale":
-                sig[arg] = "i64"
-                continue
-            if arg.endswith("_ptr"):
-                # the float32 scores, dP and statistics; P and dS in the input dtype
-                sig[arg] = "*u8" if arg == "mask_ptr" else ptr if arg in ("p_ptr", "ds_ptr") else "*fp32"
-            else:
-                sig[arg] = "i32"
-                if arg in _ROW_NOT_DIVISIBLE or arg in fc.NOT_SPECIALISED[kernel.__name__]:
-                    continue
-            attrs[(idx,)] = [["tt.divisibility", 16]]
+        # the mask's k and the statistics' m: unit strides; K = 1: the JIT's constant 1; the
+        # float32 scores, dP and statistics, P and dS in the input dtype
+        sig, attrs = _row_signature(kernel, consts, ("smk_k", "sst_m") + (("K",) if k == 1 else ()),
+                                    lambda arg: "*u8" if arg == "mask_ptr" else ptr if arg in ("p_ptr", "ds_ptr")
+                                    else "*fp32", fc.NOT_SPECIALISED[kernel.__name__])
         row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": None, "K": k, "masked": masked,
                "tile": f"{cfg['BLOCK_R']}x{cfg['BLOCK_K']}", "warps": cfg["num_warps"]}
         rows.append(_compile_sm(kernel, sig, consts, attrs, arch, cfg["num_warps"], 1, row,
@@ -758,28 +770,15 @@ def compile_check_hybrid(dtype: torch.dtype, head_dim: int, arch: int = 90, mask
     for name, kernel in (("hybrid_fwd", fh._rows_forward), ("hybrid_bwd", fh._rows_backward)):
         consts = dict(HAS_MASK=masked, HALF_BITS=bits, P_SPREAD=fh.p_spread(dtype), BLOCK_M=cfg["BLOCK_M"],
                       BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], **dot_constexprs_for(dtype))
-        sig, attrs = {}, {}
-        for idx, arg in enumerate(kernel.arg_names):
-            if kernel.params[idx].is_constexpr:
-                continue
-            if arg in _HYBRID_UNIT:
-                sig[arg], consts[arg] = "constexpr", 1
-                continue
-            if arg == "scale":
-                sig[arg] = "i64"
-                continue
-            if arg.endswith("_ptr"):
-                sig[arg] = ("*u8" if arg == "mask_ptr" else "*fp32" if arg in ("max_ptr", "sum_ptr", "y1_ptr", "dq1_ptr")
-                            else ptr)
-            elif arg.endswith("_hi"):
-                sig[arg] = top
-            elif arg.endswith("_lo"):
-                sig[arg] = "*u8"
-            else:
-                sig[arg] = "i32"
-                if arg in _ROW_NOT_DIVISIBLE or arg in fh.NOT_SPECIALISED:
-                    continue
-            attrs[(idx,)] = [["tt.divisibility", 16]]
+
+        def pointer(arg):
+            if arg.endswith("_hi"):
+                return top
+            if arg.endswith("_lo") or arg == "mask_ptr":
+                return "*u8"
+            return "*fp32" if arg in ("max_ptr", "sum_ptr", "y1_ptr", "dq1_ptr") else ptr
+
+        sig, attrs = _row_signature(kernel, consts, _HYBRID_UNIT, pointer, fh.NOT_SPECIALISED)
         row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": head_dim, "masked": masked,
                "tile": f"{cfg['BLOCK_M']}x{cfg['BLOCK_K']}x{cfg['BLOCK_D']}", "warps": cfg["num_warps"]}
         rows.append(_compile_sm(kernel, sig, consts, attrs, arch, cfg["num_warps"], cfg["num_stages"], row,

@@ -176,8 +176,7 @@ def gpu_rounding():
 def _measure(impls: Sequence[str], shape: Shape, dtype, seed: int, scale: Optional[float], dy_scale: float,
              strategy: Optional[str], masked: bool, device) -> Dict[str, dict]:
     """:func:`errors` of each of ``impls`` on one draw, against one oracle."""
-    from .floyd import rule_strategy
-    from .traffic import _strategy
+    from .floyd import forced_strategy, rule_strategy
 
     dtype = _dtype(dtype)
     inputs, dy, mask = draw(shape, dtype, seed, dy_scale, masked, device)
@@ -187,7 +186,7 @@ def _measure(impls: Sequence[str], shape: Shape, dtype, seed: int, scale: Option
     for impl in impls:
         start = time.perf_counter()
         ours = impl == "gradops"
-        with _strategy(strategy if ours else None), gpu_rounding() as rounding:
+        with forced_strategy(strategy if ours else None), gpu_rounding() as rounding:
             results = run_impl(impl, inputs, dy, mask, scale)
             ran = rule_strategy(shape, dtype.itemsize) if ours else None
         seconds = time.perf_counter() - start

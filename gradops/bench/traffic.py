@@ -608,22 +608,6 @@ def floyd_inputs(shape: Shape, dtype, masked: bool = False, seed: int = 0):
     return inputs, dy, mask
 
 
-@contextlib.contextmanager
-def _strategy(name: Optional[str]):
-    """``floyd_config.STRATEGY = name`` for the block (one of ``floyd_config.STRATEGIES``, or
-    None: the rule decides), restored after it, also on errors."""
-    from ..kernels import floyd_config
-
-    if name is not None and name not in floyd_config.STRATEGIES:
-        raise ValueError(f"unknown Floyd strategy {name!r}; expected one of {floyd_config.STRATEGIES}")
-    old = floyd_config.STRATEGY
-    floyd_config.STRATEGY = name
-    try:
-        yield
-    finally:
-        floyd_config.STRATEGY = old
-
-
 def floyd_traffic(shape: Shape, dtype, strategy: Optional[str], masked: bool = False, seed: int = 0,
                   scale: Optional[float] = None) -> dict:
     """The traffic of Floyd attention's forward and, counted apart, its backward (the grad
@@ -635,6 +619,7 @@ def floyd_traffic(shape: Shape, dtype, strategy: Optional[str], masked: bool = F
     seconds each count took (the interpreter's)."""
     import gradops
     from ..kernels import floyd_config
+    from .floyd import forced_strategy
 
     b, h, n, m, k, d = shape
     dtype = _dtype(dtype)
@@ -643,7 +628,7 @@ def floyd_traffic(shape: Shape, dtype, strategy: Optional[str], masked: bool = F
     inputs, dy, mask = floyd_inputs(shape, dtype, masked, seed)
     result = {"shape": dict(zip("BHNMKD", shape)), "dtype": str(dtype).replace("torch.", ""), "masked": masked,
               "seed": seed, "scale": scale, "scores": scores, "strategy": strategy}
-    with _strategy(strategy):
+    with forced_strategy(strategy):
         result["strategy_run"] = floyd_config.strategy(*shape, dtype.itemsize)
         start = time.perf_counter()
         (out, smax, ssum), fwd = count_traffic(

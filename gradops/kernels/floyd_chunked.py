@@ -41,8 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ._floyd_common import _NEG_FLT_MAX, _mask_arg, _scale_bits, _unpack_scale, tile_max
+from ._floyd_memory import Backward, chunks, flat, forward_outputs
 from .floyd_gemm import Product, by_m as _by_m, gemm
-from ._floyd_common import _ACC, _NEG_FLT_MAX, _mask_arg, _scale_bits, _unpack_scale, dot_constexprs, tile_max
 from .floyd_config import chunk_budget, chunk_plan, pair_bytes, row_config, total_memory
 
 
@@ -203,12 +204,6 @@ def _launch_rows(kernel, rows, k, *args, **consts):
 # ----------------------------------------------------------------------------------------------
 # Launchers (called by floyd_attention.py's backend functions, which handle empty shapes)
 # ----------------------------------------------------------------------------------------------
-def _flat(t):
-    """[B, H, ...] -> [B*H, ...] (a view when the strides allow, else a copy; explicit sizes,
-    as torch refuses -1 for a tensor of no elements, e.g. D = 0)."""
-    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
-
-
 def _plan(q, k):
     """The chunk plan of a call on ``q`` with K = ``k`` pivots: a function of the shape, the
     dtype and the device's total memory, so that a forward and its backward walk the same
@@ -249,27 +244,15 @@ def _pair_into(out, part, x, y1, y2):
     _gemm(_by_m(x), y2.transpose(1, 2), _by_m(out), acc=_by_m(part))
 
 
-def _reduce_into(a, b, out, accumulator, first, last):
-    """``out (+)= a @ b`` for a sum that may span chunks: straight into ``out`` when this chunk
-    holds the whole sum; else through the float32 ``accumulator`` (the first chunk stores,
-    middle ones accumulate, the last adds and stores the rounded result into ``out``)."""
-    if first and last:
-        _gemm(a, b, out)
-    else:
-        _gemm(a, b, out if last else accumulator, acc=None if first else accumulator)
-
-
 def forward(q, k1, v1, k2, v2, mask, scale):
     """``(out, softmax_max, softmax_sum)`` as ``floyd_attention.floyd_attention``; 16-bit
     and float32 inputs, B*H*N*M*K > 0."""
     B, H, N, M, D = q.shape
     K = k1.shape[3]
     dev = q.device
-    out = torch.empty((B, H, N, M, D), dtype=q.dtype, device=dev)
-    softmax_max = torch.empty((B, H, N, M), dtype=torch.float32, device=dev)
-    softmax_sum = torch.empty((B, H, N, M), dtype=torch.float32, device=dev)
-    q4, k1_4, v1_4, k2_4, v2_4 = (_flat(t) for t in (q, k1, v1, k2, v2))
-    out4, max3, sum3 = _flat(out), _flat(softmax_max), _flat(softmax_sum)
+    out, softmax_max, softmax_sum = forward_outputs(q)
+    q4, k1_4, v1_4, k2_4, v2_4 = (flat(t) for t in (q, k1, v1, k2, v2))
+    out4, max3, sum3 = flat(out), flat(softmax_max), flat(softmax_sum)
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
     bits = _scale_bits(scale)
     plan = _plan(q, K)
@@ -290,43 +273,24 @@ def backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale):
     16-bit and float32 inputs, B*H*N*M*K > 0."""
     B, H, N, M, D = q.shape
     K = k1.shape[3]
-    dev, dtype = q.device, q.dtype
-    q4, dy4, k1_4, v1_4, k2_4, v2_4 = (_flat(t) for t in (q, dy, k1, v1, k2, v2))
-    # contiguous: _grad_rows reads both statistics at one offset, and each may come in its own
-    # layout (compact, a view of CANN's [B,H,N,M,8], transposed)
-    max3, sum3 = (_flat(t.to(_ACC[dtype])).contiguous() for t in (softmax_max, softmax_sum))
-    grads = [torch.empty(shape, dtype=dtype, device=dev)
-             for shape in [(B, H, N, M, D)] + [(B, H, N, K, D)] * 2 + [(B, H, K, M, D)] * 2]
-    dq4, dk1_4, dv1_4, dk2_4, dv2_4 = (_flat(t) for t in grads)
+    q4, dy4, k1_4, v1_4, k2_4, v2_4 = (flat(t) for t in (q, dy, k1, v1, k2, v2))
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
     bits = _scale_bits(scale)
     plan = _plan(q, K)
-    work = _Workspace(plan, K, D, dtype, dev, ("s", "dp", "p", "ds", "part"))
-    # float32 sums across chunks, only where a sum spans chunks: dK1/dV1 over the m-chunks of
-    # one n range, dK2/dV2 over the n ranges of one group of slices
-    split_m, split_n = plan.block_m < M, plan.block_n < N
-    acc1 = [torch.empty((plan.groups, plan.block_n, K, D), dtype=torch.float32, device=dev)
-            for _ in range(2)] if split_m else [None, None]
-    acc2 = [torch.empty((plan.groups, K, M, D), dtype=torch.float32, device=dev)
-            for _ in range(2)] if split_n else [None, None]
-    for g0, g1, n0, n1, m0, m1 in plan.chunks(B * H, N, M):
-        gs, ns, ms = slice(g0, g1), slice(n0, n1), slice(m0, m1)
-        g, cn, cm = g1 - g0, n1 - n0, m1 - m0
+    grads = Backward(q, K, softmax_max, softmax_sum, plan)
+    max3, sum3 = grads.softmax_max, grads.softmax_sum
+    work = _Workspace(plan, K, D, q.dtype, q.device, ("s", "dp", "p", "ds", "part"))
+    for c in chunks(plan, B * H, N, M):
+        gs, ns, ms, g, cn, cm = c.gs, c.ns, c.ms, c.g, c.cn, c.cm
         s, dp, p, ds = (work.view(name, g, cn, cm, K) for name in ("s", "dp", "p", "ds"))
         q_c, dy_c = q4[gs, ns, ms], dy4[gs, ns, ms]
         k1_c, v1_c, k2_c, v2_c = k1_4[gs, ns], v1_4[gs, ns], k2_4[gs, :, ms], v2_4[gs, :, ms]
         _scores_into(s, q_c, k1_c, k2_c)  # the forward's GEMMs on the forward's chunks
         _scores_into(dp, dy_c, v1_c, v2_c)
+        g0, n0, m0 = gs.start, ns.start, ms.start
         _launch_rows(_grad_rows, g * cn * cm, K, s, dp, mask_t, max3, sum3, p, ds, *mask_strides, *max3.stride(),
                      g * cn * cm, cn, cm, K, H, g0, n0, m0, bits, HAS_MASK=has_mask)
-        _pair_into(dq4[gs, ns, ms], work.view("part", g, cn, cm, D), ds, k1_c, k2_c)
-        # over (g, n), summed over m: [G, cn, K, cm] @ [G, cn, cm, D]
-        first, last = m0 == 0, m1 == M
-        for x, y, out, acc in ((ds, q_c, dk1_4, acc1[0]), (p, dy_c, dv1_4, acc1[1])):
-            _reduce_into(x.transpose(2, 3), y, out[gs, ns], acc if acc is None else acc[:g, :cn], first, last)
-        # over (g, m), summed over n: [G, cm, K, cn] @ [G, cm, cn, D]
-        first, last = n0 == 0, n1 == N
-        for x, y, out, acc in ((ds, q_c, dk2_4, acc2[0]), (p, dy_c, dv2_4, acc2[1])):
-            _reduce_into(x.permute(0, 2, 3, 1), _by_m(y), out[gs, :, ms].transpose(1, 2),
-                         acc if acc is None else acc[:g, :, ms].transpose(1, 2), first, last)
-    return tuple(grads)
+        _pair_into(grads.dq[gs, ns, ms], work.view("part", g, cn, cm, D), ds, k1_c, k2_c)
+        for product in grads.n_side(c, ds, p, q_c, dy_c) + grads.m_side(c, ds, p, q_c, dy_c):
+            gemm(product)  # one launch each: the chunked strategy's launches stay its own
+    return tuple(grads.grads)

@@ -45,13 +45,14 @@ exactly 0. Deterministic: a fixed walk, no atomics, every sum in one program or 
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._floyd_common import _ACC, _NEG_FLT_MAX, _mask_arg, _scale_bits, _unpack_scale, dot_constexprs, tile_max
+from ._floyd_common import _NEG_FLT_MAX, _mask_arg, _scale_bits, _unpack_scale, dot_constexprs, tile_max
+from ._floyd_memory import Backward, chunks, flat, forward_outputs
 from .floyd_config import chunk_budget, half_bits, hybrid_config, hybrid_pair_bytes, plan_rows, total_memory
 from .floyd_gemm import Product, by_m, gemm, load_half
 
@@ -65,13 +66,16 @@ NOT_SPECIALISED = ["cn", "cm", "g0", "n0", "scale"]
 # The row kernels: one program per (slice, n, block of m rows) of a chunk, walking the pivots
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _program(cn, cm, BLOCK_M: tl.constexpr):
-    """(g, n, first m) of this program inside the chunk: consecutive programs share n (and so
-    the K1/V1 rows they read from L2)."""
+def _program(cn, cm, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(g, n, first m) of this program inside the chunk, its rows of m and head lanes (and which
+    exist): consecutive programs share n (and so the K1/V1 rows they read from L2)."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(cm, BLOCK_M)
     row = pid // tiles_m
-    return row // cn, row % cn, (pid % tiles_m) * BLOCK_M
+    m0 = (pid % tiles_m) * BLOCK_M
+    m_loc = tl.arange(0, BLOCK_M)
+    d_idx = tl.arange(0, BLOCK_D)
+    return row // cn, row % cn, m0, m_loc, m0 + m_loc < cm, d_idx, d_idx < D
 
 
 @triton.jit
@@ -119,6 +123,24 @@ def _scores(q, k1, hi_ptr, lo_ptr, offs, inside, mask_row, smk_k, k_idx, k_ok, s
 
 
 @triton.jit
+def _score_step(k0, q, k1_base, sk2, sk3, s2_hi, s2_lo, mask_row, smk_k, m_loc, m_ok, d_idx, d_ok, K, scale,
+                HAS_MASK: tl.constexpr, HALF_BITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """One step of pivots, k0 + [0, BLOCK_K), of a program's rows: ``scale * S`` (``_scores``),
+    the user's mask of the pivots, the halves' offsets of the tile and its lanes inside, the
+    pivot indices, which exist, and the K1 tile. Every sweep of both row kernels takes its
+    scores here."""
+    k_idx = k0 + tl.arange(0, BLOCK_K)
+    k_ok = k_idx < K
+    offs = m_loc[:, None] * K + k_idx[None, :]
+    inside = m_ok[:, None] & k_ok[None, :]
+    k1 = _pivots(k1_base, sk2, sk3, k0, k_ok, d_idx, d_ok, UPCAST, BLOCK_K)
+    s, user = _scores(q, k1, s2_hi, s2_lo, offs, inside, mask_row, smk_k, k_idx, k_ok, scale,
+                      HAS_MASK, HALF_BITS, PRECISION)
+    return s, user, offs, inside, k_idx, k_ok, k1
+
+
+@triton.jit
 def _over_half(ptr, x, m_loc, k_idx, inside, K, P_SPREAD: tl.constexpr):
     """Store a [BLOCK_M, BLOCK_K] tile of P or dS over the half this program has read: rows
     P_SPREAD * K elements apart. Where an element of P takes a half's element (P_SPREAD 1) it
@@ -143,12 +165,8 @@ def _rows_forward(
     """Forward rows: the row max and sum of exp(S - max) over every pivot (first sweep), then P
     (written over S2's top plane, in the input dtype) and Y1 = P V1 (second sweep), the
     statistics and Y1 (float32, [G, cn, cm, D] contiguous) stored at the end."""
-    g, n, m0 = _program(cn, cm, BLOCK_M)
+    g, n, m0, m_loc, m_ok, d_idx, d_ok = _program(cn, cm, D, BLOCK_M, BLOCK_D)
     scale = _unpack_scale(scale, tl.float32)
-    m_loc = tl.arange(0, BLOCK_M)
-    m_ok = m0 + m_loc < cm
-    d_idx = tl.arange(0, BLOCK_D)
-    d_ok = d_idx < D
     q = _rows(q_ptr, sq0, sq1, sq2, sq3, g, n, m0, m_loc, m_ok, d_idx, d_ok, UPCAST)
     k1_base = k1_ptr + g.to(tl.int64) * sk0 + n.to(tl.int64) * sk1
     v1_base = v1_ptr + g.to(tl.int64) * sv0 + n.to(tl.int64) * sv1
@@ -161,13 +179,8 @@ def _rows_forward(
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_idx = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k_idx < K
-        offs = m_loc[:, None] * K + k_idx[None, :]
-        inside = m_ok[:, None] & k_ok[None, :]
-        k1 = _pivots(k1_base, sk2, sk3, k0, k_ok, d_idx, d_ok, UPCAST, BLOCK_K)
-        s, _ = _scores(q, k1, s2_hi, s2_lo, offs, inside, mask_row, smk_k, k_idx, k_ok, scale,
-                       HAS_MASK, HALF_BITS, PRECISION)
+        s, _, _, _, _, _, _ = _score_step(k0, q, k1_base, sk2, sk3, s2_hi, s2_lo, mask_row, smk_k, m_loc, m_ok,
+                                          d_idx, d_ok, K, scale, HAS_MASK, HALF_BITS, PRECISION, UPCAST, BLOCK_K)
         new_max = tl.maximum(row_max, tile_max(s), propagate_nan=tl.PropagateNan.ALL)
         # a first tile of -inf scores only (infinite inputs) leaves the max -inf: shift by 0
         # there, not by -inf (exp(-inf - -inf) is NaN), as one tile of the whole row would
@@ -178,13 +191,9 @@ def _rows_forward(
     inv_sum = 1.0 / row_sum
     y1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_idx = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k_idx < K
-        offs = m_loc[:, None] * K + k_idx[None, :]
-        inside = m_ok[:, None] & k_ok[None, :]
-        k1 = _pivots(k1_base, sk2, sk3, k0, k_ok, d_idx, d_ok, UPCAST, BLOCK_K)
-        s, _ = _scores(q, k1, s2_hi, s2_lo, offs, inside, mask_row, smk_k, k_idx, k_ok, scale,
-                       HAS_MASK, HALF_BITS, PRECISION)
+        s, _, _, inside, k_idx, k_ok, _ = _score_step(k0, q, k1_base, sk2, sk3, s2_hi, s2_lo, mask_row, smk_k,
+                                                      m_loc, m_ok, d_idx, d_ok, K, scale, HAS_MASK, HALF_BITS,
+                                                      PRECISION, UPCAST, BLOCK_K)
         # P enters every product rounded to the input dtype, as in every flash-attention kernel
         p = (tl.exp(s - row_max[:, None]) * inv_sum[:, None]).to(p_ptr.dtype.element_ty)
         _over_half(p_ptr, p, m_loc, k_idx, inside, K, P_SPREAD)
@@ -200,6 +209,22 @@ def _rows_forward(
     tl.store(y1_ptr + part + m_loc[:, None] * D + d_idx[None, :], y1, mask=m_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _probs_and_dp(k0, q, dy, k1_base, v1_base, sk2, sk3, sv2, sv3, s2_hi, s2_lo, dp2_hi, dp2_lo, mask_row, smk_k,
+                  m_loc, m_ok, d_idx, d_ok, K, row_max, inv_sum, scale, HAS_MASK: tl.constexpr,
+                  HALF_BITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One step of pivots of the backward: P from the saved statistics (as the fused backward:
+    exp(S - max) * (1 / sum)), dP = dY V1^T onto dP2, the user's mask, the lanes inside, the
+    pivot indices and the K1 tile. Both sweeps take them here: bitwise the same."""
+    s, user, offs, inside, k_idx, k_ok, k1 = _score_step(k0, q, k1_base, sk2, sk3, s2_hi, s2_lo, mask_row, smk_k,
+                                                         m_loc, m_ok, d_idx, d_ok, K, scale, HAS_MASK, HALF_BITS,
+                                                         PRECISION, UPCAST, BLOCK_K)
+    p = tl.exp(s - row_max[:, None]) * inv_sum[:, None]
+    v1 = _pivots(v1_base, sv2, sv3, k0, k_ok, d_idx, d_ok, UPCAST, BLOCK_K)
+    dp = _half_products(dy, v1, dp2_hi, dp2_lo, offs, inside, HALF_BITS, PRECISION)
+    return p, dp, user, inside, k_idx, k1
+
+
 @triton.jit(do_not_specialize=NOT_SPECIALISED)
 def _rows_backward(
     q_ptr, dy_ptr, k1_ptr, v1_ptr, s2_hi, s2_lo, dp2_hi, dp2_lo, p_ptr, ds_ptr, mask_ptr, max_ptr, sum_ptr,
@@ -210,17 +235,12 @@ def _rows_backward(
     HAS_MASK: tl.constexpr, HALF_BITS: tl.constexpr, P_SPREAD: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Backward rows: P from the saved statistics (as the fused backward: exp(S - max) *
-    (1 / sum)) and dP = dY V1^T + dP2 in both sweeps; Dr = sum_k P dP in float32 (first
-    sweep; not dY.Y from the rounded Y: OPERATORS.md section 5), then dS = P (dP - Dr) scale
+    """Backward rows: P and dP in both sweeps (``_probs_and_dp``); Dr = sum_k P dP in float32
+    (first sweep; not dY.Y from the rounded Y: OPERATORS.md section 5), then dS = P (dP - Dr) scale
     (zero where masked: a masked score is a constant), P and dS written over the halves' top
     planes in the input dtype, and dQ1 = dS K1 (float32, [G, cn, cm, D] contiguous)."""
-    g, n, m0 = _program(cn, cm, BLOCK_M)
+    g, n, m0, m_loc, m_ok, d_idx, d_ok = _program(cn, cm, D, BLOCK_M, BLOCK_D)
     scale = _unpack_scale(scale, tl.float32)
-    m_loc = tl.arange(0, BLOCK_M)
-    m_ok = m0 + m_loc < cm
-    d_idx = tl.arange(0, BLOCK_D)
-    d_ok = d_idx < D
     q = _rows(q_ptr, sq0, sq1, sq2, sq3, g, n, m0, m_loc, m_ok, d_idx, d_ok, UPCAST)
     dy = _rows(dy_ptr, sdy0, sdy1, sdy2, sdy3, g, n, m0, m_loc, m_ok, d_idx, d_ok, UPCAST)
     k1_base = k1_ptr + g.to(tl.int64) * sk0 + n.to(tl.int64) * sk1
@@ -239,30 +259,17 @@ def _rows_backward(
 
     dr = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_idx = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k_idx < K
-        offs = m_loc[:, None] * K + k_idx[None, :]
-        inside = m_ok[:, None] & k_ok[None, :]
-        k1 = _pivots(k1_base, sk2, sk3, k0, k_ok, d_idx, d_ok, UPCAST, BLOCK_K)
-        v1 = _pivots(v1_base, sv2, sv3, k0, k_ok, d_idx, d_ok, UPCAST, BLOCK_K)
-        s, _ = _scores(q, k1, s2_hi, s2_lo, offs, inside, mask_row, smk_k, k_idx, k_ok, scale,
-                       HAS_MASK, HALF_BITS, PRECISION)
-        p = tl.exp(s - row_max[:, None]) * inv_sum[:, None]
-        dp = _half_products(dy, v1, dp2_hi, dp2_lo, offs, inside, HALF_BITS, PRECISION)
+        p, dp, _, _, _, _ = _probs_and_dp(k0, q, dy, k1_base, v1_base, sk2, sk3, sv2, sv3, s2_hi, s2_lo, dp2_hi,
+                                          dp2_lo, mask_row, smk_k, m_loc, m_ok, d_idx, d_ok, K, row_max, inv_sum,
+                                          scale, HAS_MASK, HALF_BITS, PRECISION, UPCAST, BLOCK_K)
         dr += tl.sum(p * dp, axis=1)
 
     dq1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_idx = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k_idx < K
-        offs = m_loc[:, None] * K + k_idx[None, :]
-        inside = m_ok[:, None] & k_ok[None, :]
-        k1 = _pivots(k1_base, sk2, sk3, k0, k_ok, d_idx, d_ok, UPCAST, BLOCK_K)
-        v1 = _pivots(v1_base, sv2, sv3, k0, k_ok, d_idx, d_ok, UPCAST, BLOCK_K)
-        s, user = _scores(q, k1, s2_hi, s2_lo, offs, inside, mask_row, smk_k, k_idx, k_ok, scale,
-                          HAS_MASK, HALF_BITS, PRECISION)
-        p = tl.exp(s - row_max[:, None]) * inv_sum[:, None]
-        dp = _half_products(dy, v1, dp2_hi, dp2_lo, offs, inside, HALF_BITS, PRECISION)
+        p, dp, user, inside, k_idx, k1 = _probs_and_dp(k0, q, dy, k1_base, v1_base, sk2, sk3, sv2, sv3, s2_hi,
+                                                       s2_lo, dp2_hi, dp2_lo, mask_row, smk_k, m_loc, m_ok, d_idx,
+                                                       d_ok, K, row_max, inv_sum, scale, HAS_MASK, HALF_BITS,
+                                                       PRECISION, UPCAST, BLOCK_K)
         ds = p * (dp - dr[:, None]) * scale
         if HAS_MASK:
             ds = tl.where(user[None, :], 0.0, ds)
@@ -280,12 +287,6 @@ def _rows_backward(
 # ----------------------------------------------------------------------------------------------
 # Launchers (called by floyd_attention.py's backend functions, which handle empty shapes)
 # ----------------------------------------------------------------------------------------------
-def _flat(t):
-    """[B, H, ...] -> [B*H, ...] (a view when the strides allow, else a copy; explicit sizes,
-    as torch refuses -1 for a tensor of no elements, e.g. D = 0)."""
-    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
-
-
 def _plan(q, k):
     """The chunk plan of a call on ``q`` with K = ``k`` pivots: a function of the shape, the
     dtype and the device's total memory, so that a forward and its backward walk the same
@@ -358,33 +359,21 @@ def _launch_rows(kernel, work, g, cn, cm, d, device, *args, has_mask):
                  **dot_constexprs(work.dtype, device), **cfg)
 
 
-def _reduction(a, b, out, accumulator, first, last) -> Product:
-    """``out (+)= a @ b`` for a sum that may span chunks: straight into ``out`` when this chunk
-    holds the whole sum; else through the float32 ``accumulator`` (the first chunk stores,
-    middle ones accumulate, the last adds and stores the rounded result into ``out``)."""
-    if first and last:
-        return Product(a, b, out)
-    return Product(a, b, out if last else accumulator, acc=None if first else accumulator)
-
-
 def forward(q, k1, v1, k2, v2, mask, scale):
     """``(out, softmax_max, softmax_sum)`` as ``floyd_attention.floyd_attention``; 16-bit
     and float32 inputs, B*H*N*M*K > 0."""
     B, H, N, M, D = q.shape
     K = k1.shape[3]
     dev, dtype = q.device, q.dtype
-    out = torch.empty((B, H, N, M, D), dtype=dtype, device=dev)
-    softmax_max = torch.empty((B, H, N, M), dtype=torch.float32, device=dev)
-    softmax_sum = torch.empty((B, H, N, M), dtype=torch.float32, device=dev)
-    q4, k1_4, v1_4, k2_4, v2_4 = (_flat(t) for t in (q, k1, v1, k2, v2))
-    out4, max3, sum3 = _flat(out), _flat(softmax_max), _flat(softmax_sum)
+    out, softmax_max, softmax_sum = forward_outputs(q)
+    q4, k1_4, v1_4, k2_4, v2_4 = (flat(t) for t in (q, k1, v1, k2, v2))
+    out4, max3, sum3 = flat(out), flat(softmax_max), flat(softmax_sum)
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
     bits = _scale_bits(scale)
     plan = _plan(q, K)
     work = _Workspace(plan, K, D, dtype, dev, ("s2",))
-    for g0, g1, n0, n1, m0, m1 in plan.chunks(B * H, N, M):
-        gs, ns, ms = slice(g0, g1), slice(n0, n1), slice(m0, m1)
-        g, cn, cm = g1 - g0, n1 - n0, m1 - m0
+    for c in chunks(plan, B * H, N, M):
+        gs, ns, ms, g, cn, cm = c.gs, c.ns, c.ms, c.g, c.cn, c.cm
         q_c, k1_c, v1_c = q4[gs, ns, ms], k1_4[gs, ns], v1_4[gs, ns]
         s2, part = work.half("s2", g, cn, cm, K), work.part(g, cn, cm, D)
         gemm(work.product(by_m(q_c), k2_4[gs, :, ms].permute(0, 2, 3, 1), s2), half_bits=work.gemm_bits)
@@ -392,7 +381,7 @@ def forward(q, k1, v1, k2, v2, mask, scale):
         _launch_rows(_rows_forward, work, g, cn, cm, D, dev,
                      q_c, k1_c, v1_c, s2.hi, s2.lo, s2.probs, mask_t, stats, sum3[gs, ns, ms], part,
                      *q_c.stride(), *k1_c.stride(), *v1_c.stride(), *mask_strides, *stats.stride(),
-                     cn, cm, K, D, H, g0, n0, bits, has_mask=has_mask)
+                     cn, cm, K, D, H, gs.start, ns.start, bits, has_mask=has_mask)
         gemm(Product(by_m(s2.probs), v2_4[gs, :, ms].transpose(1, 2), by_m(out4[gs, ns, ms]), acc=by_m(part)))
     return out, softmax_max, softmax_sum
 
@@ -402,50 +391,31 @@ def backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale):
     16-bit and float32 inputs, B*H*N*M*K > 0."""
     B, H, N, M, D = q.shape
     K = k1.shape[3]
-    dev, dtype = q.device, q.dtype
-    q4, dy4, k1_4, v1_4, k2_4, v2_4 = (_flat(t) for t in (q, dy, k1, v1, k2, v2))
-    # contiguous: the row kernels read both statistics at one offset, and each may come in its
-    # own layout (compact, a view of CANN's [B,H,N,M,8], transposed)
-    max3, sum3 = (_flat(t.to(_ACC[dtype])).contiguous() for t in (softmax_max, softmax_sum))
-    grads = [torch.empty(shape, dtype=dtype, device=dev)
-             for shape in [(B, H, N, M, D)] + [(B, H, N, K, D)] * 2 + [(B, H, K, M, D)] * 2]
-    dq4, dk1_4, dv1_4, dk2_4, dv2_4 = (_flat(t) for t in grads)
+    dev = q.device
+    q4, dy4, k1_4, v1_4, k2_4, v2_4 = (flat(t) for t in (q, dy, k1, v1, k2, v2))
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
     bits = _scale_bits(scale)
     plan = _plan(q, K)
-    work = _Workspace(plan, K, D, dtype, dev, ("s2", "dp2"))
-    # float32 sums across chunks, only where a sum spans chunks: dK1/dV1 over the m-chunks of
-    # one n range, dK2/dV2 over the n ranges of one group of slices
-    split_m, split_n = plan.block_m < M, plan.block_n < N
-    acc1 = [torch.empty((plan.groups, plan.block_n, K, D), dtype=torch.float32, device=dev)
-            for _ in range(2)] if split_m else [None, None]
-    acc2 = [torch.empty((plan.groups, K, M, D), dtype=torch.float32, device=dev)
-            for _ in range(2)] if split_n else [None, None]
-    for g0, g1, n0, n1, m0, m1 in plan.chunks(B * H, N, M):
-        gs, ns, ms = slice(g0, g1), slice(n0, n1), slice(m0, m1)
-        g, cn, cm = g1 - g0, n1 - n0, m1 - m0
+    grads = Backward(q, K, softmax_max, softmax_sum, plan)
+    work = _Workspace(plan, K, D, q.dtype, dev, ("s2", "dp2"))
+    for c in chunks(plan, B * H, N, M):
+        gs, ns, ms, g, cn, cm = c.gs, c.ns, c.ms, c.g, c.cn, c.cm
         q_c, dy_c = q4[gs, ns, ms], dy4[gs, ns, ms]
         k1_c, v1_c, k2_c, v2_c = k1_4[gs, ns], v1_4[gs, ns], k2_4[gs, :, ms], v2_4[gs, :, ms]
         s2, dp2, part = work.half("s2", g, cn, cm, K), work.half("dp2", g, cn, cm, K), work.part(g, cn, cm, D)
         # the forward's product on the forward's chunks (bitwise its S2), and dP2 beside it
         gemm(work.product(by_m(q_c), k2_c.permute(0, 2, 3, 1), s2),
              work.product(by_m(dy_c), v2_c.permute(0, 2, 3, 1), dp2), half_bits=work.gemm_bits)
-        stats = max3[gs, ns, ms]
+        stats = grads.softmax_max[gs, ns, ms]
         _launch_rows(_rows_backward, work, g, cn, cm, D, dev,
                      q_c, dy_c, k1_c, v1_c, s2.hi, s2.lo, dp2.hi, dp2.lo, s2.probs, dp2.probs, mask_t, stats,
-                     sum3[gs, ns, ms], part,
+                     grads.softmax_sum[gs, ns, ms], part,
                      *q_c.stride(), *dy_c.stride(), *k1_c.stride(), *v1_c.stride(), *mask_strides, *stats.stride(),
-                     cn, cm, K, D, H, g0, n0, bits, has_mask=has_mask)
+                     cn, cm, K, D, H, gs.start, ns.start, bits, has_mask=has_mask)
         p, ds = s2.probs, dp2.probs
-        # over (g, m): dQ = dS K2 + dQ1 (rounded once); dK2, dV2 summed over n
-        first, last = n0 == 0, n1 == N
-        m_side = [Product(by_m(ds), k2_c.transpose(1, 2), by_m(dq4[gs, ns, ms]), acc=by_m(part))]
-        for x, y, out, acc in ((ds, q_c, dk2_4, acc2[0]), (p, dy_c, dv2_4, acc2[1])):
-            m_side.append(_reduction(x.permute(0, 2, 3, 1), by_m(y), out[gs, :, ms].transpose(1, 2),
-                                     acc if acc is None else acc[:g, :, ms].transpose(1, 2), first, last))
-        gemm(*m_side)
-        # over (g, n): dK1, dV1 summed over m
-        first, last = m0 == 0, m1 == M
-        gemm(*(_reduction(x.transpose(2, 3), y, out[gs, ns], acc if acc is None else acc[:g, :cn], first, last)
-               for x, y, out, acc in ((ds, q_c, dk1_4, acc1[0]), (p, dy_c, dv1_4, acc1[1]))))
-    return tuple(grads)
+        # over (g, m): dQ = dS K2 + dQ1 (rounded once), dK2 and dV2 summed over n; over (g, n):
+        # dK1 and dV1 summed over m
+        dq = Product(by_m(ds), k2_c.transpose(1, 2), by_m(grads.dq[gs, ns, ms]), acc=by_m(part))
+        gemm(dq, *grads.m_side(c, ds, p, q_c, dy_c))
+        gemm(*grads.n_side(c, ds, p, q_c, dy_c))
+    return tuple(grads.grads)
