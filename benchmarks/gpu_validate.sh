@@ -21,8 +21,9 @@ OUT=${OUT:-$PWD/gpu-out}
 CALL_SECONDS=${CALL_SECONDS:-570}    # `all` mode's limit: 10 minutes less a margin for packing
 TESTS_SECONDS=${TESTS_SECONDS:-300}  # the tests' share of an `all` call
 # `all`'s tests: every case of the Triton backend, and the kernel, compile, CUDA-graph and
-# host-sync tests (a pytest -k expression over the test ids); `tests` runs the whole suite.
-GPU_TESTS=${GPU_TESTS:-"triton or kernels or compile or cuda or host_sync"}
+# host-sync tests, and the Floyd memory strategies' own (a pytest -k expression over the test
+# ids); `tests` runs the whole suite.
+GPU_TESTS=${GPU_TESTS:-"triton or kernels or compile or cuda or host_sync or hybrid or chunked or roofline"}
 # Files whose tests run on the CPU whatever the test device (the CPU path, the CLI and the
 # benchmarks' faces in fresh interpreters, gloo processes, the CPU memory harness, the CPU
 # guard): `all` leaves them out too.

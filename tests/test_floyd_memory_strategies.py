@@ -157,10 +157,9 @@ ORACLE_CASES = (
     # the hybrid strategy: every shape in float32 without a mask and in float16 with each
     with_memory([(s, mask, dt) for s in SHAPES for dt, mask in ((torch.float32, None), (torch.float16, "random"),
                                                                  (torch.float16, "full_rows"))], ["hybrid"])
-    # the chunked one: every shape in float32, three in float16 with a mask
-    + with_memory([(s, None, torch.float32) for s in SHAPES]
-                  + [(s, mask, torch.float16) for s, mask in zip(SHAPES[1:4], ("random", "full_rows", None))],
-                  ["chunked"]))
+    # the chunked one (heads past 256, float32 where the rule gives it): four shapes, two dtypes
+    + with_memory([(SHAPES[0], None, torch.float32), (SHAPES[2], None, torch.float32),
+                   (SHAPES[3], "random", torch.float16), (SHAPES[4], "full_rows", torch.float16)], ["chunked"]))
 
 
 @pytest.mark.parametrize("memory,shape,mask_kind,dtype", ORACLE_CASES, indirect=["memory"], ids=case_id)
@@ -245,7 +244,8 @@ def test_nan_score_in_a_later_pivot_step(memory, device):
 
 
 @pytest.mark.parametrize("memory,dtype,scale", with_memory(
-    [(dt, s) for dt in (torch.float16, torch.bfloat16, torch.float32) for s in (1 / 3, -2.7182818284590451)]),
+    [(dt, s) for dt in (torch.float16, torch.bfloat16, torch.float32) for s in (1 / 3, -2.7182818284590451)],
+    ["hybrid"]) + with_memory([(torch.float32, 1 / 3), (torch.bfloat16, -2.7182818284590451)], ["chunked"]),
     indirect=["memory"], ids=case_id)
 def test_scale_reaches_the_row_kernel_exactly(memory, dtype, scale, device):
     """With D = 1 each half of a score is one product (exact for 16-bit inputs, rounded once
@@ -276,7 +276,9 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float16, torch.flo
 
 
 @pytest.mark.parametrize("memory,name,shape,budget_of,dtype", with_memory(
-    [c + (dt,) for c, dt in zip(CHUNKINGS, DTYPES)]), indirect=["memory"], ids=case_id)
+    [c + (dt,) for c, dt in zip(CHUNKINGS, DTYPES)], ["hybrid"])
+    + with_memory([c + (dt,) for c, dt in zip(CHUNKINGS, DTYPES) if c[0] in ("split_n_and_m", "groups_of_4")],
+                  ["chunked"]), indirect=["memory"], ids=case_id)
 def test_many_chunks(memory, name, shape, budget_of, dtype, device):
     """Small budgets: chunks of one row, chunks with tails on n and m, N whole and M split, rows
     of n with M whole, whole slices, and groups of slices with a short last group; the float32
@@ -327,8 +329,8 @@ def test_sums_across_chunks_are_float32(memory, device):
         assert _ulps(got, ref) <= 1.0, (name, _ulps(got, ref))
 
 
-@pytest.mark.parametrize("memory,pairs,dtype", with_memory([(None, torch.float32), (3, torch.float16)]),
-                         indirect=["memory"], ids=case_id)
+@pytest.mark.parametrize("memory,pairs,dtype", with_memory([(None, torch.float32), (3, torch.float16)], ["hybrid"])
+                         + with_memory([(3, torch.float16)], ["chunked"]), indirect=["memory"], ids=case_id)
 def test_fully_masked_row_gradients(memory, pairs, dtype, device):
     """As the fused kernels (test_kernels_floyd.py::test_fully_masked_row_gradients): dS is zero
     where masked, so Q, K1, K2 get exactly nothing from a fully masked row, and V1, V2 get P dY
@@ -362,8 +364,7 @@ def test_fully_masked_row_gradients(memory, pairs, dtype, device):
 @pytest.mark.parametrize("memory,kind,dtype,budget", with_memory(
     [("K1", torch.float32, "rows_of_10"), ("K1", torch.bfloat16, "groups_of_3"), ("one_hot", torch.float16, "rows_of_10"),
      ("one_hot", torch.bfloat16, "groups_of_3")], ["hybrid"])
-    + with_memory([("K1", torch.float16, "rows_of_10"), ("K1", torch.float32, "groups_of_3"),
-                   ("one_hot", torch.bfloat16, "rows_of_10"), ("one_hot", torch.float32, "groups_of_3")], ["chunked"]),
+    + with_memory([("K1", torch.float16, "rows_of_10"), ("one_hot", torch.float32, "groups_of_3")], ["chunked"]),
     indirect=["memory"], ids=case_id)
 def test_one_hot_softmax_gives_exactly_zero_score_gradients(memory, kind, dtype, budget, device):
     """test_floyd_attention.py's exactness test with many chunks: with K = 1, or one pivot

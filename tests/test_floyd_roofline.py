@@ -35,7 +35,6 @@ def rule(monkeypatch):
 # (shape, dtype, masked, chunk budget or None): tails on every axis, K past the row kernels' and
 # the fused kernels' steps, N and M past a GEMM block (128), many chunks splitting n and m.
 COUNTED = [
-    ((1, 2, 9, 13, 11, 8), torch.float16, False, None),
     ((2, 1, 17, 20, 40, 20), torch.float16, True, None),
     ((1, 2, 9, 13, 70, 8), torch.float32, True, None),
     ((2, 2, 13, 11, 9, 8), torch.bfloat16, True, 30000),
@@ -56,6 +55,8 @@ def test_the_model_is_the_count(monkeypatch, strategy, shape, dtype, masked, bud
         pytest.skip("the fused kernels have no chunks")
     if shape[2] == 130 and strategy != "hybrid":
         pytest.skip("one large shape, for the strategy the rule picks (the interpreter's cost)")
+    if shape[4] == 70 and strategy == "chunked":
+        pytest.skip("float32 and K past a step: the hybrid and fused launches (the chunked GEMMs are the hybrid's)")
     monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", budget)
     counted = traffic.floyd_traffic(shape, dtype, strategy, masked=masked)
     model = roofline.launches(strategy, shape, dtype, masked, config.total_memory(torch.device("cpu")))
@@ -69,8 +70,10 @@ def test_the_model_is_the_count(monkeypatch, strategy, shape, dtype, masked, bud
 
 
 @needs_interpreter
-@pytest.mark.parametrize("bits", [24, 16])
+@pytest.mark.parametrize("bits", [24])
 def test_the_model_is_the_count_with_narrower_halves(monkeypatch, bits):
+    """24-bit halves, a 16-bit and an 8-bit plane: the model's bytes per half follow HALF_BITS
+    (16-bit halves are the top plane alone)."""
     from gradops.bench import traffic
 
     monkeypatch.setattr(config, "HALF_BITS", bits)

@@ -691,9 +691,9 @@ GEMM_CHECK = {
 
 def compile_check_gemm(dtype: torch.dtype, arch: int = 90) -> List[dict]:
     """Compile the GEMM (``floyd_gemm._gemm_kernel``) for ``sm_<arch>`` as each kind of launch
-    runs it (:data:`GEMM_CHECK`), with ``floyd_config.gemm_config``'s blocks (the first
-    product's); report as :func:`compile_check` (``D`` is the first product's contraction,
-    ``K`` None). float32 inputs keep their halves in float32: a "half" result is float32 there."""
+    runs it (:data:`GEMM_CHECK`), each product with ``floyd_config.gemm_config``'s blocks;
+    report as :func:`compile_check` (``D`` and ``tile`` are the first product's contraction and
+    blocks, ``K`` None). float32 inputs keep their halves in float32: a "half" result is float32 there."""
     from ..kernels import floyd_gemm
     from ..kernels.floyd_config import gemm_config
 
@@ -705,12 +705,14 @@ def compile_check_gemm(dtype: torch.dtype, arch: int = 90) -> List[dict]:
     for name, (half_bits, products) in GEMM_CHECK.items():
         if dtype == torch.float32:  # float32 halves are stored as they are
             half_bits = 0
-        r, c, t = products[0][:3]
-        cfg = gemm_config(r, c, t, dtype.itemsize)
+        t = products[0][2]
         slots = products + [products[0]] * (3 - len(products))
-        consts = dict(PRODUCTS=len(products), HALF_BITS=half_bits, BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"],
-                      BLOCK_T=cfg["BLOCK_T"], **dot_constexprs_for(dtype),
+        configs = [gemm_config(*slot[:3], dtype.itemsize) for slot in slots]
+        cfg = configs[0]
+        consts = dict(PRODUCTS=len(products), HALF_BITS=half_bits, **dot_constexprs_for(dtype),
+                      **{f"{key}{i}": c[key] for i, c in enumerate(configs) for key in ("BLOCK_R", "BLOCK_C", "BLOCK_T")},
                       **{f"ACCUMULATE{i}": i < len(products) and products[i][4] for i in range(3)})
+        warps = max(c["num_warps"] for c in configs[:len(products)])
         sig, attrs = {}, {}
         for idx, arg in enumerate(kernel.arg_names):
             if kernel.params[idx].is_constexpr:
@@ -739,9 +741,9 @@ def compile_check_gemm(dtype: torch.dtype, arch: int = 90) -> List[dict]:
                 sig[arg] = "i32"
             attrs[(idx,)] = [["tt.divisibility", 16]]
         row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": t, "K": None,
-               "tile": f"{cfg['BLOCK_R']}x{cfg['BLOCK_C']}x{cfg['BLOCK_T']}", "warps": cfg["num_warps"],
+               "tile": f"{cfg['BLOCK_R']}x{cfg['BLOCK_C']}x{cfg['BLOCK_T']}", "warps": warps,
                "products": len(products)}
-        rows.append(_compile_sm(kernel, sig, consts, attrs, arch, cfg["num_warps"], cfg["num_stages"], row))
+        rows.append(_compile_sm(kernel, sig, consts, attrs, arch, warps, cfg["num_stages"], row))
     return rows
 
 

@@ -17,8 +17,8 @@ m-side halves of the scores (docs/kernels-floyd.md, "Halves in memory").
 Several products over one batch in one launch (``gemm(p1, p2, p3)``) cost one launch instead
 of three; each program computes one output tile of one product, and the programs of a batch
 entry (every product's tiles of it) are consecutive, so products that read the same rows share
-them in L2. The products of a launch share the block sizes (the first product's
-``floyd_config.gemm_config``).
+them in L2. Each product takes the blocks ``floyd_config.gemm_config`` gives its shape (the
+launch the most warps any of them asks).
 
 Deterministic and reproducible: each output tile is one program's, summed over the contraction
 in a fixed order, and a product's blocks are a function of its shape alone, so the same product
@@ -123,20 +123,22 @@ def _gemm_kernel(
     sa0_2, sa1_2, sar_2, sat_2, sb0_2, sb1_2, sbt_2, sbc_2, sc0_2, sc1_2, scr_2, scc_2, so0_2, so1_2, sor_2, soc_2,
     PRODUCTS: tl.constexpr, ACCUMULATE0: tl.constexpr, ACCUMULATE1: tl.constexpr, ACCUMULATE2: tl.constexpr,
     HALF_BITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_R0: tl.constexpr, BLOCK_C0: tl.constexpr, BLOCK_T0: tl.constexpr,
+    BLOCK_R1: tl.constexpr, BLOCK_C1: tl.constexpr, BLOCK_T1: tl.constexpr,
+    BLOCK_R2: tl.constexpr, BLOCK_C2: tl.constexpr, BLOCK_T2: tl.constexpr,
 ):
-    """Up to three products (PRODUCTS) over one batch, in one launch. Program ids walk the batch
-    entries; each entry's tiles of every product are consecutive (the first product's, then
-    the second's, then the third's), so products that read the same rows of an operand (dS
-    for dQ2 and dK2) run side by side and the second reads them from L2. The arguments of a
-    product left out are never read."""
-    t0 = tl.cdiv(R0, BLOCK_R) * tl.cdiv(C0, BLOCK_C)
+    """Up to three products (PRODUCTS) over one batch, in one launch, each with its own blocks.
+    Program ids walk the batch entries; each entry's tiles of every product are consecutive
+    (the first product's, then the second's, then the third's), so products that read the same
+    rows of an operand (dS for dQ2 and dK2) run side by side and the second reads them from
+    L2. The arguments of a product left out are never read."""
+    t0 = tl.cdiv(R0, BLOCK_R0) * tl.cdiv(C0, BLOCK_C0)
     t1 = 0
     t2 = 0
     if PRODUCTS > 1:
-        t1 = tl.cdiv(R1, BLOCK_R) * tl.cdiv(C1, BLOCK_C)
+        t1 = tl.cdiv(R1, BLOCK_R1) * tl.cdiv(C1, BLOCK_C1)
     if PRODUCTS > 2:
-        t2 = tl.cdiv(R2, BLOCK_R) * tl.cdiv(C2, BLOCK_C)
+        t2 = tl.cdiv(R2, BLOCK_R2) * tl.cdiv(C2, BLOCK_C2)
     pid = tl.program_id(0)
     batch = pid // (t0 + t1 + t2)
     tile = pid % (t0 + t1 + t2)
@@ -144,18 +146,18 @@ def _gemm_kernel(
         _gemm_tile(batch, tile, a0, b0, acc0, out0, lo0, B1, R0, C0, T0,
                    sa0_0, sa1_0, sar_0, sat_0, sb0_0, sb1_0, sbt_0, sbc_0, sc0_0, sc1_0, scr_0, scc_0,
                    so0_0, so1_0, sor_0, soc_0,
-                   ACCUMULATE0, HALF_BITS, PRECISION, UPCAST, BLOCK_R, BLOCK_C, BLOCK_T)
+                   ACCUMULATE0, HALF_BITS, PRECISION, UPCAST, BLOCK_R0, BLOCK_C0, BLOCK_T0)
     elif PRODUCTS > 1:
         if tile < t0 + t1:
             _gemm_tile(batch, tile - t0, a1, b1, acc1, out1, lo1, B1, R1, C1, T1,
                        sa0_1, sa1_1, sar_1, sat_1, sb0_1, sb1_1, sbt_1, sbc_1, sc0_1, sc1_1, scr_1, scc_1,
                        so0_1, so1_1, sor_1, soc_1,
-                       ACCUMULATE1, HALF_BITS, PRECISION, UPCAST, BLOCK_R, BLOCK_C, BLOCK_T)
+                       ACCUMULATE1, HALF_BITS, PRECISION, UPCAST, BLOCK_R1, BLOCK_C1, BLOCK_T1)
         elif PRODUCTS > 2:
             _gemm_tile(batch, tile - t0 - t1, a2, b2, acc2, out2, lo2, B1, R2, C2, T2,
                        sa0_2, sa1_2, sar_2, sat_2, sb0_2, sb1_2, sbt_2, sbc_2, sc0_2, sc1_2, scr_2, scc_2,
                        so0_2, so1_2, sor_2, soc_2,
-                       ACCUMULATE2, HALF_BITS, PRECISION, UPCAST, BLOCK_R, BLOCK_C, BLOCK_T)
+                       ACCUMULATE2, HALF_BITS, PRECISION, UPCAST, BLOCK_R2, BLOCK_C2, BLOCK_T2)
 
 
 class Product(NamedTuple):
@@ -192,13 +194,17 @@ def gemm(*products: Product, half_bits: int = 0) -> None:
     if any(tuple(p.a.shape[:2]) != (b0, b1) for p in products):
         raise ValueError(f"the products of one launch share their batch: {[tuple(p.a.shape[:2]) for p in products]}")
     first = products[0]
-    cfg = gemm_config(first.a.shape[2], first.b.shape[3], first.a.shape[3], first.a.element_size())
-    tiles = sum(-(-p.a.shape[2] // cfg["BLOCK_R"]) * -(-p.b.shape[3] // cfg["BLOCK_C"]) for p in products)
     slots = products + [products[0]] * (3 - len(products))  # unused slots: never read
+    configs = [gemm_config(p.a.shape[2], p.b.shape[3], p.a.shape[3], p.a.element_size()) for p in slots]
+    tiles = sum(-(-p.a.shape[2] // c["BLOCK_R"]) * -(-p.b.shape[3] // c["BLOCK_C"])
+                for p, c in zip(products, configs))
+    blocks = {f"{key}{i}": c[key] for i, c in enumerate(configs) for key in ("BLOCK_R", "BLOCK_C", "BLOCK_T")}
     accumulate = {f"ACCUMULATE{i}": i < len(products) and products[i].acc is not None for i in range(3)}
     _gemm_kernel[(b0 * b1 * tiles,)](b1, *_args(slots[0]), *_args(slots[1]), *_args(slots[2]),
-                                      PRODUCTS=len(products), HALF_BITS=half_bits, **accumulate,
-                                      **dot_constexprs(first.a.dtype, first.a.device), **cfg)
+                                      PRODUCTS=len(products), HALF_BITS=half_bits, **accumulate, **blocks,
+                                      **dot_constexprs(first.a.dtype, first.a.device),
+                                      num_warps=max(c["num_warps"] for c in configs[:len(products)]),
+                                      num_stages=configs[0]["num_stages"])
 
 
 def by_m(t: torch.Tensor) -> torch.Tensor:

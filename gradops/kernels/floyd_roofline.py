@@ -137,14 +137,13 @@ def _gemm(products, e: int) -> Launch:
     """A :func:`floyd_gemm.gemm` launch of ``products``: (batch entries, R, C, T, (a key, a
     bytes), (b key, b bytes), accumulator bytes loaded, bytes stored). Operands with one key
     are one tensor (distinct once per launch); every program loads its rows of a and columns
-    of b at each step; the blocks are the first product's."""
-    _, r0, c0, t0 = products[0][:4]
-    cfg = config.gemm_config(r0, c0, t0, e)
-    br, bc, bt = cfg["BLOCK_R"], cfg["BLOCK_C"], cfg["BLOCK_T"]
+    of b at each step, with the blocks ``gemm_config`` gives its product's shape."""
     distinct: Dict[str, int] = {}
     issued = store = acc_bytes = 0
     flop = 0.0
     for batch, r, c, t, (a_key, a_bytes), (b_key, b_bytes), acc, out in products:
+        cfg = config.gemm_config(r, c, t, e)
+        br, bc, bt = cfg["BLOCK_R"], cfg["BLOCK_C"], cfg["BLOCK_T"]
         distinct[a_key] = a_bytes
         distinct[b_key] = b_bytes
         acc_bytes += acc
