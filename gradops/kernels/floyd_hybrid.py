@@ -16,7 +16,7 @@ n), so GEMMs batched over (slice, m) (``floyd_gemm.py``) write them once, the ro
 read them, and write P and dS once, over them, for the products that need them whole: Y2 =
 P.V2 and dQ2 = dS.K2 (with the on-chip half added, rounded once), dK2, dV2 (batched over m,
 summed over n) and dK1, dV1 (batched over n, summed over m). Per chunk of
-``floyd_config.chunk_plan`` (slices x rows of n x rows of m, every pivot):
+``floyd_config.plan_rows`` (slices x rows of n x rows of m, every pivot):
 
 - forward, 3 launches: ``S2 = Q K2^T`` (over (g, m)); ``_rows_forward`` (per (g, n, m-block),
   two sweeps over the pivots: the row max and sum, then P, written over S2, and Y1 = P V1,
@@ -29,12 +29,12 @@ summed over n) and dK1, dV1 (batched over n, summed over m). Per chunk of
   launch; ``dK1 = dS^T Q``, ``dV1 = P^T dY`` (over (g, n), summed over m) in one launch. A
   sum that spans chunks continues in a float32 accumulator through the GEMMs' ``acc``.
 
-The m-side halves are float32 numbers kept in 24 bits (16-bit inputs: a bfloat16-format top
-plane and an 8-bit plane below it, ``floyd_config.HALF_BITS``; 16 keeps the top plane only),
-in 32 for float32 inputs; P and dS, in the input dtype, are written over the top plane
-(float32: over the half itself), each by the program that has just read it, so a chunk's
-workspace is its two halves. docs/kernels-floyd.md ("The hybrid strategy") has the bytes each
-launch moves, counted.
+The m-side halves are the GEMMs' float32 sums, kept as they are by default
+(``floyd_config.HALF_BITS``; opt-in for 16-bit inputs: 24 bits, a bfloat16-format top plane
+and an 8-bit plane below it, or for bfloat16 inputs 16, the top plane alone). P and dS, in the
+input dtype, are written over the halves each program has just read (a 16-bit P over float32
+halves into the first half of each row's bytes), so a chunk's workspace is its two halves.
+docs/kernels-floyd.md ("The hybrid strategy") has the bytes each launch moves, counted.
 
 Exactness: S (and dP) of a score is ``dot(Q, K1^T, acc=S2)`` in every sweep of both row
 kernels, with the same tiles (``floyd_config.hybrid_config``), on an S2 the same GEMM
