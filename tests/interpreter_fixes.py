@@ -17,8 +17,20 @@ differs in its last bit, and the exact zeros that Floyd attention promises for a
 softmax (OPERATORS.md section 5) came out as 1e-6 on that machine and 0 on another. A GPU
 computes an element of an MMA from its own row and column alone. ``_dot_in_order`` sums each
 element's products in order of the contraction, whatever the tile, so the CPU tests see
-what a GPU does. Applied by tests/conftest.py for CPU runs only.
+what a GPU does.
+
+One change for speed alone: the interpreter patches ``triton.language`` for the interpreter
+(about 1.5 ms, walking every member of the module) at each launch and again at every call of a
+``@triton.jit`` helper inside it, though the launch's patch is still in place; helpers called
+per program (``floyd_gemm._gemm_tile``, ``tl.zeros``) then cost more than the kernel's own work
+(a third of a Floyd GEMM's interpreted time). ``_patch_lang_once`` patches a module a helper
+sees only when the launch has not already patched it; what runs is unchanged.
+
+Applied by tests/conftest.py for CPU runs only.
 """
+import inspect
+import threading
+
 import numpy as np
 
 
@@ -33,9 +45,47 @@ def _dot_in_order(a: np.ndarray, b: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
+class _LaunchPatches(threading.local):
+    """The ``triton.language`` modules patched during this thread's current launch (None:
+    no launch running)."""
+
+    modules = None
+
+
+def _patch_lang_once(original_patch_lang, language_modules):
+    """``interpreter._patch_lang`` that leaves out what the running launch has patched."""
+    launch = _LaunchPatches()
+    no_patch = type("NoPatch", (), {"restore": lambda self: None})()
+
+    def modules_of(fn):
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in language_modules}
+
+    def patch_lang(fn):
+        modules = modules_of(fn)
+        if launch.modules is not None:  # a helper's call inside a launch
+            if modules <= launch.modules:
+                return no_patch
+            launch.modules |= modules
+            return original_patch_lang(fn)  # kept, as the interpreter keeps a helper's patch
+        scope = original_patch_lang(fn)  # a launch: undone when the launch ends
+        launch.modules = modules
+        restore = scope.restore
+
+        def restore_and_end():
+            launch.modules = None
+            restore()
+
+        scope.restore = restore_and_end
+        return scope
+
+    patch_lang._gradops_original = original_patch_lang
+    return patch_lang
+
+
 def install() -> bool:
-    """Patch the interpreter's cast and dot; False when this Triton's interpreter is not the
-    shape this patch knows (the tests then see the interpreter's own truncation and BLAS)."""
+    """Patch the interpreter's cast and dot and its patching of the language; False when this
+    Triton's interpreter is not the shape this patch knows (the tests then see the
+    interpreter's own truncation and BLAS)."""
     try:
         from triton.runtime import interpreter
 
@@ -55,4 +105,9 @@ def install() -> bool:
 
         create_dot._gradops_in_order = True
         builder.create_dot = create_dot
+    original_patch_lang = getattr(interpreter, "_patch_lang", None)
+    if original_patch_lang is not None and not hasattr(original_patch_lang, "_gradops_original"):
+        import triton.language as tl
+
+        interpreter._patch_lang = _patch_lang_once(original_patch_lang, (tl, tl.core))
     return True

@@ -12,6 +12,7 @@ import gradops.reference.floyd_attention as reference_floyd
 from gradops import oracles
 from gradops.oracles import TOLERANCE, rel_error
 
+from conftest import FLOYD_BACKENDS
 from helpers import skip_if_floyd_float64_refused
 
 BACKEND = "reference"
@@ -643,12 +644,27 @@ def _one_hot_inputs(b, h, n, m, k, d, dtype, device, gen):
     return [t.to(dtype).to(device) for t in (q, k1, v1, k2, v2)]
 
 
+def _per_backend(cases, hybrid_cases):
+    """Parameters ``(floyd_backend, *case)``: every case for the reference backend and the fused
+    kernels, ``hybrid_cases`` (a few of them) for the hybrid strategy, whose interpreted runs cost
+    more and whose exactness under many chunks test_floyd_memory_strategies.py tests."""
+    return [pytest.param(backend, *case, id="-".join(map(_case_id, (backend, *case))))
+            for backend in FLOYD_BACKENDS
+            for case in (hybrid_cases if backend == "triton-hybrid" else cases)]
+
+
+def _case_id(value) -> str:
+    return str(value).replace("torch.", "")
+
+
 SINGLE_PIVOT_DTYPES = (torch.float32, torch.float16, torch.float64, torch.bfloat16)
+SINGLE_PIVOT_CASES = _per_backend(
+    [(dtype, masked, kind) for dtype in SINGLE_PIVOT_DTYPES for masked in ("nomask", "mask") for kind in ("K1", "one_hot")],
+    [(torch.float32, "mask", "K1"), (torch.bfloat16, "nomask", "K1"), (torch.float16, "mask", "one_hot"),
+     (torch.bfloat16, "mask", "one_hot")])
 
 
-@pytest.mark.parametrize("kind", ["K1", "one_hot"])
-@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
-@pytest.mark.parametrize("dtype", SINGLE_PIVOT_DTYPES, ids=str)
+@pytest.mark.parametrize("floyd_backend,dtype,masked,kind", SINGLE_PIVOT_CASES, indirect=["floyd_backend"])
 def test_one_hot_softmax_gives_exactly_zero_score_gradients(floyd_backend, dtype, masked, kind, device):
     """With a single pivot (K = 1) P = 1 exactly, and dQ, dK1, dK2 are exactly zero (not
     rounding noise, which Adam would turn into full learning-rate steps); likewise when the
@@ -667,7 +683,7 @@ def test_one_hot_softmax_gives_exactly_zero_score_gradients(floyd_backend, dtype
     else:
         inputs = _one_hot_inputs(b, h, n, m, k, d, dtype, device, gen)
     mask = None
-    if masked:
+    if masked == "mask":
         if kind == "K1":  # a row is either fully masked or not
             mask = torch.rand(b, 1, n, 1, k, generator=gen, device="cpu") < 0.4
         else:  # some of the losers
@@ -686,8 +702,9 @@ def test_one_hot_softmax_gives_exactly_zero_score_gradients(floyd_backend, dtype
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's nanmax
-@pytest.mark.parametrize("mask_kind", [None, "some", "full_row"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("floyd_backend,dtype,mask_kind", _per_backend(
+    [(dtype, mask_kind) for dtype in (torch.float32, torch.float16) for mask_kind in (None, "some", "full_row")],
+    [(torch.float16, "some"), (torch.float32, "full_row")]), indirect=["floyd_backend"])
 def test_nan_in_q_stays_in_its_row(floyd_backend, dtype, mask_kind, device):
     """A NaN in q[b,h,n,m] makes every score of that row NaN: its softmax max and sum (a
     NaN max, as torch.amax: tl.max alone would skip it) and its output are NaN, nothing else

@@ -32,31 +32,28 @@ def rule(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # The model is the count
 # ---------------------------------------------------------------------------------------------
-# (shape, dtype, masked, chunk budget or None): tails on every axis, K past the row kernels' and
-# the fused kernels' steps, N and M past a GEMM block (128), many chunks splitting n and m.
+# (strategy, shape, dtype, masked, chunk budget or None): tails on every axis, K past the row
+# kernels' and the fused kernels' steps, N past a GEMM block (128), many chunks splitting n and
+# m; each strategy where its launches differ (the chunked GEMMs are the hybrid's kernel).
 COUNTED = [
-    ((2, 1, 17, 20, 40, 20), torch.float16, True, None),
-    ((1, 2, 9, 13, 70, 8), torch.float32, True, None),
-    ((2, 2, 13, 11, 9, 8), torch.bfloat16, True, 30000),
-    ((1, 1, 130, 3, 130, 16), torch.float16, True, None),
+    ("hybrid", (2, 1, 17, 20, 40, 20), torch.float16, True, None),
+    ("fused", (2, 1, 17, 20, 40, 20), torch.float16, True, None),
+    ("hybrid", (1, 2, 9, 13, 70, 8), torch.float32, True, None),
+    ("fused", (1, 2, 9, 13, 70, 8), torch.float32, True, None),
+    ("hybrid", (2, 2, 13, 11, 9, 8), torch.bfloat16, True, 30000),
+    ("chunked", (2, 2, 13, 11, 9, 8), torch.bfloat16, True, 30000),
+    ("hybrid", (1, 1, 130, 2, 65, 16), torch.float16, True, None),
 ]
 
 
 @needs_interpreter
-@pytest.mark.parametrize("strategy", ["hybrid", "chunked", "fused"])
-@pytest.mark.parametrize("shape,dtype,masked,budget", COUNTED, ids=lambda x: str(x).replace(" ", ""))
+@pytest.mark.parametrize("strategy,shape,dtype,masked,budget", COUNTED, ids=lambda x: str(x).replace(" ", ""))
 def test_the_model_is_the_count(monkeypatch, strategy, shape, dtype, masked, budget):
     """Every launch of a forward and of a backward: the same kernel, and the same distinct and
     issued bytes loaded and stored, as the interpreter counts (no torch op moves data outside
     the launches)."""
     from gradops.bench import traffic
 
-    if strategy == "fused" and budget is not None:
-        pytest.skip("the fused kernels have no chunks")
-    if shape[2] == 130 and strategy != "hybrid":
-        pytest.skip("one large shape, for the strategy the rule picks (the interpreter's cost)")
-    if shape[4] == 70 and strategy == "chunked":
-        pytest.skip("float32 and K past a step: the hybrid and fused launches (the chunked GEMMs are the hybrid's)")
     monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", budget)
     counted = traffic.floyd_traffic(shape, dtype, strategy, masked=masked)
     model = roofline.launches(strategy, shape, dtype, masked, config.total_memory(torch.device("cpu")))

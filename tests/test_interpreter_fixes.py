@@ -56,3 +56,43 @@ def test_dot_element_does_not_depend_on_the_tile():
     for t in range(1, 32):
         in_order = in_order + a[:, t:t + 1] * b[t:t + 1, :]
     assert torch.equal(big, in_order)
+
+
+@triton.jit
+def _plus_one(x):
+    return x + 1.0 + tl.zeros([16], x.dtype)  # tl.zeros: a helper that sees triton.language.core
+
+
+@triton.jit
+def _helpers_kernel(X, Y, STEPS: tl.constexpr):
+    i = tl.arange(0, 16)
+    x = tl.load(X + i)
+    for _ in range(STEPS):
+        x = _plus_one(x)
+    tl.store(Y + i, x)
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the fix concerns the CPU interpreter")
+def test_helpers_inside_a_launch_are_not_patched_again(monkeypatch):
+    """The language is patched once per launch and once more for a module only a helper sees
+    (triton.language.core, through tl.zeros), not at every helper call; the helpers still run
+    and the launch's patch is undone after it."""
+    from triton.runtime import interpreter
+
+    import interpreter_fixes
+
+    original = interpreter._patch_lang._gradops_original
+    calls = []
+
+    def counted(fn):
+        calls.append(fn.__name__)
+        return original(fn)
+
+    monkeypatch.setattr(interpreter, "_patch_lang", interpreter_fixes._patch_lang_once(counted, (tl, tl.core)))
+    arange = tl.arange
+    x = torch.arange(16, dtype=torch.float32)
+    y = torch.empty_like(x)
+    _helpers_kernel[(2,)](x, y, STEPS=5)
+    assert torch.equal(y, x + 5)
+    assert calls[0] == "_helpers_kernel" and len(calls) <= 2, calls  # not 1 + 2 programs x 5 steps x 2 helpers
+    assert tl.arange is arange
