@@ -19,15 +19,21 @@ computes an element of an MMA from its own row and column alone. ``_dot_in_order
 element's products in order of the contraction, whatever the tile, so the CPU tests see
 what a GPU does.
 
-One change for speed alone: the interpreter patches ``triton.language`` for the interpreter
+Two changes for speed alone. The interpreter checks every 32-bit integer add, sub and mul for
+overflow (``InterpreterOptions.sanitize_overflow``: the operands widened to 64 bits, the result
+compared with the type's bounds) and then drops the check unless its options say ``debug``,
+which they never do (the check's ``device_assert`` returns at once): ``_skip_dropped_checks``
+leaves the check out where it would be dropped, a third of an interpreted kernel's time. And
+the interpreter patches ``triton.language`` for the interpreter
 (about 1.5 ms, walking every member of the module) at each launch and again at every call of a
 ``@triton.jit`` helper inside it, though the launch's patch is still in place; helpers called
 per program (``floyd_gemm._gemm_tile``, ``tl.zeros``) then cost more than the kernel's own work
-(a third of a Floyd GEMM's interpreted time). ``_patch_lang_once`` patches a module a helper
-sees only when the launch has not already patched it; what runs is unchanged.
+(another third of a Floyd GEMM's interpreted time). ``_patch_lang_once`` patches a module a
+helper sees only when the launch has not already patched it. What runs is unchanged.
 
 Applied by tests/conftest.py for CPU runs only.
 """
+import dataclasses
 import inspect
 import threading
 
@@ -82,6 +88,14 @@ def _patch_lang_once(original_patch_lang, language_modules):
     return patch_lang
 
 
+def _skip_dropped_checks(interpreter) -> None:
+    """The interpreter's overflow checks off where its options drop their assertions."""
+    options = getattr(getattr(interpreter, "interpreter_builder", None), "options", None)
+    if dataclasses.is_dataclass(options) and {"debug", "sanitize_overflow"} <= set(vars(options)):
+        if options.sanitize_overflow and not options.debug:
+            interpreter.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
 def install() -> bool:
     """Patch the interpreter's cast and dot and its patching of the language; False when this
     Triton's interpreter is not the shape this patch knows (the tests then see the
@@ -105,6 +119,7 @@ def install() -> bool:
 
         create_dot._gradops_in_order = True
         builder.create_dot = create_dot
+    _skip_dropped_checks(interpreter)
     original_patch_lang = getattr(interpreter, "_patch_lang", None)
     if original_patch_lang is not None and not hasattr(original_patch_lang, "_gradops_original"):
         import triton.language as tl

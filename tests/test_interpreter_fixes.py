@@ -96,3 +96,31 @@ def test_helpers_inside_a_launch_are_not_patched_again(monkeypatch):
     assert torch.equal(y, x + 5)
     assert calls[0] == "_helpers_kernel" and len(calls) <= 2, calls  # not 1 + 2 programs x 5 steps x 2 helpers
     assert tl.arange is arange
+
+
+@triton.jit
+def _wrapping_add_kernel(X, Y):
+    i = tl.arange(0, 4)
+    tl.store(Y + i, tl.load(X + i) + 2_000_000_000)
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the fix concerns the CPU interpreter")
+def test_overflow_checks_are_left_out_only_where_the_interpreter_drops_them(monkeypatch):
+    """The interpreter's own options (overflow checks on, debug off) let an int32 add that
+    overflows through, wrapped, as the fixed options (checks off) do: the check's assertion is
+    dropped without debug, so leaving the check out changes nothing but the time."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    fixed = interpreter.interpreter_builder.options
+    assert not fixed.debug and not fixed.sanitize_overflow
+    x = torch.tensor([0, 1, 2_000_000_000, -5], dtype=torch.int32)
+    results = []
+    for options in (dataclasses.replace(fixed, sanitize_overflow=True), fixed):
+        monkeypatch.setattr(interpreter.interpreter_builder, "options", options)
+        y = torch.empty_like(x)
+        _wrapping_add_kernel[(1,)](x, y)
+        results.append(y)
+    wrapped = ((x.long() + 2_000_000_000 + 2 ** 31) % 2 ** 32 - 2 ** 31).int()
+    assert torch.equal(results[0], wrapped) and torch.equal(results[1], wrapped)
