@@ -34,6 +34,7 @@ helper sees only when the launch has not already patched it. What runs is unchan
 Applied by tests/conftest.py for CPU runs only.
 """
 import dataclasses
+import functools
 import inspect
 import threading
 
@@ -63,8 +64,9 @@ def _patch_lang_once(original_patch_lang, language_modules):
     launch = _LaunchPatches()
     no_patch = type("NoPatch", (), {"restore": lambda self: None})()
 
+    @functools.lru_cache(maxsize=None)
     def modules_of(fn):
-        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in language_modules}
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in language_modules)
 
     def patch_lang(fn):
         modules = modules_of(fn)
@@ -74,7 +76,7 @@ def _patch_lang_once(original_patch_lang, language_modules):
             launch.modules |= modules
             return original_patch_lang(fn)  # kept, as the interpreter keeps a helper's patch
         scope = original_patch_lang(fn)  # a launch: undone when the launch ends
-        launch.modules = modules
+        launch.modules = set(modules)
         restore = scope.restore
 
         def restore_and_end():

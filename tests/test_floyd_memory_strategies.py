@@ -183,7 +183,7 @@ def test_head_dims(memory, d, dtype, device):
     check_against_oracle(memory.run(inputs, dy, mask), inputs, dy, mask, dtype)
 
 
-@pytest.mark.parametrize("memory", BOTH, indirect=True)
+@pytest.mark.parametrize("memory", ["hybrid"], indirect=True)  # the chunked one: test_head_dims at D = 256
 def test_bfloat16_tails(memory, device):
     shape = (1, 2, 19, 21, 23, 20)
     inputs, dy, mask = make_inputs(*shape, torch.bfloat16, device, "full_rows")
@@ -202,8 +202,8 @@ def test_pivots_past_one_step(memory, k, dtype, device):
     check_against_oracle(memory.run(inputs, dy, mask), inputs, dy, mask, dtype)
 
 
-@pytest.mark.parametrize("memory,dtype", with_memory([(torch.float32,), (torch.bfloat16,)]),
-                         indirect=["memory"], ids=case_id)
+@pytest.mark.parametrize("memory,dtype", with_memory([(torch.float32,), (torch.bfloat16,)], ["hybrid"])
+                         + with_memory([(torch.bfloat16,)], ["chunked"]), indirect=["memory"], ids=case_id)
 def test_one_hot_in_a_later_pivot_step(memory, dtype, device):
     """The winning pivot of every row past the first step of pivots: the first steps' max is
     overtaken, and dQ, dK1, dK2 are still exactly zero."""
@@ -363,7 +363,7 @@ def test_fully_masked_row_gradients(memory, pairs, dtype, device):
 # Exact zeros: P one-hot to the last bit (the same S in the backward as in the forward)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("memory,kind,dtype,budget", with_memory(
-    [("K1", torch.float32, "rows_of_10"), ("K1", torch.bfloat16, "groups_of_3"), ("one_hot", torch.float16, "rows_of_10"),
+    [("K1", torch.bfloat16, "groups_of_3"), ("one_hot", torch.float16, "rows_of_10"),
      ("one_hot", torch.bfloat16, "groups_of_3")], ["hybrid"])
     + with_memory([("K1", torch.float16, "rows_of_10"), ("one_hot", torch.float32, "groups_of_3")], ["chunked"]),
     indirect=["memory"], ids=case_id)
@@ -404,18 +404,6 @@ def test_one_hot_softmax_gives_exactly_zero_score_gradients(memory, kind, dtype,
     _, _, dv1_ref, _, dv2_ref = oracles.floyd_attention_backward(dy, *inputs, mask=mask, scale=0.8)
     assert_close(dv1, dv1_ref, TOL[dtype], "dv1")
     assert_close(dv2, dv2_ref, TOL[dtype], "dv2")
-
-
-@pytest.mark.parametrize("memory", BOTH, indirect=True)
-def test_forward_and_backward_plan_the_same_chunks(memory, device):
-    """The plan is a function of the shape, dtype and budget alone: the backward of a call plans
-    the chunks its forward planned, whatever the statistics or dY."""
-    shape = (2, 2, 7, 6, 5, 4)
-    memory.budget(memory.pairs_budget(16, 5, torch.float16, 4))
-    inputs, dy, mask = make_inputs(*shape, torch.float16, device, "random")
-    memory.run(inputs, dy, mask)
-    assert len(memory.plans) == 2 and memory.plans[0] == memory.plans[1]
-    assert memory.plans[0].count(4, 7, 6) > 4
 
 
 # ---------------------------------------------------------------------------------------------
