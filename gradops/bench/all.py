@@ -111,8 +111,8 @@ CPU_QUICK_PLAN = (
                           "--numel", "8192", "--peers", "autograd", "aten", "--check"), 60, "tiny norms"),
     Part("nsa", "nsa", ("--quick", "--interpret", "--dtype", "float32", "bfloat16"), 40, "T = 192"),
     Part("floyd", "floyd", (*_shapes("1,2,16,16,16,16", "1,1,32,32,32,32"), "--quick", "--interpret",
-                            "--dtype", "float32", "--impl", "gradops", "gradops-hybrid", "einsum", "floydnet",
-                            "reference"), 50, "two tiny shapes: the rule's pick and the hybrid strategy"),
+                            "--dtype", "float32", "--impl", "gradops", "einsum", "floydnet", "reference"), 50,
+         "two tiny shapes: the rule picks the fused strategy, then the hybrid one"),
 )
 
 
