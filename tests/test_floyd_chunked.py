@@ -438,6 +438,8 @@ def test_chunk_plan_invariants():
             assert plan.groups * n * m * per_pair <= budget
         if plan.block_m < m:
             assert 16 * m * per_pair > budget, case
+        if plan.count(bh, n, m) > 50_000:  # the walk of one-row chunks of 257^3 rows: the same code, 20 s
+            continue
         walk = list(plan.chunks(bh, n, m))
         assert len(walk) == plan.count(bh, n, m)
         assert walk == sorted(walk)  # slices, then n, then m
