@@ -81,6 +81,29 @@ def triton_3_6_path() -> str:
     return os.environ.get(TRITON_3_6_ENV) or os.path.join(root, ".ci", "triton-3.6")
 
 
+# The head of a compile script that reads the compiled kernels: every triton.compile, in order, is
+# kept in ``compiled`` (None where it raised); the script clears it before each check.
+RECORD_COMPILES = r"""
+import triton
+
+compiled = []  # every triton.compile of the script, in order (None where it raised)
+real_compile = triton.compile
+
+
+def recording_compile(*args, **kwargs):
+    try:
+        result = real_compile(*args, **kwargs)
+    except Exception:
+        compiled.append(None)
+        raise
+    compiled.append(result)
+    return result
+
+
+triton.compile = recording_compile
+"""
+
+
 def run_sm90_compile(script: str, *args: str, timeout: int = 600, triton_version: str = "installed") -> str:
     """Run ``script`` (Python that compiles kernels for an H100, sm_90, with Triton's bundled
     tools: no GPU needed) in a child process, with the Triton interpreter off and this checkout

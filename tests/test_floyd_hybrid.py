@@ -333,21 +333,6 @@ import inspect, json, sys, torch, triton
 from gradops.bench.floyd import compile_check_hybrid
 from gradops.kernels import floyd_hybrid
 
-compiled = []  # every triton.compile of the check, in order (None where it raised)
-real_compile = triton.compile
-
-
-def recording_compile(*args, **kwargs):
-    try:
-        result = real_compile(*args, **kwargs)
-    except Exception:
-        compiled.append(None)
-        raise
-    compiled.append(result)
-    return result
-
-
-triton.compile = recording_compile
 # where the score (and dP) dot is: the one tl.dot of _half_products, every sweep of both kernels
 source, first = inspect.getsourcelines(floyd_hybrid._half_products.fn)
 line = first + next(i for i, text in enumerate(source) if "tl.dot(" in text)
@@ -383,7 +368,7 @@ def test_row_kernels_compile_for_sm90_on_tensor_cores_without_spills(triton_vers
 
     import triton
 
-    from helpers import run_sm90_compile
+    from helpers import RECORD_COMPILES, run_sm90_compile
     from test_kernels_floyd import H100_SHARED, _dot_locations, _dot_lowerings
 
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
@@ -392,7 +377,7 @@ def test_row_kernels_compile_for_sm90_on_tensor_cores_without_spills(triton_vers
     cases = ("bfloat16:32", "bfloat16:64", "bfloat16:128", "float16:128", "float32:64")
     if triton_version == "3.6":
         cases = ("bfloat16:128",)
-    script = "".join(inspect.getsource(f) for f in (_dot_locations, _dot_lowerings)) + _HYBRID_SM90
+    script = RECORD_COMPILES + "".join(inspect.getsource(f) for f in (_dot_locations, _dot_lowerings)) + _HYBRID_SM90
     stdout = run_sm90_compile(script, *cases, timeout=900, triton_version=triton_version)
     rows = [json.loads(line) for line in stdout.splitlines()]
     print("\n".join(map(json.dumps, rows)))

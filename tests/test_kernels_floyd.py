@@ -23,7 +23,7 @@ import gradops
 from gradops.kernels import floyd_config as config
 from gradops.reference import floyd_attention as reference
 
-from helpers import record_launches, run_sm90_compile, skip_if_floyd_float64_refused
+from helpers import RECORD_COMPILES, record_launches, run_sm90_compile, skip_if_floyd_float64_refused
 
 kernels = pytest.importorskip("gradops.kernels.floyd_attention")
 
@@ -552,21 +552,6 @@ _COMPILE_SM90 = r"""
 import json, sys, torch, triton
 from gradops.bench.floyd import compile_check
 
-compiled = []  # every triton.compile of compile_check, in order (None where it raised)
-real_compile = triton.compile
-
-
-def recording_compile(*args, **kwargs):
-    try:
-        result = real_compile(*args, **kwargs)
-    except Exception:
-        compiled.append(None)
-        raise
-    compiled.append(result)
-    return result
-
-
-triton.compile = recording_compile
 for case in sys.argv[1:]:
     dtype_name, head_dim = case.split(":")
     del compiled[:]
@@ -663,7 +648,8 @@ def test_kernels_compile_for_sm90_within_resources(triton_version, monkeypatch):
         cases = tuple(c for c in cases if not c.startswith("float64"))
     monkeypatch.setattr(config, "STRATEGY", None)  # the rule itself says what ships
     monkeypatch.delenv("GRADOPS_FLOYD_STRATEGY", raising=False)
-    script = "".join(inspect.getsource(f) for f in (_score_chains, _dot_locations, _dot_lowerings)) + _COMPILE_SM90
+    helpers = "".join(inspect.getsource(f) for f in (_score_chains, _dot_locations, _dot_lowerings))
+    script = RECORD_COMPILES + helpers + _COMPILE_SM90
     stdout = run_sm90_compile(script, *cases, timeout=900, triton_version=triton_version)
     rows = [json.loads(line) for line in stdout.splitlines()]
     print("\n".join(map(json.dumps, rows)))
