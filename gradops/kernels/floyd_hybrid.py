@@ -321,6 +321,7 @@ class _Workspace:
     def __init__(self, plan, k, d, dtype, device, halves):
         self.bits = half_bits(dtype)
         self.dtype = dtype
+        self.spread = p_spread(dtype)
         rows = plan.groups * plan.block_n * plan.block_m
         top = torch.float32 if self.bits == 32 else torch.int16
         self._halves = {name: (torch.empty(rows * k, dtype=top, device=device),
@@ -334,10 +335,6 @@ class _Workspace:
         lo = hi if low is None else low[:g * cn * cm * k].view(g, cn, cm, k)
         probs = hi if hi.dtype == self.dtype else hi.view(self.dtype).view(g, cn, cm, self.spread * k)[..., :k]
         return _Half(hi, lo, probs)
-
-    @property
-    def spread(self) -> int:
-        return p_spread(self.dtype)
 
     def part(self, g, cn, cm, d):
         return self._part[:g * cn * cm * d].view(g, cn, cm, d)
