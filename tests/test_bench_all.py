@@ -23,28 +23,29 @@ def test_dry_run_lists_the_gpu_plan_within_its_budget(capsys):
     assert bench_all.GPU_BUDGET < 8 * 60
 
 
-def test_dry_run_on_cpu_with_quick_is_the_interpreter_plan(capsys):
-    assert bench_all.main(["--dry-run", "--device", "cpu", "--quick"]) == 0
-    out = capsys.readouterr().out
-    assert all(p.name in out for p in bench_all.CPU_QUICK_PLAN) and "--interpret" in out
+def test_the_gpu_plan_is_in_the_order_of_issue_33():
+    """Norms and NSA first (host, eager, kernel time; bench overhead), then Floyd forward +
+    backward at L = 512 and 256, D = 128 and 64, bfloat16, against FloydNet eager and compiled
+    with memory and error, then a whole model step eager and compiled; the rest after."""
+    names = [p.name for p in bench_all.GPU_PLAN]
+    families = [p.family for p in bench_all.GPU_PLAN]
+    first_floyd, model = families.index("floyd"), names.index("model")
+    assert {"norm", "overhead", "nsa"} <= set(families[:first_floyd])
+    floyd_part = bench_all.GPU_PLAN[first_floyd]
+    args = floyd.prepare(floyd.parse_args(list(floyd_part.argv) + ["--device", "cuda"]), need_device=False)
+    assert {(s[2], s[5]) for s, _ in floyd.cases(args)} == {(512, 128), (512, 64), (256, 128), (256, 64)}
+    assert args.direction == ["fwdbwd"] and {"floydnet", "compiled"} <= set(args.impl) and args.accuracy
+    assert "--compile" in bench_all.GPU_PLAN[model].argv and first_floyd < model
 
 
-def test_dry_run_on_cpu_is_the_cpu_comparison(capsys):
-    assert bench_all.main(["--dry-run", "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
-    for part in bench_all.CPU_PLAN:
-        assert f"gradops bench {part.family} {' '.join(part.argv)}" in out
-    assert "--interpret" not in out and f"budget {bench_all.CPU_BUDGET:.0f} s" in out
-    assert sum(p.share for p in bench_all.CPU_PLAN) == bench_all.CPU_BUDGET
-    # the issue's CPU shapes, both dtypes, the eager and compiled peers; the call cost
-    norm_part = next(p for p in bench_all.CPU_PLAN if p.name == "norm")
-    args = norm.prepare(norm.parse_args(list(norm_part.argv) + ["--device", "cpu"]), need_device=False)
-    assert {(m, n) for _, _, m, n in norm.cases(args)} == set(norm.CPU_SHAPES)
-    assert {d for _, d, _, _ in norm.cases(args)} == {"float32", "bfloat16"}
-    call = next(p for p in bench_all.CPU_PLAN if p.name == "norm-call")
-    args = norm.prepare(norm.parse_args(list(call.argv) + ["--device", "cpu"]), need_device=False)
-    assert {op for op, *_ in norm.cases(args)} == set(norm.CALL_OPS)
-    assert norm.impl_names(args) == [OURS, norm.CALL_PEER]
+def test_a_short_budget_cuts_the_plan_from_its_end(capsys):
+    parts = [bench_all.Part(n, "norm", (), share, "") for n, share in (("a", 10), ("b", 20), ("c", 30))]
+    assert bench_all.part_deadlines(parts, 60) == [10, 30, 60]
+    assert bench_all.part_deadlines(parts, 120) == [20, 60, 120]  # a longer budget stretches every share
+    assert bench_all.part_deadlines(parts, 25) == [10, 25, 25]  # the first parts whole, the last ones cut
+    assert bench_all.main(["--dry-run", "--device", "cuda", "--budget-seconds", "100"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert rows["norm"][6] == "30" and rows["floyd"][6] == "100" and rows["model"][6] == "cut"
 
 
 # The CPU runs switch the Triton interpreter on for their process: not in a suite whose other
@@ -91,6 +92,48 @@ def test_a_spent_budget_skips_and_fails(tmp_path, capsys):
     assert rc == 1 and "SKIPPED norm" in out and "result: FAILED" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert not summary["ok"] and all(f["ours_measured"] == 0 for f in summary["families"].values())
+
+
+@cpu_suite_only
+def test_an_interrupted_run_still_writes_its_summary(tmp_path, capsys, monkeypatch):
+    """gpu_validate.sh stops a sweep that outlasts its call with SIGINT: the parts measured so
+    far are kept, the one interrupted and the ones after are named, and the exit status is 1."""
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nsa, "run", interrupted)
+    rc = bench_all.main(QUICK + ["--out", str(tmp_path), "--no-plot"])
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert rc == 1 and not summary["ok"]
+    assert summary["families"]["norm"]["ours_measured"] > 0
+    assert summary["crashed_parts"] == {"nsa": "interrupted (SIGINT) during part nsa",
+                                        "floyd": "not run: interrupted (SIGINT) during part nsa"}
+    assert "FAILED part floyd: not run: interrupted" in out
+
+
+def test_dry_run_on_cpu_with_quick_is_the_interpreter_plan(capsys):
+    assert bench_all.main(["--dry-run", "--device", "cpu", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert all(p.name in out for p in bench_all.CPU_QUICK_PLAN) and "--interpret" in out
+
+
+def test_dry_run_on_cpu_is_the_cpu_comparison(capsys):
+    assert bench_all.main(["--dry-run", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    for part in bench_all.CPU_PLAN:
+        assert f"gradops bench {part.family} {' '.join(part.argv)}" in out
+    assert "--interpret" not in out and f"budget {bench_all.CPU_BUDGET:.0f} s" in out
+    assert sum(p.share for p in bench_all.CPU_PLAN) == bench_all.CPU_BUDGET
+    # the issue's CPU shapes, both dtypes, the eager and compiled peers; the call cost
+    norm_part = next(p for p in bench_all.CPU_PLAN if p.name == "norm")
+    args = norm.prepare(norm.parse_args(list(norm_part.argv) + ["--device", "cpu"]), need_device=False)
+    assert {(m, n) for _, _, m, n in norm.cases(args)} == set(norm.CPU_SHAPES)
+    assert {d for _, d, _, _ in norm.cases(args)} == {"float32", "bfloat16"}
+    call = next(p for p in bench_all.CPU_PLAN if p.name == "norm-call")
+    args = norm.prepare(norm.parse_args(list(call.argv) + ["--device", "cpu"]), need_device=False)
+    assert {op for op, *_ in norm.cases(args)} == set(norm.CALL_OPS)
+    assert norm.impl_names(args) == [OURS, norm.CALL_PEER]
 
 
 @pytest.mark.parametrize("module", [norm, nsa, floyd], ids=["norm", "nsa", "floyd"])

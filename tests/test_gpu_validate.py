@@ -49,3 +49,11 @@ def test_cpu_only_files_exist():
     script = open(os.path.join(ROOT, "benchmarks", "gpu_validate.sh")).read()
     names = re.search(r'CPU_ONLY="([^"]*)"', script).group(1).split()
     assert names and all(os.path.exists(os.path.join(ROOT, "tests", name)) for name in names), names
+
+
+def test_the_files_run_first_exist_and_run_on_the_gpu():
+    script = open(os.path.join(ROOT, "benchmarks", "gpu_validate.sh")).read()
+    first = re.search(r'GPU_FIRST="([^"]*)"', script).group(1).split()
+    cpu_only = set(re.search(r'CPU_ONLY="([^"]*)"', script).group(1).split())
+    assert first and len(set(first)) == len(first) and not cpu_only & set(first)
+    assert all(os.path.exists(os.path.join(ROOT, "tests", name)) for name in first), first
