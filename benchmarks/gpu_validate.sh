@@ -37,7 +37,7 @@ or constant_rows"}
 GPU_FIRST="test_floyd_hybrid.py test_floyd_memory_strategies.py test_floyd_attention.py test_floydnet_real.py
 test_floyd_chunked.py test_triton_ops.py test_compile.py test_launch_budget.py test_no_host_sync.py test_patch_hf.py
 test_kernels_norm.py test_layer_norm.py test_precision.py test_nsa_compress.py test_kernels_floyd.py
-test_kernels_nsa.py test_floyd_roofline.py test_pivotal.py"
+test_kernels_nsa.py test_floyd_roofline.py test_pivotal.py test_bench_cuda.py"
 # Files whose tests run on the CPU whatever the test device (the CPU path, the CLI and the
 # benchmarks' faces in fresh interpreters, gloo processes, the CPU memory harness, the CPU
 # guard): `all` leaves them out too.

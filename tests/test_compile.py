@@ -13,7 +13,7 @@ from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 import torch._dynamo.testing  # noqa: F401  (CompileCounterWithBackend; not imported by torch itself)
 
-from helpers import autocast
+from helpers import TEST_DEVICE, autocast
 
 import gradops.nn as gnn
 from gradops.nn.pivotal import pivotal_attention
@@ -45,6 +45,13 @@ def recording_backend(graphs):
 def gradops_ops_in(gm):
     return {str(node.target).split(".")[1] for node in gm.graph.nodes
             if node.op == "call_function" and str(node.target).startswith("gradops.")}
+
+
+def triton_kernels_in(gm):
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    return {kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).fn.__name__ for node in gm.graph.nodes
+            if node.op == "call_function" and "triton_kernel_wrapper" in str(node.target)}
 
 
 def run_and_grads(model, *args):
@@ -82,7 +89,13 @@ def test_fullgraph_keeps_the_custom_ops_and_their_backwards(backend):
     assert_same(eager, compiled)
     assert len(graphs) == 2  # one forward graph, one backward graph: no graph break
     forward_ops, backward_ops = gradops_ops_in(graphs[0]), gradops_ops_in(graphs[1])
-    assert forward_ops == {"layer_norm", "floyd_attention", "rms_norm", "nsa_compress"}
+    if backend == "triton" and TEST_DEVICE == "cuda":
+        # on a GPU the norm forwards are Triton ops, traced into calls of their kernels, which
+        # Inductor compiles itself (docs/nn.md, "torch.compile"); their backwards stay opaque
+        assert forward_ops == {"floyd_attention", "nsa_compress"}
+        assert triton_kernels_in(graphs[0]) == {"_ln_fwd_fused_kernel", "_rms_fwd_fused_kernel"}
+    else:
+        assert forward_ops == {"layer_norm", "floyd_attention", "rms_norm", "nsa_compress"}
     assert backward_ops == {"layer_norm_backward", "floyd_attention_backward", "rms_norm_backward",
                             "nsa_compress_backward"}
 

@@ -264,23 +264,54 @@ def test_many_tiles_per_persistent_program_with_a_tail(dtype, device):
     check_rms_norm(m, n, dtype, device)
 
 
-def test_split_path_with_several_row_tiles_and_a_tail(device, force_split):
+# The split path's tests ask for a shape of the device's configuration (its tile and column
+# block follow its SM count): the first row count here that gives it
+SPLIT_ROWS = (37, 75, 301, 1003, 3001)
+
+
+def several_row_tiles_and_a_tail(m, cfg):
     # each column program walks several row tiles, the last one partial, over several column blocks
+    return cfg.row_groups == 1 and cfg.row_tiles > 1 and cfg.col_blocks > 1 and m % cfg.block_m
+
+
+def many_rows_and_segments(m, cfg):
+    # more rows than a column program's tile, each row summed over several column segments
+    return cfg.row_tiles > 2 and m % cfg.block_m and cfg.row_segments > 1
+
+
+def split_rows(n, dev, wanted, config=norm_config.split_config):
+    for m in SPLIT_ROWS:
+        if wanted(m, config(m, n, dev, whole_columns=True)):
+            return m
+    raise AssertionError(f"no row count in {SPLIT_ROWS} gives {wanted.__name__} at N = {n} on {dev}")
+
+
+SPLIT_WIDTHS = {"cpu": (200, 300), "cuda": (4200, 70000)}  # > 1 column block of the device's width
+
+
+@pytest.mark.parametrize("sms", [108, 114, 132, 144, 170])
+def test_the_split_tests_find_their_shape_at_each_sm_count(sms, monkeypatch):
+    # (their first GPU run, 2026-11-28, took shapes that gave an H200 one row tile and one segment)
+    monkeypatch.setattr(norm_config, "_sm_count", lambda index: sms)
+    config = norm_config.split_config.__wrapped__  # not the cache: the SM count is patched
+    first, second = SPLIT_WIDTHS["cuda"]
+    split_rows(first, torch.device("cuda", 0), several_row_tiles_and_a_tail, config)
+    split_rows(second, torch.device("cuda", 0), many_rows_and_segments, config)
+
+
+def test_split_path_with_several_row_tiles_and_a_tail(device, force_split):
     dev = torch.device(device)
-    m, n = 37, (200 if dev.type == "cpu" else 4200)  # > 1 column block of the device's width
-    cfg = norm_config.split_config(m, n, dev, whole_columns=True)
-    assert cfg.row_groups == 1 and cfg.row_tiles > 1 and cfg.col_blocks > 1 and m % cfg.block_m
+    n = SPLIT_WIDTHS[dev.type][0]
+    m = split_rows(n, dev, several_row_tiles_and_a_tail)
     check_layer_norm(m, n, F32, device)
     check_rms_norm(m, n, F32, device)
 
 
 def test_split_backward_over_many_rows_and_segments(device, force_split):
-    # Many more rows than a column program's tile, each row summed over several column
-    # segments (added in a fixed order by the column-tiled kernel); every output combination.
+    # every output combination; the segments' sums added in a fixed order by the column-tiled kernel
     dev = torch.device(device)
-    m, n = (75, 300) if dev.type == "cpu" else (3000, 70000)
-    cfg = norm_config.split_config(m, n, dev, whole_columns=True)
-    assert cfg.row_tiles > 2 and m % cfg.block_m and cfg.row_segments > 1
+    n = SPLIT_WIDTHS[dev.type][1]
+    m = split_rows(n, dev, many_rows_and_segments)
     check_layer_norm(m, n, torch.bfloat16, device)
     check_rms_norm(m, n, torch.bfloat16, device)
     x, dy, w, _ = ln_inputs(m, n, F32, device)
@@ -676,7 +707,7 @@ M = 32768
 INT_RH = {"_sum_rows_kernel"}  # R is a row count there, H the AscendC row width
 INT_H = {"_ln_grad_fused_kernel", "_ln_grad_row_sums_kernel", "_ln_grad_cols_kernel"}
 STATS = {"Mean", "Rstd", "C1", "C2", "C", "DW_P", "DB_P", "P", "OUT_A", "OUT_B", "S", "PG_P", "PB_P"}
-SCALAR = mangle_type(float64_bits(1e-5))  # eps_bits, offset_bits
+SCALAR = mangle_type(float64_bits(1e-5)[0])  # each word of eps and offset (eps_high, eps_low, ...)
 cases = []  # (label, fn, constexprs, launch options, programs per SM, dtype, aligned)
 LN_BWD = dict(HAS_W=True, WANT_DX=True, WANT_DW=True, WANT_DB=True)
 for dt, eb, widths in (("bf16", 2, (1024, 4096, 8192)), ("fp32", 4, (8192,))):
@@ -752,7 +783,7 @@ cases.append(("ascendc beta 4096", KLN._ln_grad_beta_kernel,
 for label, fn, consts, opts, per_sm, dt, aligned in cases:
     if "ACC" in fn.arg_names:
         consts = dict(consts, ACC=tl.float32)
-    sig = {a: "constexpr" if a in consts else SCALAR if a.endswith("_bits")
+    sig = {a: "constexpr" if a in consts else SCALAR if a.endswith(("_high", "_low"))
            else "i32" if a in ("M", "N", "N_A") or a[0].islower() or (a == "R" and fn.__name__ in INT_RH)
            or (a == "H" and fn.__name__ in INT_H)
            else "*fp32" if a in STATS else f"*{dt}" for a in fn.arg_names}

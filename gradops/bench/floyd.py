@@ -602,8 +602,8 @@ def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dic
             if arg in _UNIT_STRIDES or arg in _UNIT_STRIDES_DKV.get(name, ()):
                 sig[arg], consts[arg] = "constexpr", 1
                 continue
-            if arg == "scale":  # the float64's bit pattern (do_not_specialize: no attributes)
-                sig[arg] = "i64"
+            if arg in ("scale_high", "scale_low"):  # the float64's bits (do_not_specialize: no attributes)
+                sig[arg] = "i32"
                 continue
             if arg.endswith("_ptr"):
                 sig[arg] = "*u8" if arg == "mask_ptr" else acc if arg in ("max_ptr", "sum_ptr", "dr_ptr") else ptr
@@ -619,7 +619,7 @@ def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dic
 def _row_signature(kernel, consts: dict, unit: Sequence[str], pointer: Callable[[str], str],
                    not_specialised: Sequence[str]) -> Tuple[dict, dict]:
     """(signature, attributes) of a row kernel as the JIT specialises it: ``unit`` arguments
-    the constant 1 (added to ``consts``), the scale's float64 bits an i64, pointers typed by
+    the constant 1 (added to ``consts``), the scale's float64 bits two i32, pointers typed by
     ``pointer(name)``, other integers i32 with a divisibility hint but those the kernel does
     not specialise (``not_specialised``) and H (a multiple of 16 only by chance)."""
     sig, attrs = {}, {}
@@ -629,8 +629,8 @@ def _row_signature(kernel, consts: dict, unit: Sequence[str], pointer: Callable[
         if arg in unit:
             sig[arg], consts[arg] = "constexpr", 1
             continue
-        if arg == "scale":
-            sig[arg] = "i64"
+        if arg in ("scale_high", "scale_low"):
+            sig[arg] = "i32"
             continue
         if arg.endswith(("_ptr", "_hi", "_lo")):
             sig[arg] = pointer(arg)

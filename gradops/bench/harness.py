@@ -308,19 +308,30 @@ def graph_times(fn: Callable[[], object], device: str, *, reps: int = 20, flush_
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     graph = torch.cuda.CUDAGraph()
+    # The capture registers the device's default RNG with the graph, and a capture that fails
+    # leaves that RNG state in capture mode in torch 2.11: every random op after it raises
+    # "Offset increment outside graph capture" (the GPU run of 2026-11-28 lost its NSA parts
+    # and a GPT-2 step so). So the graph captures with a copy of the state, and the run's own
+    # state is put back whatever the capture did.
+    rng = torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
+    own_state = rng.graphsafe_get_state()
+    rng.graphsafe_set_state(rng.clone_state())
     # Warm-up and capture on a side stream (capture cannot run on the default stream). The
     # stream context is the outer one, so that a capture that fails (an autograd peer whose
     # forward ran on the default stream launches its backward there: not capturable) still
     # leaves the default stream current for the rest of the run.
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-        side.synchronize()
-        graph.capture_begin()
-        try:
-            fn()
-        finally:
-            graph.capture_end()
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+            side.synchronize()
+            graph.capture_begin()
+            try:
+                fn()
+            finally:
+                graph.capture_end()
+    finally:
+        rng.graphsafe_set_state(own_state)
     torch.cuda.current_stream(dev).wait_stream(side)
     return measure(graph.replay, device, warmup=1, reps=reps, flush_l2=flush_l2, max_seconds=max_seconds)
 

@@ -120,7 +120,7 @@ class _FloorRmsNorm(torch.autograd.Function):
         m, n = x.shape
         y = torch.empty_like(x)
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-        K._rms_fwd_fused_kernel[(fwd.grid,)](x, x, x, y, w, rstd, m, n, n, n, n, n, float64_bits(1e-6), 0,
+        K._rms_fwd_fused_kernel[(fwd.grid,)](x, x, x, y, w, rstd, m, n, n, n, n, n, *float64_bits(1e-6), 0, 0,
                                             fwd.tiles_per_program, fwd.grid, HAS_W=True, HAS_RES=False,
                                             ROUND_XHAT=False, ACC=tl.float32, BLOCK_M=fwd.block_m,
                                             BLOCK_N=fwd.block_n, NUM_STAGES=fwd.num_stages, **fwd.launch())
@@ -164,7 +164,7 @@ class _FloorLayerNorm(torch.autograd.Function):
         y = torch.empty_like(x)
         mean = torch.empty(m, dtype=torch.float32, device=x.device)
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-        K._ln_fwd_fused_kernel[(fwd.grid,)](x, x, x, y, w, b, mean, rstd, m, n, n, n, n, n, float64_bits(1e-5),
+        K._ln_fwd_fused_kernel[(fwd.grid,)](x, x, x, y, w, b, mean, rstd, m, n, n, n, n, n, *float64_bits(1e-5),
                                            fwd.tiles_per_program, fwd.grid, HAS_W=True, HAS_B=True, HAS_RES=False,
                                            ACC=tl.float32, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n,
                                            NUM_STAGES=fwd.num_stages, **fwd.launch())

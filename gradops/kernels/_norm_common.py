@@ -25,8 +25,11 @@ def fused_launch(kernel, m: int, n: int, dtype: torch.dtype, device: torch.devic
     bound to its grid, its configuration (the loop arguments ``tiles_per_program`` and
     ``grid``, the partial rows of a backward) and the keyword arguments (``flags`` as (name,
     value) pairs, ACC, tile sizes, launch options). In a traced triton_op body
-    (``_traceable``), the launch torch records instead."""
-    launch, cfg, kw = _fused_launch(kernel, m, n, dtype, device, kind, streams, flags)
+    (``_traceable``), the launch torch records instead, and ``m`` may be a symbol
+    (``norm_config.SYMBOLIC_ROWS``)."""
+    launch, cfg, kw = _fused_launch(kernel, norm_config.config_rows(m), n, dtype, device, kind, streams, flags)
+    if not isinstance(m, int):
+        cfg = cfg.for_rows(m)
     if tracing_launches():
         launch, options = traced(kernel, (cfg.grid,), cfg.launch())
         kw = {k: v for k, v in kw.items() if k not in cfg.launch()} | options

@@ -159,7 +159,7 @@ def _program_tile(pid, tiles_a, tiles_b, GROUP: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["scale"])
+@triton.jit(do_not_specialize=["scale_high", "scale_low"])
 def _fwd_kernel(
     q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, out_ptr, max_ptr, sum_ptr,
     sq_b, sq_h, sq_n, sq_m, sq_d,
@@ -170,13 +170,13 @@ def _fwd_kernel(
     smk_b, smk_n, smk_k,
     so_b, so_h, so_n, so_m, so_d,
     sst_b, sst_h, sst_n, sst_m,
-    H, N, M, K, D, scale,
+    H, N, M, K, D, scale_high, scale_low,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, IDX: tl.constexpr, UPCAST: tl.constexpr,
 ):
     bh, tn, tm = _program_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(M, BLOCK_M), GROUP)
-    scale = _unpack_scale(scale, ACC)
+    scale = _unpack_scale(scale_high, scale_low, ACC)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     n_idx = (tn * BLOCK_N + tl.arange(0, BLOCK_N)).to(IDX)
@@ -281,7 +281,7 @@ def _dq_pivot_tile(k0, q, q_by_m, dy, dy_by_m, mx, inv_sum, scale, n_idx, m_idx,
     return k1_t, k2_t, user | ~live, p, dp
 
 
-@triton.jit(do_not_specialize=["scale"])
+@triton.jit(do_not_specialize=["scale_high", "scale_low"])
 def _bwd_dq_kernel(
     q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, dy_ptr, max_ptr, sum_ptr,
     dr_ptr, dq_ptr,
@@ -295,7 +295,7 @@ def _bwd_dq_kernel(
     smax_b, smax_h, smax_n, smax_m,
     ssum_b, ssum_h, ssum_n, ssum_m,
     sdq_b, sdq_h, sdq_n, sdq_m, sdq_d,
-    H, N, M, K, D, scale,
+    H, N, M, K, D, scale_high, scale_low,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, IDX: tl.constexpr, UPCAST: tl.constexpr,
@@ -303,7 +303,7 @@ def _bwd_dq_kernel(
     """Dr[n,m] = sum_k P dP, then dQ[n,m] = sum_k dS (K1[n,k] + K2[k,m]): one program per
     (n-tile, m-tile), two loops over k. Dr is written for the dK/dV launches."""
     bh, tn, tm = _program_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(M, BLOCK_M), GROUP)
-    scale = _unpack_scale(scale, ACC)
+    scale = _unpack_scale(scale_high, scale_low, ACC)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     n_idx = (tn * BLOCK_N + tl.arange(0, BLOCK_N)).to(IDX)
@@ -353,7 +353,7 @@ def _bwd_dq_kernel(
     _store3(dq_ptr + b * sdq_b + h * sdq_h, dq, n_idx, m_idx, d_idx, sdq_n, sdq_m, sdq_d, N, M, D)
 
 
-@triton.jit(do_not_specialize=["scale"])
+@triton.jit(do_not_specialize=["scale_high", "scale_low"])
 def _bwd_dkv_kernel(
     q_ptr, dy_ptr, own_k_ptr, own_v_ptr, other_k_ptr, other_v_ptr, mask_ptr, max_ptr, sum_ptr,
     dr_ptr, dk_ptr, dv_ptr,
@@ -368,7 +368,7 @@ def _bwd_dkv_kernel(
     ssum_b, ssum_h, ssum_own, ssum_loop,
     sdr_b, sdr_h, sdr_own, sdr_loop,
     sg_b, sg_h, sg_own, sg_k, sg_d,  # dK and dV: the launcher's, same strides
-    H, OWN, LOOP, K, D, scale,
+    H, OWN, LOOP, K, D, scale_high, scale_low,
     HAS_MASK: tl.constexpr, N_IS_LOOP: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BLOCK_OWN: tl.constexpr, BLOCK_LOOP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, IDX: tl.constexpr, UPCAST: tl.constexpr,
@@ -394,7 +394,7 @@ def _bwd_dkv_kernel(
     its tile is smaller where registers are tight (floyd_config).
     """
     bh, tj, tk = _program_tile(tl.program_id(0), tl.cdiv(OWN, BLOCK_OWN), tl.cdiv(K, BLOCK_K), GROUP)
-    scale = _unpack_scale(scale, ACC)
+    scale = _unpack_scale(scale_high, scale_low, ACC)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     j_idx = (tj * BLOCK_OWN + tl.arange(0, BLOCK_OWN)).to(IDX)
@@ -577,7 +577,7 @@ def _fused_forward(q, k1, v1, k2, v2, mask, scale):
         q, k1, v1, k2, v2, mask_t, out, softmax_max, softmax_sum,
         *q.stride(), *k1.stride(), *v1.stride(), *k2.stride(), *v2.stride(), *mask_strides,
         *out.stride(), *softmax_max.stride(),
-        H, N, M, K, D, scale_bits, HAS_MASK=has_mask, **consts, **_meta(cfg),
+        H, N, M, K, D, *scale_bits, HAS_MASK=has_mask, **consts, **_meta(cfg),
     )
     return out, softmax_max, softmax_sum
 
@@ -606,7 +606,7 @@ def _fused_backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale
     _bwd_dq_kernel[grid](
         q, k1, v1, k2, v2, mask_t, dy, softmax_max, softmax_sum, dr, dq,
         *strides(q, k1, v1, k2, v2), *mask_strides, *strides(dy, softmax_max, softmax_sum, dq),
-        H, N, M, K, D, scale_bits, HAS_MASK=has_mask, **consts, **_meta(cfg),
+        H, N, M, K, D, *scale_bits, HAS_MASK=has_mask, **consts, **_meta(cfg),
     )
     # dK/dV one side per launch of the same kernel, in terms of the side's own axis (n for
     # K1/V1, m for K2/V2) and the looped one: its own keys/values are indexed [own, k], the
@@ -631,6 +631,6 @@ def _fused_backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale
         _bwd_dkv_kernel[grid](
             *rows, *own_kv, *other_kv, mask_t, *stats, *grads,
             *strides(*rows, *own_kv, *other_kv), *mask_strides, *strides(*stats), *grads[0].stride(),
-            H, own_len, loop_len, K, D, scale_bits, HAS_MASK=has_mask, **consts, **meta,
+            H, own_len, loop_len, K, D, *scale_bits, HAS_MASK=has_mask, **consts, **meta,
         )
     return dq, dk1, dv1, dk2, dv2

@@ -55,8 +55,8 @@ from .floyd_config import chunk_budget, chunk_plan, pair_bytes, row_config, tota
 # cannot be vectorised) and, without the batch strides', spills (253 registers); a tail costs a
 # compile or two instead.
 NOT_SPECIALISED = {
-    "_softmax_rows": ["scale", "rows", "cn", "cm", "g0", "n0", "m0"],
-    "_grad_rows": ["scale", "rows", "cn", "cm", "g0", "n0", "m0"],
+    "_softmax_rows": ["scale_high", "scale_low", "rows", "cn", "cm", "g0", "n0", "m0"],
+    "_grad_rows": ["scale_high", "scale_low", "rows", "cn", "cm", "g0", "n0", "m0"],
 }
 
 
@@ -105,13 +105,13 @@ def _store(ptr, x, r, k_idx, inside, K):
 @triton.jit(do_not_specialize=NOT_SPECIALISED["_softmax_rows"])
 def _softmax_rows(
     s_ptr, mask_ptr, p_ptr, max_ptr, sum_ptr, smk_b, smk_n, smk_k, sst_g, sst_n, sst_m,
-    rows, cn, cm, K, H, g0, n0, m0, scale,
+    rows, cn, cm, K, H, g0, n0, m0, scale_high, scale_low,
     HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     """Forward: the row max and sum of exp(S - max) (written to the statistics), and P."""
     r, live, mask_rows, stat = _rows(rows, cn, cm, g0, n0, m0, H, mask_ptr, smk_b, smk_n, sst_g, sst_n, sst_m,
                                      BLOCK_R)
-    scale = _unpack_scale(scale, tl.float32)
+    scale = _unpack_scale(scale_high, scale_low, tl.float32)
     k_idx = tl.arange(0, BLOCK_K)
     if ONE_TILE:  # the whole row in one tile: each score read once
         inside = live[:, None] & (k_idx < K)[None, :]
@@ -165,14 +165,14 @@ def _store_grads(p_ptr, ds_ptr, p, dp, dr, user, r, k_idx, inside, K, scale, HAS
 @triton.jit(do_not_specialize=NOT_SPECIALISED["_grad_rows"])
 def _grad_rows(
     s_ptr, dp_ptr, mask_ptr, max_ptr, sum_ptr, p_ptr, ds_ptr, smk_b, smk_n, smk_k, sst_g, sst_n, sst_m,
-    rows, cn, cm, K, H, g0, n0, m0, scale,
+    rows, cn, cm, K, H, g0, n0, m0, scale_high, scale_low,
     HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     """Backward: Dr = sum_k P dP in float32 (not dY.Y from the rounded Y: OPERATORS.md
     section 5), then dS and P, written in the input dtype."""
     r, live, mask_rows, stat = _rows(rows, cn, cm, g0, n0, m0, H, mask_ptr, smk_b, smk_n, sst_g, sst_n, sst_m,
                                      BLOCK_R)
-    scale = _unpack_scale(scale, tl.float32)
+    scale = _unpack_scale(scale_high, scale_low, tl.float32)
     row_max = tl.load(max_ptr + stat, mask=live, other=0.0)
     inv_sum = 1.0 / tl.load(sum_ptr + stat, mask=live, other=1.0)
     k_idx = tl.arange(0, BLOCK_K)
@@ -263,7 +263,7 @@ def forward(q, k1, v1, k2, v2, mask, scale):
         s, p, part = work.view("s", g, cn, cm, K), work.view("p", g, cn, cm, K), work.view("part", g, cn, cm, D)
         _scores_into(s, q4[gs, ns, ms], k1_4[gs, ns], k2_4[gs, :, ms])
         _launch_rows(_softmax_rows, g * cn * cm, K, s, mask_t, p, max3, sum3, *mask_strides, *max3.stride(),
-                     g * cn * cm, cn, cm, K, H, g0, n0, m0, bits, HAS_MASK=has_mask)
+                     g * cn * cm, cn, cm, K, H, g0, n0, m0, *bits, HAS_MASK=has_mask)
         _pair_into(out4[gs, ns, ms], part, p, v1_4[gs, ns], v2_4[gs, :, ms])
     return out, softmax_max, softmax_sum
 
@@ -289,7 +289,7 @@ def backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale):
         _scores_into(dp, dy_c, v1_c, v2_c)
         g0, n0, m0 = gs.start, ns.start, ms.start
         _launch_rows(_grad_rows, g * cn * cm, K, s, dp, mask_t, max3, sum3, p, ds, *mask_strides, *max3.stride(),
-                     g * cn * cm, cn, cm, K, H, g0, n0, m0, bits, HAS_MASK=has_mask)
+                     g * cn * cm, cn, cm, K, H, g0, n0, m0, *bits, HAS_MASK=has_mask)
         _pair_into(grads.dq[gs, ns, ms], work.view("part", g, cn, cm, D), ds, k1_c, k2_c)
         for product in grads.n_side(c, ds, p, q_c, dy_c) + grads.m_side(c, ds, p, q_c, dy_c):
             gemm(product)  # one launch each: the chunked strategy's launches stay its own

@@ -59,7 +59,7 @@ from .floyd_gemm import Product, by_m, gemm, load_half
 # Integer arguments of the row kernels the JIT must not specialise: the chunk's sizes and first
 # slice and row, which change at a tail chunk (each value 1 or multiple of 16 would be a compile
 # of its own in a user's first step), and the scale (its float64 bits).
-NOT_SPECIALISED = ["cn", "cm", "g0", "n0", "scale"]
+NOT_SPECIALISED = ["cn", "cm", "g0", "n0", "scale_high", "scale_low"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def _over_half(ptr, x, m_loc, k_idx, inside, K, P_SPREAD: tl.constexpr):
 def _rows_forward(
     q_ptr, k1_ptr, v1_ptr, s2_hi, s2_lo, p_ptr, mask_ptr, max_ptr, sum_ptr, y1_ptr,
     sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, smk_b, smk_n, smk_k, sst0, sst1, sst2,
-    cn, cm, K, D, H, g0, n0, scale,
+    cn, cm, K, D, H, g0, n0, scale_high, scale_low,
     HAS_MASK: tl.constexpr, HALF_BITS: tl.constexpr, P_SPREAD: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -166,7 +166,7 @@ def _rows_forward(
     (written over S2's top plane, in the input dtype) and Y1 = P V1 (second sweep), the
     statistics and Y1 (float32, [G, cn, cm, D] contiguous) stored at the end."""
     g, n, m0, m_loc, m_ok, d_idx, d_ok = _program(cn, cm, D, BLOCK_M, BLOCK_D)
-    scale = _unpack_scale(scale, tl.float32)
+    scale = _unpack_scale(scale_high, scale_low, tl.float32)
     q = _rows(q_ptr, sq0, sq1, sq2, sq3, g, n, m0, m_loc, m_ok, d_idx, d_ok, UPCAST)
     k1_base = k1_ptr + g.to(tl.int64) * sk0 + n.to(tl.int64) * sk1
     v1_base = v1_ptr + g.to(tl.int64) * sv0 + n.to(tl.int64) * sv1
@@ -231,7 +231,7 @@ def _rows_backward(
     dq1_ptr,
     sq0, sq1, sq2, sq3, sdy0, sdy1, sdy2, sdy3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, smk_b, smk_n, smk_k,
     sst0, sst1, sst2,
-    cn, cm, K, D, H, g0, n0, scale,
+    cn, cm, K, D, H, g0, n0, scale_high, scale_low,
     HAS_MASK: tl.constexpr, HALF_BITS: tl.constexpr, P_SPREAD: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -240,7 +240,7 @@ def _rows_backward(
     (zero where masked: a masked score is a constant), P and dS written over the halves' top
     planes in the input dtype, and dQ1 = dS K1 (float32, [G, cn, cm, D] contiguous)."""
     g, n, m0, m_loc, m_ok, d_idx, d_ok = _program(cn, cm, D, BLOCK_M, BLOCK_D)
-    scale = _unpack_scale(scale, tl.float32)
+    scale = _unpack_scale(scale_high, scale_low, tl.float32)
     q = _rows(q_ptr, sq0, sq1, sq2, sq3, g, n, m0, m_loc, m_ok, d_idx, d_ok, UPCAST)
     dy = _rows(dy_ptr, sdy0, sdy1, sdy2, sdy3, g, n, m0, m_loc, m_ok, d_idx, d_ok, UPCAST)
     k1_base = k1_ptr + g.to(tl.int64) * sk0 + n.to(tl.int64) * sk1
@@ -378,7 +378,7 @@ def forward(q, k1, v1, k2, v2, mask, scale):
         _launch_rows(_rows_forward, work, g, cn, cm, D, dev,
                      q_c, k1_c, v1_c, s2.hi, s2.lo, s2.probs, mask_t, stats, sum3[gs, ns, ms], part,
                      *q_c.stride(), *k1_c.stride(), *v1_c.stride(), *mask_strides, *stats.stride(),
-                     cn, cm, K, D, H, gs.start, ns.start, bits, has_mask=has_mask)
+                     cn, cm, K, D, H, gs.start, ns.start, *bits, has_mask=has_mask)
         gemm(Product(by_m(s2.probs), v2_4[gs, :, ms].transpose(1, 2), by_m(out4[gs, ns, ms]), acc=by_m(part)))
     return out, softmax_max, softmax_sum
 
@@ -408,7 +408,7 @@ def backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale):
                      q_c, dy_c, k1_c, v1_c, s2.hi, s2.lo, dp2.hi, dp2.lo, s2.probs, dp2.probs, mask_t, stats,
                      grads.softmax_sum[gs, ns, ms], part,
                      *q_c.stride(), *dy_c.stride(), *k1_c.stride(), *v1_c.stride(), *mask_strides, *stats.stride(),
-                     cn, cm, K, D, H, gs.start, ns.start, bits, has_mask=has_mask)
+                     cn, cm, K, D, H, gs.start, ns.start, *bits, has_mask=has_mask)
         p, ds = s2.probs, dp2.probs
         # over (g, m): dQ = dS K2 + dQ1 (rounded once), dK2 and dV2 summed over n; over (g, n):
         # dK1 and dV1 summed over m

@@ -43,8 +43,8 @@ from ._traceable import launcher
 
 
 # --------------------------------------------------------------------------- forward
-@triton.jit(do_not_specialize=["eps_bits"])
-def _ln_fwd_fused_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps_bits,
+@triton.jit(do_not_specialize=["eps_high", "eps_low"])
+def _ln_fwd_fused_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low,
                          tiles_per_program, num_programs,
                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, ACC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
@@ -52,7 +52,7 @@ def _ln_fwd_fused_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r,
     # once; weight and bias are loaded once per program, and the pipelined loop has the next
     # tiles' x in flight while this one is reduced.
     pid = tl.program_id(0)
-    eps = unpack_float64(eps_bits, ACC)
+    eps = unpack_float64(eps_high, eps_low, ACC)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
@@ -87,8 +87,8 @@ def _ln_fwd_fused_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r,
         tl.store(Rstd + rows, rstd.to(Rstd.dtype.element_ty), mask=rmask)
 
 
-@triton.jit(do_not_specialize=["eps_bits"])
-def _ln_fwd_wide_kernel(X, R, H, Y, W, B, Mean, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps_bits,
+@triton.jit(do_not_specialize=["eps_high", "eps_low"])
+def _ln_fwd_wide_kernel(X, R, H, Y, W, B, Mean, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low,
                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, ACC: tl.constexpr,
                         BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     # One row per program, too wide for registers. Pass 1 merges exact per-block sums of
@@ -133,7 +133,7 @@ def _ln_fwd_wide_kernel(X, R, H, Y, W, B, Mean, Rstd, N, stride_x, stride_r, str
         count = total
     mean = shift + tl.sum(dev, axis=0) / N
     var = m2 / N
-    rstd = 1.0 / tl.sqrt(var + unpack_float64(eps_bits, ACC))
+    rstd = 1.0 / tl.sqrt(var + unpack_float64(eps_high, eps_low, ACC))
     y_row = Y + row * stride_y
     for c0 in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
         cols = c0 + offs
@@ -173,14 +173,14 @@ def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
     flags = (("HAS_W", weight is not None), ("HAS_B", bias is not None), ("HAS_RES", has_res))
     if norm_config.is_fused(n, x.device, "fwd"):
         launch, cfg, kw = fused_launch(_ln_fwd_fused_kernel, m, n, x.dtype, x.device, "fwd", 1 + has_res, flags)
-        launch(x, r, h, y, w, b, mean, rstd, m, n, *strides, float64_bits(eps), cfg.tiles_per_program, cfg.grid, **kw)
+        launch(x, r, h, y, w, b, mean, rstd, m, n, *strides, *float64_bits(eps), cfg.tiles_per_program, cfg.grid, **kw)
     else:
         common = dict(flags, ACC=tl_acc(x.dtype))
         shape = dict(elem_bytes=x.element_size(), streams=2 if has_res else 1)
-        cfg = norm_config.split_config(m, n, x.device, kind="fwd", **shape)
+        cfg = norm_config.split_config(norm_config.config_rows(m), n, x.device, kind="fwd", **shape)
         launch, options = launcher(_ln_fwd_wide_kernel, (m,), cfg.row_launch())
         launch(
-            x, r, h, y, w, b, mean, rstd, n, *strides, float64_bits(eps),
+            x, r, h, y, w, b, mean, rstd, n, *strides, *float64_bits(eps),
             BLOCK_N=cfg.row_block_n, NUM_STAGES=cfg.num_stages, **options, **common)
     return y, mean, rstd
 
@@ -410,9 +410,9 @@ def _ascendc_row_factors(var, s_x1x2, s_x1, s_x2, eps, H, ACC: tl.constexpr):
     return r, pd_var, pd_mean, inv_h
 
 
-@triton.jit(do_not_specialize=["eps_bits"])
+@triton.jit(do_not_specialize=["eps_high", "eps_low"])
 def _ln_grad_fused_kernel(DY, X, Var, Mean, Gamma, PDX, RES, M, H,
-                          stride_dy, stride_x, stride_pdx, stride_res, eps_bits,
+                          stride_dy, stride_x, stride_pdx, stride_res, eps_high, eps_low,
                           REUSE: tl.constexpr, ACC: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -431,7 +431,7 @@ def _ln_grad_fused_kernel(DY, X, Var, Mean, Gamma, PDX, RES, M, H,
     x2 = tl.where(mask, x - mean[:, None], 0.0)
     x1 = dy * gamma[None, :]
     r, pd_var, pd_mean, inv_h = _ascendc_row_factors(var, tl.sum(x1 * x2, axis=1), tl.sum(x1, axis=1),
-                                              tl.sum(x2, axis=1), unpack_float64(eps_bits, ACC), H, ACC)
+                                              tl.sum(x2, axis=1), unpack_float64(eps_high, eps_low, ACC), H, ACC)
     pd_x = x1 * r[:, None] + (pd_var * (2.0 * inv_h))[:, None] * x2 + (pd_mean * inv_h)[:, None]
     tl.store(PDX + rows64[:, None] * stride_pdx + cols[None, :], pd_x.to(PDX.dtype.element_ty), mask=mask)
     tl.store(RES + rows64[:, None] * stride_res + cols[None, :], (x2 * r[:, None]).to(RES.dtype.element_ty),
@@ -466,9 +466,9 @@ def _ln_grad_row_sums_kernel(DY, X, Mean, Gamma, S, H, stride_dy, stride_x,
     tl.store(S + row * 3 + 2, tl.sum(s2, axis=0))
 
 
-@triton.jit(do_not_specialize=["eps_bits"])
+@triton.jit(do_not_specialize=["eps_high", "eps_low"])
 def _ln_grad_cols_kernel(DY, X, Var, Mean, Gamma, S, PDX, RES, M, H,
-                         stride_dy, stride_x, stride_pdx, stride_res, eps_bits,
+                         stride_dy, stride_x, stride_pdx, stride_res, eps_high, eps_low,
                          REUSE: tl.constexpr, ACC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Wide rows: elementwise once the row sums are known, one tile per program. Row tiles
@@ -491,7 +491,7 @@ def _ln_grad_cols_kernel(DY, X, Var, Mean, Gamma, S, PDX, RES, M, H,
     s2 = tl.load(S + rows64 * 3 + 2, mask=rmask, other=0.0)
     x2 = x - mean[:, None]
     x1 = dy * gamma[None, :]
-    r, pd_var, pd_mean, inv_h = _ascendc_row_factors(var, s12, s1, s2, unpack_float64(eps_bits, ACC), H, ACC)
+    r, pd_var, pd_mean, inv_h = _ascendc_row_factors(var, s12, s1, s2, unpack_float64(eps_high, eps_low, ACC), H, ACC)
     pd_x = x1 * r[:, None] + (pd_var * (2.0 * inv_h))[:, None] * x2 + (pd_mean * inv_h)[:, None]
     tl.store(PDX + rows64[:, None] * stride_pdx + cols[None, :], pd_x.to(PDX.dtype.element_ty), mask=mask)
     tl.store(RES + rows64[:, None] * stride_res + cols[None, :], (x2 * r[:, None]).to(RES.dtype.element_ty),
@@ -524,7 +524,7 @@ def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source):
         cfg = norm_config.fused_config(r, h, device, persistent=False)
         _ln_grad_fused_kernel[(cfg.grid,)](
             dy_rows, x_rows, variance, mean, gamma, pd_x, res, r, h,
-            row_stride(dy_rows), row_stride(x_rows), row_stride(pd_x), row_stride(res), float64_bits(eps),
+            row_stride(dy_rows), row_stride(x_rows), row_stride(pd_x), row_stride(res), *float64_bits(eps),
             REUSE=reuse, ACC=acc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch())
     else:
         cfg = norm_config.split_config(r, h, device)
@@ -534,7 +534,7 @@ def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source):
             ACC=acc, BLOCK_N=cfg.row_block_n, NUM_STAGES=cfg.num_stages, **cfg.row_launch())
         _ln_grad_cols_kernel[(cfg.row_tiles, cfg.col_blocks)](
             dy_rows, x_rows, variance, mean, gamma, sums, pd_x, res, r, h,
-            row_stride(dy_rows), row_stride(x_rows), row_stride(pd_x), row_stride(res), float64_bits(eps),
+            row_stride(dy_rows), row_stride(x_rows), row_stride(pd_x), row_stride(res), *float64_bits(eps),
             REUSE=reuse, ACC=acc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch())
     if reuse:
         if dy_copied:

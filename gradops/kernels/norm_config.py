@@ -30,7 +30,7 @@ measuring (docs/kernels-norm.md, "On a GPU").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -175,6 +175,25 @@ class FusedConfig:
 
     def launch(self) -> dict:
         return self._launch
+
+    def for_rows(self, m) -> "FusedConfig":
+        """This tile for ``m`` rows given as a symbol (``torch.SymInt``, see ``SYMBOLIC_ROWS``):
+        the loop counts computed from it, with no guard on its value."""
+        num_tiles = (m + self.block_m - 1) // self.block_m
+        grid = torch.sym_min(num_tiles, self.grid)
+        return replace(self, num_tiles=num_tiles, grid=grid, tiles_per_program=(num_tiles + grid - 1) // grid)
+
+
+# A call traced under torch.compile with dynamic shapes knows its row count only as a symbol
+# (the GPU run of 2026-11-28: an lru_cache of configs cannot hash it). Its tile and launch
+# options are those of this many rows, where they depend on N alone, and its loop counts follow
+# the symbol (``FusedConfig.for_rows``): one compiled graph serves every M, with no guard on M.
+SYMBOLIC_ROWS = 1 << 20
+
+
+def config_rows(m) -> int:
+    """``m``, or ``SYMBOLIC_ROWS`` for a symbolic row count."""
+    return m if isinstance(m, int) else SYMBOLIC_ROWS
 
 
 @dataclass(frozen=True)

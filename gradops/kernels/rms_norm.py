@@ -27,8 +27,8 @@ from ._traceable import launcher
 
 
 # --------------------------------------------------------------------------- forward
-@triton.jit(do_not_specialize=["eps_bits", "offset_bits"])
-def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps_bits, offset_bits,
+@triton.jit(do_not_specialize=["eps_high", "eps_low", "offset_high", "offset_low"])
+def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low, offset_high, offset_low,
                           tiles_per_program, num_programs,
                           HAS_W: tl.constexpr, HAS_RES: tl.constexpr, ROUND_XHAT: tl.constexpr,
                           ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -36,11 +36,11 @@ def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_
     # Persistent over row tiles p, p + P, ...: gamma is loaded once per program, and the
     # pipelined loop has the next tiles' x (and residual) in flight while this one reduces.
     pid = tl.program_id(0)
-    eps = unpack_float64(eps_bits, ACC)
+    eps = unpack_float64(eps_high, eps_low, ACC)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + unpack_float64(offset_bits, ACC)
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + unpack_float64(offset_high, offset_low, ACC)
     for i in tl.range(0, tiles_per_program, num_stages=NUM_STAGES):
         rows = (pid + i * num_programs) * BLOCK_M + tl.arange(0, BLOCK_M)  # past M: all masked
         rmask = rows < M
@@ -61,8 +61,8 @@ def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_
         tl.store(Rstd + rows, rstd.to(Rstd.dtype.element_ty), mask=rmask)
 
 
-@triton.jit(do_not_specialize=["eps_bits", "offset_bits"])
-def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps_bits, offset_bits,
+@triton.jit(do_not_specialize=["eps_high", "eps_low", "offset_high", "offset_low"])
+def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low, offset_high, offset_low,
                          HAS_W: tl.constexpr, HAS_RES: tl.constexpr, ROUND_XHAT: tl.constexpr,
                          ACC: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     # One row per program: pass 1 sums squares (and writes h), pass 2 re-reads the row (just
@@ -79,8 +79,8 @@ def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, s
             tl.store(H + row * stride_h + cols, h, mask=cmask)
         h = h.to(ACC)
         ss += h * h
-    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / N + unpack_float64(eps_bits, ACC))
-    offset = unpack_float64(offset_bits, ACC)
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / N + unpack_float64(eps_high, eps_low, ACC))
+    offset = unpack_float64(offset_high, offset_low, ACC)
     y_row = Y + row * stride_y
     for c0 in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
         cols = c0 + offs
@@ -111,22 +111,22 @@ def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=N
     strides = (row_stride(x), row_stride(r), row_stride(h), row_stride(y))
     if norm_config.is_fused(n, x.device, "fwd"):
         launch, cfg, kw = fused_launch(_rms_fwd_fused_kernel, m, n, x.dtype, x.device, "fwd", 1 + has_res, flags)
-        launch(x, r, h, y, w, rstd, m, n, *strides, float64_bits(eps), float64_bits(offset), cfg.tiles_per_program, cfg.grid, **kw)
+        launch(x, r, h, y, w, rstd, m, n, *strides, *float64_bits(eps), *float64_bits(offset), cfg.tiles_per_program, cfg.grid, **kw)
     else:
         common = dict(flags, ACC=tl_acc(x.dtype))
         shape = dict(elem_bytes=x.element_size(), streams=2 if has_res else 1)
-        cfg = norm_config.split_config(m, n, x.device, kind="fwd", **shape)
+        cfg = norm_config.split_config(norm_config.config_rows(m), n, x.device, kind="fwd", **shape)
         launch, options = launcher(_rms_fwd_wide_kernel, (m,), cfg.row_launch())
         launch(
-            x, r, h, y, w, rstd, n, *strides, float64_bits(eps), float64_bits(offset),
+            x, r, h, y, w, rstd, n, *strides, *float64_bits(eps), *float64_bits(offset),
             BLOCK_N=cfg.row_block_n, NUM_STAGES=cfg.num_stages, **options, **common)
     return y, rstd
 
 
 # -------------------------------------------------------------------------- backward
-@triton.jit(do_not_specialize=["offset_bits"])
+@triton.jit(do_not_specialize=["offset_high", "offset_low"])
 def _rms_bwd_fused_kernel(DY, X, W, Rstd, DRES, DX, DW_P, M, N,
-                          stride_dy, stride_x, stride_dres, stride_dx, stride_p, offset_bits,
+                          stride_dy, stride_x, stride_dres, stride_dx, stride_p, offset_high, offset_low,
                           tiles_per_program, num_programs, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr,
                           ROUND_XHAT: tl.constexpr, ACC: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
@@ -136,7 +136,7 @@ def _rms_bwd_fused_kernel(DY, X, W, Rstd, DRES, DX, DW_P, M, N,
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + unpack_float64(offset_bits, ACC)
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + unpack_float64(offset_high, offset_low, ACC)
     acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
     # (a plain trip count, not range(pid, num_tiles, step): Triton 3.6's interpreter needs it;
     # num_stages makes the compiler prefetch the next tiles' loads with cp.async into shared
@@ -166,8 +166,8 @@ def _rms_bwd_fused_kernel(DY, X, W, Rstd, DRES, DX, DW_P, M, N,
     tl.store(DW_P + pid.to(tl.int64) * stride_p + cols, acc_dw, mask=cmask)
 
 
-@triton.jit(do_not_specialize=["offset_bits"])
-def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset_bits, segment_blocks, num_segments,
+@triton.jit(do_not_specialize=["offset_high", "offset_low"])
+def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset_high, offset_low, segment_blocks, num_segments,
                              HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr,
                              NUM_STAGES: tl.constexpr):
     # Wide rows, step 1: program (row, segment) stores sum(dy * gamma * x) over its segment
@@ -176,7 +176,7 @@ def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset_bits, s
     seg = tl.program_id(1)
     offs = tl.arange(0, BLOCK_N)
     s = tl.zeros([BLOCK_N], dtype=ACC)
-    offset = unpack_float64(offset_bits, ACC)
+    offset = unpack_float64(offset_high, offset_low, ACC)
     for j in tl.range(0, segment_blocks, num_stages=NUM_STAGES):
         cols = (seg * segment_blocks + j) * BLOCK_N + offs
         cmask = cols < N
@@ -188,9 +188,9 @@ def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset_bits, s
     tl.store(C + row * num_segments + seg, tl.sum(s, axis=0))
 
 
-@triton.jit(do_not_specialize=["offset_bits"])
+@triton.jit(do_not_specialize=["offset_high", "offset_low"])
 def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DRES, DX, DW, M, N,
-                         stride_dy, stride_x, stride_dres, stride_dx, offset_bits, row_tiles, num_segments,
+                         stride_dy, stride_x, stride_dres, stride_dx, offset_high, offset_low, row_tiles, num_segments,
                          HAS_W: tl.constexpr, HAS_DRES: tl.constexpr, ROUND_XHAT: tl.constexpr,
                          SEGMENTS: tl.constexpr, ACC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
@@ -201,7 +201,7 @@ def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DRES, DX, DW, M, N,
     cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + unpack_float64(offset_bits, ACC)
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC) + unpack_float64(offset_high, offset_low, ACC)
     acc_dw = tl.zeros([BLOCK_N], dtype=ACC)
     for i in tl.range(0, row_tiles, num_stages=NUM_STAGES):
         rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -255,7 +255,7 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False,
         launch, cfg, kw = fused_launch(_rms_bwd_fused_kernel, m, n, x.dtype, device, "bwd", streams,
                                        flag_pairs)
         partial = torch.empty((cfg.grid, n), dtype=acc, device=device)
-        launch(dy_rows, x_rows, w, rstd, dres_rows, dx_buf, partial, m, n, *strides, partial.stride(0), offset_bits,
+        launch(dy_rows, x_rows, w, rstd, dres_rows, dx_buf, partial, m, n, *strides, partial.stride(0), *offset_bits,
                cfg.tiles_per_program, cfg.grid, **kw)
         dgamma = sum_partial_rows(partial, out_dtype)
     else:
@@ -266,11 +266,11 @@ def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False,
         c = torch.empty((m, segs), dtype=acc, device=device)
         dgamma = torch.empty(n, dtype=out_dtype, device=device)
         _rms_bwd_row_sums_kernel[(m, segs)](
-            dy_rows, x_rows, w, c, n, strides[0], strides[1], offset_bits, cfg.segment_blocks, segs,
+            dy_rows, x_rows, w, c, n, strides[0], strides[1], *offset_bits, cfg.segment_blocks, segs,
             HAS_W=flags["HAS_W"], ACC=flags["ACC"], BLOCK_N=cfg.row_block_n, NUM_STAGES=cfg.num_stages,
             **cfg.row_launch())
         _rms_bwd_cols_kernel[(cfg.col_blocks,)](
-            dy_rows, x_rows, w, rstd, c, dres_rows, dx_buf, dgamma, m, n, *strides, offset_bits, cfg.row_tiles,
+            dy_rows, x_rows, w, rstd, c, dres_rows, dx_buf, dgamma, m, n, *strides, *offset_bits, cfg.row_tiles,
             segs, SEGMENTS=norm_config.next_pow2(segs), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             NUM_STAGES=cfg.num_stages, **cfg.launch(), **flags)
     dx = dx_out.copy_(dx_buf) if copy_back else dx_buf
