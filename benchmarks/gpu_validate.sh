@@ -96,13 +96,15 @@ if [ "$step" != bench ]; then
     echo "== tests: GRADOPS_TEST_DEVICE=cuda pytest ${plugins[*]} ${select:+-k \"$(echo $GPU_TESTS)\" on ${#paths[@]} files, those of GPU_FIRST first, the CPU-only ones left out} (at most ${limit} s)"
     # SIGINT at the limit: pytest stops as on Ctrl-C and still writes junit.xml (SIGTERM would not)
     # shellcheck disable=SC2086
-    GRADOPS_TEST_DEVICE=cuda timeout -s INT -k 30 "$limit" $PY -m pytest -q -p no:cacheprovider "${plugins[@]}" \
+    # -v: one line per test as it ends, which names the failures even where pytest is killed before
+    # it writes junit.xml (xdist's workers may outlast the grace after SIGINT)
+    GRADOPS_TEST_DEVICE=cuda timeout -s INT -k 60 "$limit" $PY -m pytest -v -p no:cacheprovider "${plugins[@]}" \
         "${select[@]}" --junitxml="$OUT/junit.xml" "${paths[@]}" >"$OUT/tests.log" 2>&1
     rc=$?
     [ "$rc" = 124 ] && echo "the tests were stopped at ${limit} s: the summary counts those that ran; run the 'tests' step alone" \
         >>"$OUT/tests.log"
     tail -n 1 "$OUT/tests.log"
-    $PY benchmarks/test_summary.py "$OUT/junit.xml" >"$OUT/tests-summary.txt" 2>&1
+    $PY benchmarks/test_summary.py "$OUT/junit.xml" --log "$OUT/tests.log" >"$OUT/tests-summary.txt" 2>&1
     cat "$OUT/tests-summary.txt"
     [ "$rc" = 0 ] || status=1
 fi

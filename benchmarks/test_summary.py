@@ -1,15 +1,19 @@
 """One screen on a pytest run, from its JUnit XML (benchmarks/gpu_validate.sh writes it):
 
-    python3 benchmarks/test_summary.py junit.xml [--lines 50]
+    python3 benchmarks/test_summary.py junit.xml [--log tests.log] [--lines 50]
 
 the totals; per file, the tests that failed, errored or were skipped (files that only passed
 are counted in one line); each failure with the first line of its message; the skip reasons,
-counted; the slowest tests. Exit status: 1 when a test failed or errored, else 0.
+counted; the slowest tests. Where pytest was killed before it wrote the XML (a second call of
+the 2026-11-28 GPU run lost its results so), ``--log``: the outcome of each test from the lines
+``pytest -v`` printed as they ran (no messages, no times). Exit status: 1 when a test failed or
+errored, or no result was found, else 0.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import re
 import sys
 import xml.etree.ElementTree as ET
 
@@ -34,6 +38,27 @@ def read(path):
                     break
         cases.append((file, name, outcome, message, float(case.get("time") or 0)))
     return cases
+
+
+_OUTCOMES = {"PASSED": "passed", "XFAIL": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "error",
+             "SKIPPED": "skipped"}
+# "[gw3] [ 12%] PASSED tests/test_a.py::test_b[x]" (pytest-xdist -v), "tests/test_a.py::test_b PASSED [ 12%]"
+_LOG_LINE = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (tests/\S+?\.py)::(\S+)"
+                       r"|^(tests/\S+?\.py)::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
+def read_log(path):
+    """The cases of :func:`read` from a ``pytest -v`` log: outcomes only (the last one a test
+    printed), no messages or times."""
+    seen = {}
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = _LOG_LINE.search(line)
+            if m:
+                word, file, name = (m.group(1), m.group(2), m.group(3)) if m.group(1) else (m.group(6), m.group(4),
+                                                                                             m.group(5))
+                seen[(file, name)] = _OUTCOMES[word]
+    return [(file, name, outcome, "", 0.0) for (file, name), outcome in seen.items()]
 
 
 def summary(cases, lines: int = 50) -> str:
@@ -76,13 +101,16 @@ def summary(cases, lines: int = 50) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("junit")
+    parser.add_argument("--log", help="the run's pytest -v output, read where the JUnit XML is missing or broken")
     parser.add_argument("--lines", type=int, default=50, help="about how many lines (the failures' share)")
     args = parser.parse_args(argv)
     try:
         cases = read(args.junit)
     except (OSError, ET.ParseError) as e:
-        print(f"no test results in {args.junit}: {e}")
-        return 1
+        cases = read_log(args.log) if args.log else []
+        print(f"no test results in {args.junit} ({e})" + (f"; the outcomes printed in {args.log}:" if cases else ""))
+        if not cases:
+            return 1
     print(summary(cases, args.lines))
     return 1 if any(c[2] in ("failed", "error") for c in cases) else 0
 

@@ -101,8 +101,10 @@ GOALS = (
     Goal("on a CPU, gradops' Python around a Triton launch within 2x the bare autograd.Function floor "
          "(nn.functional rms_norm and layer_norm, forward + backward)", ("F.rms_norm fwd+bwd", "F.layer_norm fwd+bwd"),
          "speedup:floor", 0.5, device="cpu", gpu=None),
+    # a ratio to torch's call on the same machine: a goal on any GPU (set for the H100 by mistake
+    # until the H200 run of 2026-11-28 left it unevaluated)
     Goal("host time of an nn.functional rms_norm / layer_norm forward + backward at 8x64 within 1.5x torch's",
-         ("F.rms_norm fwd+bwd", "F.layer_norm fwd+bwd"), "speedup:torch", 1 / 1.5),
+         ("F.rms_norm fwd+bwd", "F.layer_norm fwd+bwd"), "speedup:torch", 1 / 1.5, gpu=None),
 )
 
 
