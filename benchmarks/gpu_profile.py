@@ -52,8 +52,10 @@ def kernel_table(fn, device: str, steps: int = 2, rows: int = 30) -> str:
     return averages.table(row_limit=rows)
 
 
-def step_ms(fn, device: str, reps: int = 5) -> float:
-    fn()
+def call_ms(fn, device: str, reps: int, warmup: int = 1) -> float:
+    """Milliseconds per call of ``fn``, ``reps`` calls back to back after ``warmup``, synchronised."""
+    for _ in range(warmup):
+        fn()
     sync(device)
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -71,7 +73,7 @@ def floyd(device: str, shape) -> None:
     impls = F.implementations([F.OURS, "floydnet"], device, ours="triton" if device == "cuda" else "reference")
     for name, build in impls.items():
         step = build(inputs, dy, mask, scale)["fwdbwd"]()
-        print(f"\n--- {name}: forward + backward {step_ms(step, device):.2f} ms a step (5 steps, synchronised)")
+        print(f"\n--- {name}: forward + backward {call_ms(step, device, 5):.2f} ms a step (5 steps, synchronised)")
         print(kernel_table(step, device))
 
 
@@ -92,16 +94,8 @@ def norm_call(device: str) -> None:
 
     calls = 200
     for name, fn in (("torch.nn.functional.rms_norm", TF.rms_norm), ("gradops.nn.functional.rms_norm", GF.rms_norm)):
-        f = call(fn)
-        for _ in range(20):
-            f()
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            f()
-        sync(device)
         print(f"{name} forward + backward at {NORM_SHAPE} bfloat16: "
-              f"{(time.perf_counter() - t0) / calls * 1e6:.1f} us a call ({calls} calls back to back)")
+              f"{call_ms(call(fn), device, calls, warmup=20) * 1e3:.1f} us a call ({calls} calls back to back)")
     prof = cProfile.Profile()
     f = call(GF.rms_norm)
     prof.enable()

@@ -62,6 +62,17 @@ def test_a_run_killed_before_its_junit_is_read_from_its_verbose_log(tmp_path):
     assert proc.returncode == 1 and proc.stdout.startswith("no test results"), proc.stdout
 
 
+def test_the_profiles_run_end_to_end_on_the_cpu():
+    # a wiring check of benchmarks/gpu_profile.py (the reference backend on the CPU): a broken
+    # script would cost a lent GPU call its profiles
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_profile.py"), "--device", "cpu",
+                           "--floyd-shape", "1,1,8,8,8,16"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-2000:]
+    assert "--- gradops: forward + backward" in out and "--- floydnet: forward + backward" in out
+    assert "gradops.nn.functional.rms_norm forward + backward at (8, 64)" in out and "cProfile of 200" in out
+
+
 def test_cpu_only_files_exist():
     script = open(os.path.join(ROOT, "benchmarks", "gpu_validate.sh")).read()
     names = re.search(r'CPU_ONLY="([^"]*)"', script).group(1).split()
