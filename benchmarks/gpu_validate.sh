@@ -25,12 +25,12 @@ OUT=${OUT:-$PWD/gpu-out}
 CALL_SECONDS=${CALL_SECONDS:-480}
 TESTS_SECONDS=${TESTS_SECONDS:-240}  # the tests' share of an `all` call
 # `all`'s tests: every case of the Triton backend, and the kernel, compile, CUDA-graph and
-# host-sync tests, the Floyd memory strategies' own, the launch budgets, the HuggingFace patching
-# and the exact-zero and non-finite checks of docs/gpu.md (a pytest -k expression over the test
-# ids); `tests` runs the whole suite.
+# host-sync tests, the Floyd memory strategies' own, the launch budgets, the HuggingFace patching,
+# the exact-zero and non-finite checks of docs/gpu.md and the kernels' float64 scalars (a pytest
+# -k expression over the test ids); `tests` runs the whole suite.
 GPU_TESTS=${GPU_TESTS:-"triton or kernels or compile or cuda or host_sync or hybrid or chunked or roofline
 or launch_budget or patch_hf or single_pivot or one_hot or non_finite or double_benchmark or width_one
-or constant_rows"}
+or constant_rows or scalar_args"}
 # `all` runs these files first (pytest keeps the order of the paths it is given; xdist hands the
 # tests out in it), so that a run cut at TESTS_SECONDS loses the least: what never ran on a GPU,
 # then the rest in name order

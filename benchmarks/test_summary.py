@@ -42,9 +42,11 @@ def read(path):
 
 _OUTCOMES = {"PASSED": "passed", "XFAIL": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "error",
              "SKIPPED": "skipped"}
-# "[gw3] [ 12%] PASSED tests/test_a.py::test_b[x]" (pytest-xdist -v), "tests/test_a.py::test_b PASSED [ 12%]"
-_LOG_LINE = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (tests/\S+?\.py)::(\S+)"
-                       r"|^(tests/\S+?\.py)::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+# "[gw3] [ 12%] PASSED tests/test_a.py::test_b[x]" (pytest-xdist -v), "tests/test_a.py::test_b PASSED [ 12%]";
+# a parametrize id may hold spaces ("test_c[triton-[0, 0]-2]"): the name runs to the line's end, or
+# to the outcome word
+_WORDS = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
+_LOG_LINE = re.compile(rf"\b({_WORDS}) (tests/\S+?\.py)::(.+?)\s*$|^(tests/\S+?\.py)::(.+?) ({_WORDS})\b")
 
 
 def read_log(path):

@@ -101,3 +101,17 @@ def test_compile_times_both_under_torch_compile_as_cases_of_their_own(tmp_path, 
     assert cases == {("unpatched", False), (OURS, False), ("unpatched", True), (OURS, True)}
     assert len(compiled) == 2 and sum(1 for r in data["ratios"] if r["case"].get("compiled")
                                       and r["speedup_of_ours"]) == 1
+
+
+def test_first_losses_are_compared_eager_and_compiled_apart():
+    # (the compiled records once overwrote the eager ones: an eager disagreement went unseen)
+    from gradops.bench.harness import Record, Run
+
+    run = Run("model", "cpu", None)
+    for compiled, ours in ((False, 2.5), (True, 2.0)):
+        case = {"model": "llama", "dtype": "float32", **({"compiled": True} if compiled else {})}
+        for impl, loss in (("unpatched", 2.0), (OURS, ours)):
+            rec = Record("train_step", case, impl, [1.0])
+            rec.extra["first_loss"] = loss
+            run.add(rec)
+    assert bench_model.check_losses(run) == ["llama float32: gradops first loss 2.5 != unpatched 2"]

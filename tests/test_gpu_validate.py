@@ -49,14 +49,15 @@ def test_a_run_killed_before_its_junit_is_read_from_its_verbose_log(tmp_path):
     log = tmp_path / "tests.log"
     log.write_text("bringing up nodes...\n"
                    "[gw0] [ 33%] PASSED tests/test_a.py::test_ok[triton] \n"
-                   "[gw1] [ 66%] FAILED tests/test_b.py::test_bad[x-1.5] \n"
-                   "tests/test_c.py::test_skip SKIPPED (needs a GPU)                    [100%]\n")
+                   "[gw1] [ 66%] FAILED tests/test_b.py::test_bad[x-[0, 0]-1.5] \n"
+                   "[gw1] [ 70%] PASSED tests/test_b.py::test_bad[x-[0, 0]-2.5] \n"
+                   "tests/test_c.py::test_skip[a b] SKIPPED (needs a GPU)                    [100%]\n")
     proc = subprocess.run([sys.executable, SUMMARY, str(tmp_path / "junit.xml"), "--log", str(log)],
                           capture_output=True, text=True, timeout=60)
     out = proc.stdout
     assert proc.returncode == 1 and "the outcomes printed in" in out, out
-    assert "1 passed, 1 failed, 1 skipped (3 tests" in out
-    assert "FAILED tests/test_b.py::test_bad[x-1.5]" in out
+    assert "2 passed, 1 failed, 1 skipped (4 tests" in out  # ids with spaces kept apart
+    assert "FAILED tests/test_b.py::test_bad[x-[0, 0]-1.5]" in out
     proc = subprocess.run([sys.executable, SUMMARY, str(tmp_path / "junit.xml")], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 1 and proc.stdout.startswith("no test results"), proc.stdout

@@ -147,6 +147,30 @@ def test_bench_overhead_times_each_entry_point_beside_torch_and_the_floor(tmp_pa
     assert "launches per call, F.rms_norm fwd+bwd:" in out
 
 
+def test_the_floors_launch_their_kernels_with_every_argument(device):
+    # bench overhead stubs the launches on a CPU, so a floor whose arguments no longer fit its
+    # kernel would fail only on a GPU (the RMSNorm floor's backward did, after the scalars
+    # became two words): here they run for real (on a CPU through the interpreter), against torch
+    from gradops.bench import overhead
+
+    m, n = overhead.SHAPE
+    fwd, bwd, red = overhead._configs(m, n, torch.device(device), torch.float32)
+    x, dy = rand((m, n), torch.float32, device), rand((m, n), torch.float32, device)
+    w, b = rand((n,), torch.float32, device), rand((n,), torch.float32, device)
+    for floor, want in ((lambda x, w, b: overhead._FloorRmsNorm.apply(x, w, fwd, bwd, red),
+                         lambda x, w, b: torch.nn.functional.rms_norm(x, (n,), w, 1e-6)),
+                        (lambda x, w, b: overhead._FloorLayerNorm.apply(x, w, b, fwd, bwd, red),
+                         lambda x, w, b: torch.nn.functional.layer_norm(x, (n,), w, b, 1e-5))):
+        results = []
+        for fn in (floor, want):
+            leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+            y = fn(*leaves)
+            grads = torch.autograd.grad(y, leaves, dy, allow_unused=True)
+            results.append([y] + [g for g in grads if g is not None])
+        for got, exp in zip(*results):
+            torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4)
+
+
 def test_bench_overhead_lists_every_entry_point_it_times(device):
     from gradops.bench import overhead
 

@@ -211,7 +211,9 @@ def run(args) -> Run:
         # custom ops (issue 24)
         for name, dt in cases(args):
             case = case_of(name, dt, compiled=True)
-            if (name, dt) not in bases or result.out_of_time():
+            if (name, dt) not in bases:
+                continue  # its eager record holds why it could not be built
+            if result.out_of_time():
                 result.skip([OP], case, "unpatched")
                 result.skip([OP], case)
                 continue
@@ -227,7 +229,9 @@ def run(args) -> Run:
             if why is not None:
                 result.add(harness.Record(OP, case, impl, [], error=f"skipped: {why}"))
                 continue
-            if (name, dt) not in bases or result.out_of_time():
+            if (name, dt) not in bases:
+                continue
+            if result.out_of_time():
                 result.skip([OP], case, impl)
                 continue
             model = copy.deepcopy(bases[(name, dt)])
@@ -259,14 +263,16 @@ def check_losses(result: Run) -> List[str]:
     """Cases whose implementations disagree on the first loss by more than the dtype allows."""
     from ..oracles import TOLERANCE
 
-    by_case: Dict[str, Dict[str, float]] = {}
+    by_case: Dict[Tuple[str, str, bool], Dict[str, float]] = {}
     for r in result.records:
         if "first_loss" in r.extra:
-            by_case.setdefault(f"{r.case['model']} {r.case['dtype']}", {})[r.impl] = r.extra["first_loss"]
+            key = (r.case["model"], r.case["dtype"], bool(r.case.get("compiled")))
+            by_case.setdefault(key, {})[r.impl] = r.extra["first_loss"]
     problems = []
-    for case, losses in by_case.items():
+    for (model, dt, compiled), losses in by_case.items():
         want = losses.get("unpatched")
-        dtype = DTYPES[case.split()[-1]]
+        dtype = DTYPES[dt]
+        case = f"{model} {dt}" + (" compiled" if compiled else "")
         for impl, got in losses.items():
             if want is not None and abs(got - want) > 4 * TOLERANCE[dtype] * abs(want):
                 problems.append(f"{case}: {impl} first loss {got:.6g} != unpatched {want:.6g}")

@@ -143,7 +143,7 @@ class _FloorRmsNorm(torch.autograd.Function):
         dx = torch.empty_like(x)
         partial = torch.empty((bwd.grid, n), dtype=torch.float32, device=x.device)
         dw = torch.empty(n, dtype=w.dtype, device=x.device)
-        K._rms_bwd_fused_kernel[(bwd.grid,)](dy, x, w, rstd, x, dx, partial, m, n, n, n, n, n, n, 0,
+        K._rms_bwd_fused_kernel[(bwd.grid,)](dy, x, w, rstd, x, dx, partial, m, n, n, n, n, n, n, 0, 0,
                                             bwd.tiles_per_program, bwd.grid, HAS_W=True, HAS_DRES=False,
                                             ROUND_XHAT=False, ACC=tl.float32, BLOCK_M=bwd.block_m,
                                             BLOCK_N=bwd.block_n, NUM_STAGES=bwd.num_stages, **bwd.launch())

@@ -29,6 +29,8 @@ def fused_launch(kernel, m: int, n: int, dtype: torch.dtype, device: torch.devic
     (``norm_config.SYMBOLIC_ROWS``)."""
     launch, cfg, kw = _fused_launch(kernel, norm_config.config_rows(m), n, dtype, device, kind, streams, flags)
     if not isinstance(m, int):
+        if not tracing_launches():  # (a plain launch's grid is a number)
+            raise RuntimeError("gradops: a symbolic row count reaches a norm kernel only in a traced triton_op body")
         cfg = cfg.for_rows(m)
     if tracing_launches():
         launch, options = traced(kernel, (cfg.grid,), cfg.launch())
