@@ -425,7 +425,8 @@ def main(argv=None) -> int:
         "budget_seconds": budget,
         "elapsed_seconds": round(time.monotonic() - start, 1),
         "part_seconds": part_seconds,
-        "plan": [{"name": p.name, "family": p.family, "argv": list(p.argv), "share_seconds": p.share, "until_seconds": d}
+        "plan": [{"name": p.name, "family": p.family, "argv": list(p.argv), "share_seconds": p.share,
+                  "until_seconds": d}
                  for p, d in zip(parts, deadlines)],
         "peers_not_usable": {f: {k: v for k, v in modules[f].optional_peers(args.device).items() if v}
                              for f in FAMILIES if any(p.family == f for p in parts)},

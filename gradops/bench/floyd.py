@@ -581,6 +581,7 @@ def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dic
     import triton.language as tl
 
     from ..kernels import floyd_attention as fa
+    from ..kernels._floyd_common import SCALE_ARGS
     from ..kernels.floyd_config import floyd_config
 
     ptr, acc = _ptr_types(dtype)
@@ -602,7 +603,7 @@ def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dic
             if arg in _UNIT_STRIDES or arg in _UNIT_STRIDES_DKV.get(name, ()):
                 sig[arg], consts[arg] = "constexpr", 1
                 continue
-            if arg in ("scale_high", "scale_low"):  # the float64's bits (do_not_specialize: no attributes)
+            if arg in SCALE_ARGS:  # the float64's bits (do_not_specialize: no attributes)
                 sig[arg] = "i32"
                 continue
             if arg.endswith("_ptr"):
@@ -622,6 +623,8 @@ def _row_signature(kernel, consts: dict, unit: Sequence[str], pointer: Callable[
     the constant 1 (added to ``consts``), the scale's float64 bits two i32, pointers typed by
     ``pointer(name)``, other integers i32 with a divisibility hint but those the kernel does
     not specialise (``not_specialised``) and H (a multiple of 16 only by chance)."""
+    from ..kernels._floyd_common import SCALE_ARGS
+
     sig, attrs = {}, {}
     for idx, arg in enumerate(kernel.arg_names):
         if kernel.params[idx].is_constexpr:
@@ -629,7 +632,7 @@ def _row_signature(kernel, consts: dict, unit: Sequence[str], pointer: Callable[
         if arg in unit:
             sig[arg], consts[arg] = "constexpr", 1
             continue
-        if arg in ("scale_high", "scale_low"):
+        if arg in SCALE_ARGS:
             sig[arg] = "i32"
             continue
         if arg.endswith(("_ptr", "_hi", "_lo")):

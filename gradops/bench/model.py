@@ -285,7 +285,8 @@ def parse_args(argv):
                             dtype_help="default: bfloat16 on a GPU, float32 on a CPU")
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--hidden", type=int, default=None,
-                   help=f"hidden size (default {GPU_SIZE[0]} on a GPU, {CPU_SIZE[0]} on a CPU, {QUICK_SIZE[0]} with --quick)")
+                   help=f"hidden size (default {GPU_SIZE[0]} on a GPU, {CPU_SIZE[0]} on a CPU, {QUICK_SIZE[0]} "
+                        f"with --quick)")
     p.add_argument("--layers", type=int, default=None, help=f"layers (default {GPU_SIZE[1]})")
     p.add_argument("--seq", type=int, default=None, help=f"sequence length (default {GPU_SIZE[2]} on a GPU)")
     p.add_argument("--batch", type=int, default=None, help=f"batch size (default {GPU_SIZE[3]} on a GPU)")

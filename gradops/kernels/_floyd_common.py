@@ -22,6 +22,8 @@ _TL = {torch.float32: tl.float32, torch.float64: tl.float64}
 # float32, wrong for float64 inputs): the shared helpers, under the names the Floyd kernels use.
 _scale_bits = float64_bits
 _unpack_scale = unpack_float64
+# The kernels' two arguments that carry it (its high and low words), never specialised by the JIT.
+SCALE_ARGS = ["scale_high", "scale_low"]
 
 
 def dot_constexprs(dtype: torch.dtype, device: torch.device) -> dict:

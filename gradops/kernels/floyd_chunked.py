@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._floyd_common import _NEG_FLT_MAX, _mask_arg, _scale_bits, _unpack_scale, tile_max
+from ._floyd_common import _NEG_FLT_MAX, SCALE_ARGS, _mask_arg, _scale_bits, _unpack_scale, tile_max
 from ._floyd_memory import Backward, chunks, flat, forward_outputs
 from .floyd_gemm import Product, by_m as _by_m, gemm
 from .floyd_config import chunk_budget, chunk_plan, pair_bytes, row_config, total_memory
@@ -55,8 +55,8 @@ from .floyd_config import chunk_budget, chunk_plan, pair_bytes, row_config, tota
 # cannot be vectorised) and, without the batch strides', spills (253 registers); a tail costs a
 # compile or two instead.
 NOT_SPECIALISED = {
-    "_softmax_rows": ["scale_high", "scale_low", "rows", "cn", "cm", "g0", "n0", "m0"],
-    "_grad_rows": ["scale_high", "scale_low", "rows", "cn", "cm", "g0", "n0", "m0"],
+    "_softmax_rows": [*SCALE_ARGS, "rows", "cn", "cm", "g0", "n0", "m0"],
+    "_grad_rows": [*SCALE_ARGS, "rows", "cn", "cm", "g0", "n0", "m0"],
 }
 
 

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._floyd_common import _NEG_FLT_MAX, _mask_arg, _scale_bits, _unpack_scale, dot_constexprs, tile_max
+from ._floyd_common import _NEG_FLT_MAX, SCALE_ARGS, _mask_arg, _scale_bits, _unpack_scale, dot_constexprs, tile_max
 from ._floyd_memory import Backward, chunks, flat, forward_outputs
 from .floyd_config import chunk_budget, half_bits, hybrid_config, hybrid_pair_bytes, plan_rows, total_memory
 from .floyd_gemm import Product, by_m, gemm, load_half
@@ -59,7 +59,7 @@ from .floyd_gemm import Product, by_m, gemm, load_half
 # Integer arguments of the row kernels the JIT must not specialise: the chunk's sizes and first
 # slice and row, which change at a tail chunk (each value 1 or multiple of 16 would be a compile
 # of its own in a user's first step), and the scale (its float64 bits).
-NOT_SPECIALISED = ["cn", "cm", "g0", "n0", "scale_high", "scale_low"]
+NOT_SPECIALISED = ["cn", "cm", "g0", "n0", *SCALE_ARGS]
 
 
 # ----------------------------------------------------------------------------------------------

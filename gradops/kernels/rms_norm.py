@@ -28,8 +28,8 @@ from ._traceable import launcher
 
 # --------------------------------------------------------------------------- forward
 @triton.jit(do_not_specialize=["eps_high", "eps_low", "offset_high", "offset_low"])
-def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low, offset_high, offset_low,
-                          tiles_per_program, num_programs,
+def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low,
+                          offset_high, offset_low, tiles_per_program, num_programs,
                           HAS_W: tl.constexpr, HAS_RES: tl.constexpr, ROUND_XHAT: tl.constexpr,
                           ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           NUM_STAGES: tl.constexpr):
@@ -62,7 +62,8 @@ def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_
 
 
 @triton.jit(do_not_specialize=["eps_high", "eps_low", "offset_high", "offset_low"])
-def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low, offset_high, offset_low,
+def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low,
+                         offset_high, offset_low,
                          HAS_W: tl.constexpr, HAS_RES: tl.constexpr, ROUND_XHAT: tl.constexpr,
                          ACC: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     # One row per program: pass 1 sums squares (and writes h), pass 2 re-reads the row (just
