@@ -234,12 +234,16 @@ def _errors(result, inputs, dy, mask, scale):
     return [((a.double() - r).abs().max() / r.abs().max()).item() for a, r in zip([out, *grads], [y_ref, *grads_ref])]
 
 
-def test_narrower_halves_are_an_option_and_cost_accuracy(spy, monkeypatch, device):
-    """HALF_BITS = 24 or 16 (or GRADOPS_FLOYD_HALF_BITS) keeps narrower halves for 16-bit
-    inputs: 24 bits within the float16 tolerance of the oracle on a float16 problem, further
-    from it than float32 halves (its statistics above all: the halves' rounding reaches the
-    softmax sums); 16 bits (bfloat16 halves) for bfloat16 inputs only, within their tolerance
-    and further than 24; float16 inputs keep 24 bits then, float32 inputs 32 always."""
+def test_half_formats_and_what_they_cost_in_accuracy(spy, monkeypatch, device):
+    """HALF_BITS = 32, 24 or 16 (or GRADOPS_FLOYD_HALF_BITS) for 16-bit inputs, 24 unless set:
+    24 bits within the float16 tolerance of the oracle on a float16 problem, further from it
+    than float32 halves (its statistics above all: the halves' rounding reaches the softmax
+    sums); 16 bits (bfloat16 halves) for bfloat16 inputs only, within their tolerance and
+    further than 24; float16 inputs keep 24 bits then, float32 inputs 32 always."""
+    monkeypatch.setattr(config, "HALF_BITS", None)
+    monkeypatch.delenv("GRADOPS_FLOYD_HALF_BITS", raising=False)
+    assert config.half_bits(torch.float16) == config.half_bits(torch.bfloat16) == 24
+    assert config.half_bits(torch.float32) == 32
     shape = (1, 2, 12, 10, 40, 32)
     errors = {}
     for dtype, settings in ((torch.float16, (32, 24)), (torch.bfloat16, (24, 16))):
@@ -283,14 +287,14 @@ def test_small_gradients_do_not_underflow_in_the_halves(spy, device):
 
 
 def test_pair_bytes_and_tiles():
-    """A chunk's (n, m) row holds its two halves (4 bytes a score each by default, 3 or 2 with
-    narrower halves) and its float32 partial dQ1; every padded head dim up to
-    HYBRID_MAX_HEAD_DIM has a tile, as wide as tl.dot needs (16) and a power of two."""
-    assert config.hybrid_pair_bytes(512, 128, torch.bfloat16) == 2 * 512 * 4 + 4 * 128
-    config.HALF_BITS = 24
+    """A chunk's (n, m) row holds its two halves (3 bytes a score each by default for 16-bit
+    inputs, 4 with float32 halves or inputs) and its float32 partial dQ1; every padded head dim
+    up to HYBRID_MAX_HEAD_DIM has a tile, as wide as tl.dot needs (16) and a power of two."""
+    assert config.hybrid_pair_bytes(512, 128, torch.bfloat16) == 2 * 512 * 3 + 4 * 128
+    assert config.hybrid_pair_bytes(512, 128, torch.float32) == 2 * 512 * 4 + 4 * 128
+    config.HALF_BITS = 32
     try:
-        assert config.hybrid_pair_bytes(512, 128, torch.bfloat16) == 2 * 512 * 3 + 4 * 128
-        assert config.hybrid_pair_bytes(512, 128, torch.float32) == 2 * 512 * 4 + 4 * 128
+        assert config.hybrid_pair_bytes(512, 128, torch.bfloat16) == 2 * 512 * 4 + 4 * 128
     finally:
         config.HALF_BITS = None
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -361,7 +365,9 @@ def test_row_kernels_compile_for_sm90_on_tensor_cores_without_spills(triton_vers
     FMA dots) compiles too. And every score and dP dot (the one tl.dot of ``_half_products``:
     two sweeps of the forward, S and dP in two sweeps of the backward) is lowered alike in
     both kernels: the backward recomputes the forward's scores bitwise, which a one-hot P's
-    exact zeros rest on."""
+    exact zeros rest on. And every sweep is software-pipelined: no barrier in a loop, and no
+    load inside one that waits where it stands but the mask's bytes (one a sweep: the halves
+    and the K1/V1 tiles are copied asynchronously, steps ahead)."""
     import inspect
     import json
     import os
@@ -387,6 +393,7 @@ def test_row_kernels_compile_for_sm90_on_tensor_cores_without_spills(triton_vers
         assert "error" not in row, row
         assert row["shared"] <= H100_SHARED and row["spill_loads"] == row["spill_stores"] == 0, row
         assert len(row["score_dots"]) == (2 if row["kernel"] == "hybrid_fwd" else 4), row
+        assert row["loop_barriers"] == 0 and row["loop_loads"] == 2 and row["loop_async_copies"] > 0, row
         assert not {"missing", "ambiguous"} & set(row["dots"]), row
         if row["dtype"] != "float32":
             assert row["fma_f32"] == 0 and row["wgmma"] > 0, row

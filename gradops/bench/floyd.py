@@ -566,10 +566,32 @@ def _compile_sm(kernel, sig: dict, consts: dict, attrs: dict, arch: int, num_war
                    spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
                    mma=sass.count("HMMA") + sass.count("DMMA") + sass.count("HGMMA"), wgmma=sass.count("HGMMA"),
                    layout_conversions=compiled.asm["ttgir"].count("convert_layout"),
-                   fma_f32=len(re.findall(r"\bfma\.[a-z.]*f32\b", compiled.asm["ptx"])))
+                   fma_f32=len(re.findall(r"\bfma\.[a-z.]*f32\b", compiled.asm["ptx"])),
+                   **loop_memory_ops(compiled.asm["ttgir"]))
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[-1][:200] if str(e) else ''}"
     return row
+
+
+def loop_memory_ops(ttgir: str) -> dict:
+    """Inside the loops (``scf.for``) of a kernel's TTGIR: ``loop_loads``, the loads that wait
+    for their data where they stand (``tt.load``: no software pipelining, the latency of each
+    exposed at every step), ``loop_async_copies``, the loads the pipeliner issued ahead
+    (``async_copy_global_to_local``), and ``loop_barriers``, CTA-wide barriers the source asked
+    for (``tl.debug_barrier``, which keeps the pipeliner off the loop that holds one)."""
+    counts = dict(loop_loads=0, loop_async_copies=0, loop_barriers=0)
+    depth, loops = 0, []  # brace depth; the depth each open loop started at
+    for line in ttgir.splitlines():
+        if "scf.for " in line:
+            loops.append(depth)
+        if loops:
+            counts["loop_loads"] += " tt.load " in line
+            counts["loop_async_copies"] += "async_copy_global_to_local" in line
+            counts["loop_barriers"] += "ttg.barrier" in line or "gpu.barrier" in line
+        depth += line.count("{") - line.count("}")
+        while loops and depth <= loops[-1]:
+            loops.pop()
+    return counts
 
 
 def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dict]:
@@ -774,7 +796,7 @@ def compile_check_hybrid(dtype: torch.dtype, head_dim: int, arch: int = 90, mask
     rows = []
     for name, kernel in (("hybrid_fwd", fh._rows_forward), ("hybrid_bwd", fh._rows_backward)):
         consts = dict(HAS_MASK=masked, HALF_BITS=bits, P_SPREAD=fh.p_spread(dtype), BLOCK_M=cfg["BLOCK_M"],
-                      BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], **dot_constexprs_for(dtype))
+                      BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], STAGES=cfg["STAGES"], **dot_constexprs_for(dtype))
 
         def pointer(arg):
             if arg.endswith("_hi"):
@@ -968,8 +990,9 @@ def parse_args(argv):
                              "empty Triton cache (extra.compile on the floyd_fwdbwd records)")
     parser.add_argument("--compile-check", action="store_true",
                         help="compile the kernels for an H100 (sm_90) without a GPU and report shared memory, "
-                             "registers and spills (for each --dtype, default bfloat16 float32, and D in 16..256; "
-                             "the chunked strategy's row kernels at K = 128, 512, 2048 and 4096, and its GEMM)")
+                             "registers, spills and the loads inside loops that wait where they stand (for each "
+                             "--dtype, default bfloat16 float32, and D in 16..256; the chunked strategy's row "
+                             "kernels at K = 128, 512, 2048 and 4096, its GEMM, and the hybrid row kernels)")
     parser.add_argument("--traffic", action="store_true",
                         help="count the bytes each launch loads and stores, forward and backward, through the Triton "
                              "interpreter on the CPU (gradops.bench.traffic; default --shape 1,2,64,64,64,16, "
@@ -1021,7 +1044,9 @@ def _print_compile_row(row: dict, limit: int) -> int:
     print(f"{row['kernel']:12} {row['dtype']:9} {where} {row['tile']:14} w{row['warps']} "
           f"shared={_size(row['shared'])}{' (over the H100 limit)' if over else ''} "
           f"registers={row['registers']} spill ld/st={row['spill_loads']}/{row['spill_stores']} "
-          f"mma={row['mma']} (wgmma {row['wgmma']}) layout conversions={row['layout_conversions']} fma.f32={row['fma_f32']}", flush=True)
+          f"mma={row['mma']} (wgmma {row['wgmma']}) layout conversions={row['layout_conversions']} fma.f32={row['fma_f32']} "
+          f"in loops: waiting loads={row['loop_loads']} async copies={row['loop_async_copies']} "
+          f"barriers={row['loop_barriers']}", flush=True)
     return int(over)
 
 
@@ -1042,6 +1067,9 @@ def _compile_check(args) -> int:
                 worst = max(worst, _print_compile_row(row, limit))
             for row in compile_check_gemm(dt):
                 worst = max(worst, _print_compile_row(row, limit))
+            for d in dims:
+                for row in compile_check_hybrid(dt, d):
+                    worst = max(worst, _print_compile_row(row, limit))
     return worst
 
 

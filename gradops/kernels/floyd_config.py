@@ -396,22 +396,28 @@ def row_config(k: int) -> Dict[str, int]:
 # ----------------------------------------------------------------------------------------------
 # The hybrid strategy (floyd_hybrid.py): the m-side halves in memory, the row kernels' tiles
 # ----------------------------------------------------------------------------------------------
-# Bits an m-side half of a score (S2, dP2: float32 sums from the GEMMs) keeps in memory: 32 (the
-# default: the float32 sum itself, as exact as the other strategies) or, for 16-bit inputs, 24
-# (a float32 rounded to 16 bits of mantissa: relative error 2^-16, which reaches the softmax
-# statistics; 1 byte less per half and pass) or, for bfloat16 inputs, 16 (a bfloat16: 2 bytes
-# less, at 0.46-0.67x FloydNet eager's error where 24 and 32 bits give 0.26-0.41x; float16
-# inputs keep 24 then: a bfloat16 half has 3 bits less than their mantissa, and gave 2.4-4.4x
-# FloydNet's error; docs/kernels-floyd.md, "Halves in memory"). Each keeps float32's exponent
-# range: no underflow without loss scaling. float32 inputs keep all 32 whatever is set. Also
-# read from GRADOPS_FLOYD_HALF_BITS; a backward must run with its forward's setting.
+# Bits an m-side half of a score (S2, dP2: float32 sums from the GEMMs) keeps in memory for
+# 16-bit inputs: 24 (the default: the float32 rounded to nearest at 16 bits of mantissa, a
+# relative error of at most 2^-16, 256 times finer than a bfloat16 input's; the worst of 5
+# seeds 0.44x FloydNet eager's error, as with 32), 32 (the float32 sum itself, as exact as the
+# chunked strategy) or, for bfloat16 inputs, 16 (a bfloat16: at 0.46-0.67x FloydNet eager's
+# error; float16 inputs keep 24 then: a bfloat16 half has 3 bits less than their mantissa, and
+# gave 2.4-4.4x FloydNet's error). Why 24 and not 32 by default: a 16-bit P or dS written over
+# float32 halves lands on halves of other pivots, so the row kernels' second sweeps need a
+# CTA-wide barrier per step, and Triton's software pipeliner leaves a loop with a barrier
+# alone: every load of those sweeps then waits for memory at every step (the sm_90 compile
+# check counts them). Over 24 or 16 bits P takes its own half's element: no barrier, every
+# sweep pipelined, and 1 byte less per half and pass (docs/kernels-floyd.md, "Halves in
+# memory"). Each format keeps float32's exponent range: no underflow without loss scaling.
+# float32 inputs keep all 32 whatever is set. Also read from GRADOPS_FLOYD_HALF_BITS; a
+# backward must run with its forward's setting.
 HALF_BITS: Optional[int] = None
-HALF_BITS_DEFAULT = 32
+HALF_BITS_DEFAULT = 24
 
 
 def half_bits(dtype: torch.dtype) -> int:
     """Bits of an m-side half in memory for inputs of ``dtype``: 32 for float32, else HALF_BITS
-    (or GRADOPS_FLOYD_HALF_BITS), 32 unless set to 24 or 16 (24 for float16 inputs set to 16)."""
+    (or GRADOPS_FLOYD_HALF_BITS), 24 unless set to 32 or 16 (24 for float16 inputs set to 16)."""
     if dtype == torch.float32:
         return 32
     bits = HALF_BITS if HALF_BITS is not None else int(os.environ.get("GRADOPS_FLOYD_HALF_BITS") or HALF_BITS_DEFAULT)
@@ -447,5 +453,6 @@ def hybrid_config(d: int, dtype: torch.dtype) -> Dict[str, int]:
     if block_d > HYBRID_MAX_HEAD_DIM:
         raise ValueError(f"the hybrid strategy takes head dims up to {HYBRID_MAX_HEAD_DIM}, got {d}")
     block_m, block_k, warps = HYBRID_TILES[min(dtype.itemsize, 4)][block_d]
-    return dict(BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=warps, num_stages=HYBRID_STAGES,
+    return dict(BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_D=block_d, STAGES=HYBRID_STAGES, num_warps=warps,
+                num_stages=HYBRID_STAGES,
                 enable_fp_fusion=ROW_FP_FUSION)

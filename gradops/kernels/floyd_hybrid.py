@@ -160,7 +160,7 @@ def _rows_forward(
     sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, smk_b, smk_n, smk_k, sst0, sst1, sst2,
     cn, cm, K, D, H, g0, n0, scale_high, scale_low,
     HAS_MASK: tl.constexpr, HALF_BITS: tl.constexpr, P_SPREAD: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Forward rows: the row max and sum of exp(S - max) over every pivot (first sweep), then P
     (written over S2's top plane, in the input dtype) and Y1 = P V1 (second sweep), the
@@ -178,7 +178,7 @@ def _rows_forward(
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         s, _, _, _, _, _, _ = _score_step(k0, q, k1_base, sk2, sk3, s2_hi, s2_lo, mask_row, smk_k, m_loc, m_ok,
                                           d_idx, d_ok, K, scale, HAS_MASK, HALF_BITS, PRECISION, UPCAST, BLOCK_K)
         new_max = tl.maximum(row_max, tile_max(s), propagate_nan=tl.PropagateNan.ALL)
@@ -190,7 +190,7 @@ def _rows_forward(
 
     inv_sum = 1.0 / row_sum
     y1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         s, _, _, inside, k_idx, k_ok, _ = _score_step(k0, q, k1_base, sk2, sk3, s2_hi, s2_lo, mask_row, smk_k,
                                                       m_loc, m_ok, d_idx, d_ok, K, scale, HAS_MASK, HALF_BITS,
                                                       PRECISION, UPCAST, BLOCK_K)
@@ -233,7 +233,7 @@ def _rows_backward(
     sst0, sst1, sst2,
     cn, cm, K, D, H, g0, n0, scale_high, scale_low,
     HAS_MASK: tl.constexpr, HALF_BITS: tl.constexpr, P_SPREAD: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Backward rows: P and dP in both sweeps (``_probs_and_dp``); Dr = sum_k P dP in float32
     (first sweep; not dY.Y from the rounded Y: OPERATORS.md section 5), then dS = P (dP - Dr) scale
@@ -258,14 +258,14 @@ def _rows_backward(
     inv_sum = 1.0 / tl.load(sum_ptr + stat, mask=m_ok, other=1.0)
 
     dr = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         p, dp, _, _, _, _ = _probs_and_dp(k0, q, dy, k1_base, v1_base, sk2, sk3, sv2, sv3, s2_hi, s2_lo, dp2_hi,
                                           dp2_lo, mask_row, smk_k, m_loc, m_ok, d_idx, d_ok, K, row_max, inv_sum,
                                           scale, HAS_MASK, HALF_BITS, PRECISION, UPCAST, BLOCK_K)
         dr += tl.sum(p * dp, axis=1)
 
     dq1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         p, dp, user, inside, k_idx, k1 = _probs_and_dp(k0, q, dy, k1_base, v1_base, sk2, sk3, sv2, sv3, s2_hi,
                                                        s2_lo, dp2_hi, dp2_lo, mask_row, smk_k, m_loc, m_ok, d_idx,
                                                        d_ok, K, row_max, inv_sum, scale, HAS_MASK, HALF_BITS,
