@@ -136,6 +136,40 @@ def test_launches_per_chunk(spy, monkeypatch, budget_pairs, device):
     check_against_oracle((out, mx, sm, grads), inputs, dy, mask, torch.float16)
 
 
+def _mask_layouts(mask):
+    """The same mask values in three layouts: contiguous (every pivot row's bytes contiguous
+    and 4-byte aligned, K a multiple of 4: read as words), pivots 2 bytes apart, and shifted
+    one byte off the allocation's alignment (both read as bytes)."""
+    b, _, n, _, k = mask.shape
+    spread = torch.zeros(b, 1, n, 1, 2 * k, dtype=torch.bool, device=mask.device)
+    spread[..., ::2] = mask
+    shifted = torch.zeros(mask.numel() + 1, dtype=torch.bool, device=mask.device)[1:].view(mask.shape)
+    shifted.copy_(mask)
+    return {"words": mask.contiguous(), "strided": spread[..., ::2], "unaligned": shifted}
+
+
+def test_mask_read_as_words_or_bytes_alike(spy, monkeypatch, device):
+    """A mask whose pivot rows are contiguous and 4-byte aligned (K a multiple of 4) reaches
+    the row kernels as 4-byte words (MASK_WORDS, which the pipeliner copies ahead), any other
+    as bytes: the results bitwise the same, and the oracle's."""
+    inputs, dy, mask = make_inputs(1, 2, 6, 5, 40, 16, torch.float16, device, "full_rows")
+    launches = record_launches(monkeypatch)
+    results = {}
+    for name, layout in _mask_layouts(mask).items():
+        assert torch.equal(layout, mask)
+        before = len(launches)
+        results[name] = run_hybrid(spy, inputs, dy, layout)
+        words = {kwargs["MASK_WORDS"] for fn, _, kwargs in launches[before:] if fn.__name__.startswith("_rows")}
+        assert words == {name == "words"}, (name, words)
+    check_against_oracle(results["words"], inputs, dy, mask, torch.float16, SCALE)
+    flat = {name: [r[0], r[1], r[2], *r[3]] for name, r in results.items()}
+    for name in ("strided", "unaligned"):
+        assert all(torch.equal(a, b) for a, b in zip(flat[name], flat["words"])), name
+    _, _, odd_mask = make_inputs(1, 1, 3, 4, 42, 16, torch.float16, device, "random")
+    stride_b, stride_n, stride_k = odd_mask.stride(0), odd_mask.stride(2), odd_mask.stride(4)
+    assert not hybrid.mask_words(odd_mask, (stride_b, stride_n, stride_k), True, 42)  # K % 4: bytes
+
+
 # B*H = 1, N = 12, M = 10: 2 x 2 chunks of 6 x 5 (n, m) rows, no tails, so that every score-sized
 # buffer has the same number of elements; D = 1 so that nothing else comes near that size.
 MEMORY_SHAPE, MEMORY_PAIRS = (1, 1, 12, 10, 48, 1), 30
@@ -365,9 +399,9 @@ def test_row_kernels_compile_for_sm90_on_tensor_cores_without_spills(triton_vers
     FMA dots) compiles too. And every score and dP dot (the one tl.dot of ``_half_products``:
     two sweeps of the forward, S and dP in two sweeps of the backward) is lowered alike in
     both kernels: the backward recomputes the forward's scores bitwise, which a one-hot P's
-    exact zeros rest on. And every sweep is software-pipelined: no barrier in a loop, and no
-    load inside one that waits where it stands but the mask's bytes (one a sweep: the halves
-    and the K1/V1 tiles are copied asynchronously, steps ahead)."""
+    exact zeros rest on. And every sweep is software-pipelined: no barrier in a loop, no load
+    inside one that waits where it stands (the halves, the K1/V1 tiles and the mask's words
+    are copied asynchronously, steps ahead)."""
     import inspect
     import json
     import os
@@ -393,7 +427,7 @@ def test_row_kernels_compile_for_sm90_on_tensor_cores_without_spills(triton_vers
         assert "error" not in row, row
         assert row["shared"] <= H100_SHARED and row["spill_loads"] == row["spill_stores"] == 0, row
         assert len(row["score_dots"]) == (2 if row["kernel"] == "hybrid_fwd" else 4), row
-        assert row["loop_barriers"] == 0 and row["loop_loads"] == 2 and row["loop_async_copies"] > 0, row
+        assert row["loop_barriers"] == row["loop_loads"] == 0 and row["loop_async_copies"] > 0, row
         assert not {"missing", "ambiguous"} & set(row["dots"]), row
         if row["dtype"] != "float32":
             assert row["fma_f32"] == 0 and row["wgmma"] > 0, row

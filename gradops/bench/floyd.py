@@ -782,8 +782,9 @@ def compile_check_hybrid(dtype: torch.dtype, head_dim: int, arch: int = 90, mask
     ``sm_<arch>`` with ``floyd_config.hybrid_config``'s tiles and launch options, specialised
     as the JIT would for contiguous inputs, halves and statistics (unit strides constant,
     other sizes and strides multiples of 16 but those it does not specialise,
-    ``floyd_hybrid.NOT_SPECIALISED``, and H), with a mask when ``masked``; report as
-    :func:`compile_check`. 16-bit and float32 inputs (float64 always runs fused)."""
+    ``floyd_hybrid.NOT_SPECIALISED``, and H), with a mask when ``masked`` (contiguous along
+    the pivots: read as words, ``floyd_hybrid.mask_words``); report as :func:`compile_check`.
+    16-bit and float32 inputs (float64 always runs fused)."""
     from ..kernels import floyd_hybrid as fh
     from ..kernels.floyd_config import half_bits, hybrid_config
 
@@ -795,7 +796,7 @@ def compile_check_hybrid(dtype: torch.dtype, head_dim: int, arch: int = 90, mask
     top = "*fp32" if bits == 32 else "*i16"
     rows = []
     for name, kernel in (("hybrid_fwd", fh._rows_forward), ("hybrid_bwd", fh._rows_backward)):
-        consts = dict(HAS_MASK=masked, HALF_BITS=bits, P_SPREAD=fh.p_spread(dtype), BLOCK_M=cfg["BLOCK_M"],
+        consts = dict(HAS_MASK=masked, MASK_WORDS=masked, HALF_BITS=bits, P_SPREAD=fh.p_spread(dtype), BLOCK_M=cfg["BLOCK_M"],
                       BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], STAGES=cfg["STAGES"], **dot_constexprs_for(dtype))
 
         def pointer(arg):

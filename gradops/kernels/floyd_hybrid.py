@@ -110,22 +110,40 @@ def _half_products(x, pivots, hi_ptr, lo_ptr, offs, inside, HALF_BITS: tl.conste
 
 
 @triton.jit
-def _scores(q, k1, hi_ptr, lo_ptr, offs, inside, mask_row, smk_k, k_idx, k_ok, scale,
+def _pivot_mask(mask_row, smk_k, k0, K, HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """The user's mask of pivots k0 + [0, BLOCK_K) (True: masked; all False without a mask):
+    read as bytes, or (MASK_WORDS: the row's bytes contiguous and 4-byte aligned, K a multiple
+    of 4) as 4-byte words, each four pivots' bytes: Triton's pipeliner copies a tile of words
+    ahead of its step, where a tile of single bytes would wait for memory at every step."""
+    k_idx = k0 + tl.arange(0, BLOCK_K)
+    if MASK_WORDS:
+        w_idx = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+        words = tl.load(mask_row.to(tl.pointer_type(tl.int32)) + w_idx, mask=w_idx < K // 4, other=0)
+        pivot_bytes = (words[:, None] >> (8 * tl.arange(0, 4))[None, :]) & 0xFF  # little-endian
+        user = tl.reshape(pivot_bytes, [BLOCK_K]) != 0
+    elif HAS_MASK:
+        user = tl.load(mask_row + k_idx * smk_k, mask=k_idx < K, other=0) != 0
+    else:
+        user = k_idx < 0
+    return user
+
+
+@triton.jit
+def _scores(q, k1, hi_ptr, lo_ptr, offs, inside, user, k_ok, scale,
             HAS_MASK: tl.constexpr, HALF_BITS: tl.constexpr, PRECISION: tl.constexpr):
-    """``scale * S`` of a [BLOCK_M, BLOCK_K] tile, -FLT_MAX where the user's mask is set (as
-    CANN), -inf past K (tail pivots take no part); and the user's mask of the pivots."""
+    """``scale * S`` of a [BLOCK_M, BLOCK_K] tile, -FLT_MAX where the user's mask ``user`` is
+    set (as CANN), -inf past K (tail pivots take no part)."""
     s = _half_products(q, k1, hi_ptr, lo_ptr, offs, inside, HALF_BITS, PRECISION) * scale
-    user = k_idx < 0  # nothing masked
     if HAS_MASK:
-        user = tl.load(mask_row + k_idx * smk_k, mask=k_ok, other=0) != 0
         s = tl.where(user[None, :], _NEG_FLT_MAX, s)
-    return tl.where(k_ok[None, :], s, float("-inf")), user
+    return tl.where(k_ok[None, :], s, float("-inf"))
 
 
 @triton.jit
 def _score_step(k0, q, k1_base, sk2, sk3, s2_hi, s2_lo, mask_row, smk_k, m_loc, m_ok, d_idx, d_ok, K, scale,
-                HAS_MASK: tl.constexpr, HALF_BITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+                HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr, HALF_BITS: tl.constexpr,
+                PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr):
     """One step of pivots, k0 + [0, BLOCK_K), of a program's rows: ``scale * S`` (``_scores``),
     the user's mask of the pivots, the halves' offsets of the tile and its lanes inside, the
     pivot indices, which exist, and the K1 tile. Every sweep of both row kernels takes its
@@ -135,8 +153,8 @@ def _score_step(k0, q, k1_base, sk2, sk3, s2_hi, s2_lo, mask_row, smk_k, m_loc, 
     offs = m_loc[:, None] * K + k_idx[None, :]
     inside = m_ok[:, None] & k_ok[None, :]
     k1 = _pivots(k1_base, sk2, sk3, k0, k_ok, d_idx, d_ok, UPCAST, BLOCK_K)
-    s, user = _scores(q, k1, s2_hi, s2_lo, offs, inside, mask_row, smk_k, k_idx, k_ok, scale,
-                      HAS_MASK, HALF_BITS, PRECISION)
+    user = _pivot_mask(mask_row, smk_k, k0, K, HAS_MASK, MASK_WORDS, BLOCK_K)
+    s = _scores(q, k1, s2_hi, s2_lo, offs, inside, user, k_ok, scale, HAS_MASK, HALF_BITS, PRECISION)
     return s, user, offs, inside, k_idx, k_ok, k1
 
 
@@ -159,8 +177,8 @@ def _rows_forward(
     q_ptr, k1_ptr, v1_ptr, s2_hi, s2_lo, p_ptr, mask_ptr, max_ptr, sum_ptr, y1_ptr,
     sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, smk_b, smk_n, smk_k, sst0, sst1, sst2,
     cn, cm, K, D, H, g0, n0, scale_high, scale_low,
-    HAS_MASK: tl.constexpr, HALF_BITS: tl.constexpr, P_SPREAD: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr, HALF_BITS: tl.constexpr, P_SPREAD: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Forward rows: the row max and sum of exp(S - max) over every pivot (first sweep), then P
     (written over S2's top plane, in the input dtype) and Y1 = P V1 (second sweep), the
@@ -180,7 +198,8 @@ def _rows_forward(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         s, _, _, _, _, _, _ = _score_step(k0, q, k1_base, sk2, sk3, s2_hi, s2_lo, mask_row, smk_k, m_loc, m_ok,
-                                          d_idx, d_ok, K, scale, HAS_MASK, HALF_BITS, PRECISION, UPCAST, BLOCK_K)
+                                          d_idx, d_ok, K, scale, HAS_MASK, MASK_WORDS, HALF_BITS, PRECISION, UPCAST,
+                                          BLOCK_K)
         new_max = tl.maximum(row_max, tile_max(s), propagate_nan=tl.PropagateNan.ALL)
         # a first tile of -inf scores only (infinite inputs) leaves the max -inf: shift by 0
         # there, not by -inf (exp(-inf - -inf) is NaN), as one tile of the whole row would
@@ -192,8 +211,8 @@ def _rows_forward(
     y1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         s, _, _, inside, k_idx, k_ok, _ = _score_step(k0, q, k1_base, sk2, sk3, s2_hi, s2_lo, mask_row, smk_k,
-                                                      m_loc, m_ok, d_idx, d_ok, K, scale, HAS_MASK, HALF_BITS,
-                                                      PRECISION, UPCAST, BLOCK_K)
+                                                      m_loc, m_ok, d_idx, d_ok, K, scale, HAS_MASK, MASK_WORDS,
+                                                      HALF_BITS, PRECISION, UPCAST, BLOCK_K)
         # P enters every product rounded to the input dtype, as in every flash-attention kernel
         p = (tl.exp(s - row_max[:, None]) * inv_sum[:, None]).to(p_ptr.dtype.element_ty)
         _over_half(p_ptr, p, m_loc, k_idx, inside, K, P_SPREAD)
@@ -212,13 +231,14 @@ def _rows_forward(
 @triton.jit
 def _probs_and_dp(k0, q, dy, k1_base, v1_base, sk2, sk3, sv2, sv3, s2_hi, s2_lo, dp2_hi, dp2_lo, mask_row, smk_k,
                   m_loc, m_ok, d_idx, d_ok, K, row_max, inv_sum, scale, HAS_MASK: tl.constexpr,
-                  HALF_BITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr):
+                  MASK_WORDS: tl.constexpr, HALF_BITS: tl.constexpr, PRECISION: tl.constexpr,
+                  UPCAST: tl.constexpr, BLOCK_K: tl.constexpr):
     """One step of pivots of the backward: P from the saved statistics (as the fused backward:
     exp(S - max) * (1 / sum)), dP = dY V1^T onto dP2, the user's mask, the lanes inside, the
     pivot indices and the K1 tile. Both sweeps take them here: bitwise the same."""
     s, user, offs, inside, k_idx, k_ok, k1 = _score_step(k0, q, k1_base, sk2, sk3, s2_hi, s2_lo, mask_row, smk_k,
-                                                         m_loc, m_ok, d_idx, d_ok, K, scale, HAS_MASK, HALF_BITS,
-                                                         PRECISION, UPCAST, BLOCK_K)
+                                                         m_loc, m_ok, d_idx, d_ok, K, scale, HAS_MASK, MASK_WORDS,
+                                                         HALF_BITS, PRECISION, UPCAST, BLOCK_K)
     p = tl.exp(s - row_max[:, None]) * inv_sum[:, None]
     v1 = _pivots(v1_base, sv2, sv3, k0, k_ok, d_idx, d_ok, UPCAST, BLOCK_K)
     dp = _half_products(dy, v1, dp2_hi, dp2_lo, offs, inside, HALF_BITS, PRECISION)
@@ -232,8 +252,8 @@ def _rows_backward(
     sq0, sq1, sq2, sq3, sdy0, sdy1, sdy2, sdy3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, smk_b, smk_n, smk_k,
     sst0, sst1, sst2,
     cn, cm, K, D, H, g0, n0, scale_high, scale_low,
-    HAS_MASK: tl.constexpr, HALF_BITS: tl.constexpr, P_SPREAD: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr, HALF_BITS: tl.constexpr, P_SPREAD: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Backward rows: P and dP in both sweeps (``_probs_and_dp``); Dr = sum_k P dP in float32
     (first sweep; not dY.Y from the rounded Y: OPERATORS.md section 5), then dS = P (dP - Dr) scale
@@ -261,15 +281,15 @@ def _rows_backward(
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         p, dp, _, _, _, _ = _probs_and_dp(k0, q, dy, k1_base, v1_base, sk2, sk3, sv2, sv3, s2_hi, s2_lo, dp2_hi,
                                           dp2_lo, mask_row, smk_k, m_loc, m_ok, d_idx, d_ok, K, row_max, inv_sum,
-                                          scale, HAS_MASK, HALF_BITS, PRECISION, UPCAST, BLOCK_K)
+                                          scale, HAS_MASK, MASK_WORDS, HALF_BITS, PRECISION, UPCAST, BLOCK_K)
         dr += tl.sum(p * dp, axis=1)
 
     dq1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         p, dp, user, inside, k_idx, k1 = _probs_and_dp(k0, q, dy, k1_base, v1_base, sk2, sk3, sv2, sv3, s2_hi,
                                                        s2_lo, dp2_hi, dp2_lo, mask_row, smk_k, m_loc, m_ok, d_idx,
-                                                       d_ok, K, row_max, inv_sum, scale, HAS_MASK, HALF_BITS,
-                                                       PRECISION, UPCAST, BLOCK_K)
+                                                       d_ok, K, row_max, inv_sum, scale, HAS_MASK, MASK_WORDS,
+                                                       HALF_BITS, PRECISION, UPCAST, BLOCK_K)
         ds = p * (dp - dr[:, None]) * scale
         if HAS_MASK:
             ds = tl.where(user[None, :], 0.0, ds)
@@ -349,10 +369,16 @@ class _Workspace:
         return 0 if self.bits == 32 else self.bits
 
 
-def _launch_rows(kernel, work, g, cn, cm, d, device, *args, has_mask):
+def mask_words(mask: torch.Tensor, strides, has_mask: bool, k: int) -> bool:
+    """Whether the row kernels read the mask (``_mask_arg``'s bytes and its b, n, k strides)
+    as 4-byte words (MASK_WORDS): every pivot row's bytes contiguous and 4-byte aligned."""
+    return has_mask and strides[2] == 1 and k % 4 == 0 and all(x % 4 == 0 for x in (mask.data_ptr(), *strides[:2]))
+
+
+def _launch_rows(kernel, work, g, cn, cm, d, device, *args, has_mask, words):
     cfg = hybrid_config(d, work.dtype)
     grid = (g * cn * -(-cm // cfg["BLOCK_M"]),)
-    kernel[grid](*args, HAS_MASK=has_mask, HALF_BITS=work.bits, P_SPREAD=work.spread,
+    kernel[grid](*args, HAS_MASK=has_mask, MASK_WORDS=words, HALF_BITS=work.bits, P_SPREAD=work.spread,
                  **dot_constexprs(work.dtype, device), **cfg)
 
 
@@ -366,6 +392,7 @@ def forward(q, k1, v1, k2, v2, mask, scale):
     q4, k1_4, v1_4, k2_4, v2_4 = (flat(t) for t in (q, k1, v1, k2, v2))
     out4, max3, sum3 = flat(out), flat(softmax_max), flat(softmax_sum)
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
+    words = mask_words(mask_t, mask_strides, has_mask, K)
     bits = _scale_bits(scale)
     plan = _plan(q, K)
     work = _Workspace(plan, K, D, dtype, dev, ("s2",))
@@ -378,7 +405,7 @@ def forward(q, k1, v1, k2, v2, mask, scale):
         _launch_rows(_rows_forward, work, g, cn, cm, D, dev,
                      q_c, k1_c, v1_c, s2.hi, s2.lo, s2.probs, mask_t, stats, sum3[gs, ns, ms], part,
                      *q_c.stride(), *k1_c.stride(), *v1_c.stride(), *mask_strides, *stats.stride(),
-                     cn, cm, K, D, H, gs.start, ns.start, *bits, has_mask=has_mask)
+                     cn, cm, K, D, H, gs.start, ns.start, *bits, has_mask=has_mask, words=words)
         gemm(Product(by_m(s2.probs), v2_4[gs, :, ms].transpose(1, 2), by_m(out4[gs, ns, ms]), acc=by_m(part)))
     return out, softmax_max, softmax_sum
 
@@ -391,6 +418,7 @@ def backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale):
     dev = q.device
     q4, dy4, k1_4, v1_4, k2_4, v2_4 = (flat(t) for t in (q, dy, k1, v1, k2, v2))
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
+    words = mask_words(mask_t, mask_strides, has_mask, K)
     bits = _scale_bits(scale)
     plan = _plan(q, K)
     grads = Backward(q, K, softmax_max, softmax_sum, plan)
@@ -408,7 +436,7 @@ def backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale):
                      q_c, dy_c, k1_c, v1_c, s2.hi, s2.lo, dp2.hi, dp2.lo, s2.probs, dp2.probs, mask_t, stats,
                      grads.softmax_sum[gs, ns, ms], part,
                      *q_c.stride(), *dy_c.stride(), *k1_c.stride(), *v1_c.stride(), *mask_strides, *stats.stride(),
-                     cn, cm, K, D, H, gs.start, ns.start, *bits, has_mask=has_mask)
+                     cn, cm, K, D, H, gs.start, ns.start, *bits, has_mask=has_mask, words=words)
         p, ds = s2.probs, dp2.probs
         # over (g, m): dQ = dS K2 + dQ1 (rounded once), dK2 and dV2 summed over n; over (g, n):
         # dK1 and dV1 summed over m
