@@ -29,12 +29,17 @@ summed over n) and dK1, dV1 (batched over n, summed over m). Per chunk of
   launch; ``dK1 = dS^T Q``, ``dV1 = P^T dY`` (over (g, n), summed over m) in one launch. A
   sum that spans chunks continues in a float32 accumulator through the GEMMs' ``acc``.
 
-The m-side halves are the GEMMs' float32 sums, kept as they are by default
-(``floyd_config.HALF_BITS``; opt-in for 16-bit inputs: 24 bits, a bfloat16-format top plane
-and an 8-bit plane below it, or for bfloat16 inputs 16, the top plane alone). P and dS, in the
-input dtype, are written over the halves each program has just read (a 16-bit P over float32
-halves into the first half of each row's bytes), so a chunk's workspace is its two halves.
-docs/kernels-floyd.md ("The hybrid strategy") has the bytes each launch moves, counted.
+The m-side halves are the GEMMs' float32 sums, kept for 16-bit inputs in 24 bits by default
+(``floyd_config.HALF_BITS``: a bfloat16-format top plane and an 8-bit plane below it; opt-in
+32, the float32 itself, or for bfloat16 inputs 16, the top plane alone); float32 inputs keep
+32. P and dS, in the input dtype, are written over the halves each program has just read (a
+16-bit P over float32 halves into the first half of each row's bytes, after a barrier), so a
+chunk's workspace is its two halves. Every sweep over the pivots is a ``tl.range`` loop with
+``num_stages``, which Triton pipelines whole (a plain ``range`` pipelines only the loads of
+a dot's operands): the halves, the K1/V1 tiles and the mask (read as words where it can be,
+``mask_words``) are copied steps ahead; a loop holding a barrier is not pipelined, hence the
+24-bit default. docs/kernels-floyd.md ("The hybrid strategy") has the bytes each launch moves,
+counted, and what the compile shows.
 
 Exactness: S (and dP) of a score is ``dot(Q, K1^T, acc=S2)`` in every sweep of both row
 kernels, with the same tiles (``floyd_config.hybrid_config``), on an S2 the same GEMM
