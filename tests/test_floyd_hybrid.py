@@ -137,22 +137,28 @@ def test_launches_per_chunk(spy, monkeypatch, budget_pairs, device):
 
 
 def _mask_layouts(mask):
-    """The same mask values in three layouts: contiguous (every pivot row's bytes contiguous
-    and 4-byte aligned, K a multiple of 4: read as words), pivots 2 bytes apart, and shifted
-    one byte off the allocation's alignment (both read as bytes)."""
+    """The same mask values in four layouts: contiguous and broadcast over the batch from one
+    row (every pivot row's bytes contiguous and 4-byte aligned, K a multiple of 4: read as
+    words), pivots 2 bytes apart, and shifted one byte off the allocation's alignment (both
+    read as bytes). ``mask``'s batch entries are all its first's."""
     b, _, n, _, k = mask.shape
     spread = torch.zeros(b, 1, n, 1, 2 * k, dtype=torch.bool, device=mask.device)
     spread[..., ::2] = mask
     shifted = torch.zeros(mask.numel() + 1, dtype=torch.bool, device=mask.device)[1:].view(mask.shape)
     shifted.copy_(mask)
-    return {"words": mask.contiguous(), "strided": spread[..., ::2], "unaligned": shifted}
+    return {"words": mask.contiguous(), "broadcast": mask[:1].expand_as(mask), "strided": spread[..., ::2],
+            "unaligned": shifted}
 
 
 def test_mask_read_as_words_or_bytes_alike(spy, monkeypatch, device):
     """A mask whose pivot rows are contiguous and 4-byte aligned (K a multiple of 4) reaches
-    the row kernels as 4-byte words (MASK_WORDS, which the pipeliner copies ahead), any other
-    as bytes: the results bitwise the same, and the oracle's."""
-    inputs, dy, mask = make_inputs(1, 2, 6, 5, 40, 16, torch.float16, device, "full_rows")
+    the row kernels as 4-byte words (MASK_WORDS, which the pipeliner copies ahead), a broadcast
+    batch stride included, any other as bytes: the results bitwise the same, and the oracle's.
+    K = 132 takes three steps of pivots (the words of a later step at their offset) and a
+    short last one."""
+    inputs, dy, mask = make_inputs(2, 1, 4, 3, 132, 16, torch.float16, device, "full_rows")
+    mask = mask[:1].expand_as(mask).clone()
+    assert config.hybrid_config(16, torch.float16)["BLOCK_K"] * 2 < 132
     launches = record_launches(monkeypatch)
     results = {}
     for name, layout in _mask_layouts(mask).items():
@@ -160,10 +166,10 @@ def test_mask_read_as_words_or_bytes_alike(spy, monkeypatch, device):
         before = len(launches)
         results[name] = run_hybrid(spy, inputs, dy, layout)
         words = {kwargs["MASK_WORDS"] for fn, _, kwargs in launches[before:] if fn.__name__.startswith("_rows")}
-        assert words == {name == "words"}, (name, words)
+        assert words == {name in ("words", "broadcast")}, (name, words)
     check_against_oracle(results["words"], inputs, dy, mask, torch.float16, SCALE)
     flat = {name: [r[0], r[1], r[2], *r[3]] for name, r in results.items()}
-    for name in ("strided", "unaligned"):
+    for name in ("broadcast", "strided", "unaligned"):
         assert all(torch.equal(a, b) for a, b in zip(flat[name], flat["words"])), name
     _, _, odd_mask = make_inputs(1, 1, 3, 4, 42, 16, torch.float16, device, "random")
     stride_b, stride_n, stride_k = odd_mask.stride(0), odd_mask.stride(2), odd_mask.stride(4)

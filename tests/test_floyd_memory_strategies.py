@@ -10,6 +10,8 @@ independent of every strategy), with its tolerances. ``floyd_config.CHUNK_BUDGET
 shrinks the chunks (``Memory.pairs_budget``). The hybrid strategy, what the rule gives 16-bit
 calls, takes the larger grids; the chunked one a part of each.
 """
+import math
+
 import pytest
 import torch
 
@@ -31,18 +33,22 @@ BOTH = ("hybrid", "chunked")
 
 class Memory:
     """One memory strategy forced, its launchers and its planner recorded: ``launches`` (the
-    names of its launchers that ran), ``plans`` (every chunk plan it made)."""
+    names of its launchers that ran), ``plans`` (every chunk plan it made). "hybrid32" is the
+    hybrid strategy with its opt-in float32 halves (16-bit P and dS over them after a barrier,
+    rows 2K elements apart), "hybrid" with the default halves."""
 
     def __init__(self, name, monkeypatch):
         self.name = name
+        self.strategy = "hybrid" if name.startswith("hybrid") else name
         self.launches = []
         self.plans = []
         self._monkeypatch = monkeypatch
-        monkeypatch.setattr(config, "STRATEGY", name)
-        monkeypatch.setattr(config, "HALF_BITS", None)
+        monkeypatch.setattr(config, "STRATEGY", self.strategy)
+        monkeypatch.setattr(config, "HALF_BITS", 32 if name == "hybrid32" else None)
         monkeypatch.delenv("GRADOPS_FLOYD_STRATEGY", raising=False)
         monkeypatch.delenv("GRADOPS_FLOYD_HALF_BITS", raising=False)
-        module, planner = (floyd_hybrid, "plan_rows") if name == "hybrid" else (floyd_chunked, "chunk_plan")
+        hybrid = self.strategy == "hybrid"
+        module, planner = (floyd_hybrid, "plan_rows") if hybrid else (floyd_chunked, "chunk_plan")
         real_plan = getattr(module, planner)
 
         def plan(*args, **kwargs):
@@ -66,7 +72,7 @@ class Memory:
 
     def pair_bytes(self, k, d, dtype):
         """The strategy's workspace bytes per (n, m) row of a chunk."""
-        if self.name == "hybrid":
+        if self.strategy == "hybrid":
             return config.hybrid_pair_bytes(k, d, dtype)
         return config.pair_bytes(k, d, dtype.itemsize)
 
@@ -88,14 +94,14 @@ class Memory:
     def pivot_step(self, k, d, dtype):
         """The pivots a step of the strategy's row kernels takes: the hybrid row kernels' BLOCK_K;
         the chunked ones' row tile (256 pivots here: see ``short_row_tiles``)."""
-        if self.name == "hybrid":
+        if self.strategy == "hybrid":
             return config.hybrid_config(d, dtype)["BLOCK_K"]
         return config.row_config(k)["BLOCK_K"]
 
 
 @pytest.fixture
 def memory(request, monkeypatch):
-    """A memory strategy forced (``request.param``: "hybrid" or "chunked"), recorded; for the
+    """A memory strategy forced (``request.param``: "hybrid", "hybrid32" or "chunked"), recorded; for the
     chunked one, row tiles of 256 pivots (ROW_ELEMENTS), so that a few hundred pivots take
     several tiles (the path K > 2048 takes, at a tenth of the interpreter's cost)."""
     if request.param == "chunked":
@@ -125,14 +131,15 @@ def stats_tolerance(inputs, scale, dtype) -> float:
     """The softmax statistics' tolerance against float64 for the strategy forced: 1e-5 where
     the scores are float32 sums of exact products; with the hybrid strategy's narrower halves
     (16-bit inputs: 24 bits by default, or 16) each score carries its half's rounding too, at
-    most ``u * |scale * Q.K2|`` (u = 2^-16 for 24 bits, 2^-8 for 16), which shifts the max by
-    as much and the sum by twice that, relatively (its exponents and the max subtracted)."""
+    most ``e = u * |scale * Q.K2|`` (u = 2^-16 for 24 bits, 2^-8 for 16), which shifts the max
+    by as much and the sum by a factor within exp(+-2e) (its exponents and the max
+    subtracted)."""
     bits = config.half_bits(dtype)
     if config.STRATEGY != "hybrid" or bits == 32:
         return 1e-5
     q, _, _, k2, _ = (t.double().cpu() for t in inputs)
     s2 = torch.einsum("bhnmd,bhkmd->bhnmk", q, k2).abs().max().item() * abs(scale)
-    return 1e-5 + 2 * 2.0 ** -(bits - 8) * s2
+    return 1e-5 + math.expm1(2 * 2.0 ** -(bits - 8) * s2)
 
 
 def check_against_oracle(result, inputs, dy, mask, dtype, scale=SCALE):
@@ -196,7 +203,7 @@ def test_head_dims(memory, d, dtype, device):
     check_against_oracle(memory.run(inputs, dy, mask), inputs, dy, mask, dtype)
 
 
-@pytest.mark.parametrize("memory", ["hybrid"], indirect=True)  # the chunked one: test_head_dims at D = 256
+@pytest.mark.parametrize("memory", ["hybrid", "hybrid32"], indirect=True)  # chunked: test_head_dims at D = 256
 def test_bfloat16_tails(memory, device):
     shape = (1, 2, 19, 21, 23, 20)
     inputs, dy, mask = make_inputs(*shape, torch.bfloat16, device, "full_rows")
@@ -206,8 +213,8 @@ def test_bfloat16_tails(memory, device):
 # K past the hybrid row kernels' step of pivots: the softmax online across them, Dr summed over
 # them (the chunked row kernels' tiles of pivots: test_floyd_chunked.py::test_pivots_past_one_row_block).
 @pytest.mark.parametrize("memory,k,dtype", with_memory(
-    [(k, dt) for k in (129, 300) for dt in (torch.float32, torch.float16)], ["hybrid"]), indirect=["memory"],
-    ids=case_id)
+    [(k, dt) for k in (129, 300) for dt in (torch.float32, torch.float16)], ["hybrid"])
+    + with_memory([(300, torch.float16)], ["hybrid32"]), indirect=["memory"], ids=case_id)
 def test_pivots_past_one_step(memory, k, dtype, device):
     shape = (1, 2, 2, 3, k, 4)
     assert memory.pivot_step(k, 4, dtype) < k
@@ -216,7 +223,8 @@ def test_pivots_past_one_step(memory, k, dtype, device):
 
 
 @pytest.mark.parametrize("memory,dtype", with_memory([(torch.float32,), (torch.bfloat16,)], ["hybrid"])
-                         + with_memory([(torch.bfloat16,)], ["chunked"]), indirect=["memory"], ids=case_id)
+                         + with_memory([(torch.bfloat16,)], ["hybrid32", "chunked"]), indirect=["memory"],
+                         ids=case_id)
 def test_one_hot_in_a_later_pivot_step(memory, dtype, device):
     """The winning pivot of every row past the first step of pivots: the first steps' max is
     overtaken, and dQ, dK1, dK2 are still exactly zero."""
@@ -298,7 +306,9 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float16, torch.flo
 @pytest.mark.parametrize("memory,name,shape,budget_of,dtype", with_memory(
     [c + (dt,) for c, dt in zip(CHUNKINGS, DTYPES)], ["hybrid"])
     + with_memory([c + (dt,) for c, dt in zip(CHUNKINGS, DTYPES) if c[0] in ("split_n_and_m", "groups_of_4")],
-                  ["chunked"]), indirect=["memory"], ids=case_id)
+                  ["chunked"])
+    + with_memory([c + (dt,) for c, dt in zip(CHUNKINGS, DTYPES) if c[0] == "split_n_and_m"], ["hybrid32"]),
+    indirect=["memory"], ids=case_id)
 def test_many_chunks(memory, name, shape, budget_of, dtype, device):
     """Small budgets: chunks of one row, chunks with tails on n and m, N whole and M split, rows
     of n with M whole, whole slices, and groups of slices with a short last group; the float32
@@ -349,7 +359,8 @@ def test_sums_across_chunks_are_float32(memory, device):
         assert _ulps(got, ref) <= 1.0, (name, _ulps(got, ref))
 
 
-@pytest.mark.parametrize("memory,pairs,dtype", with_memory([(3, torch.float16)]), indirect=["memory"], ids=case_id)
+@pytest.mark.parametrize("memory,pairs,dtype", with_memory([(3, torch.float16)], ["hybrid", "hybrid32", "chunked"]),
+                         indirect=["memory"], ids=case_id)
 def test_fully_masked_row_gradients(memory, pairs, dtype, device):
     """As the fused kernels (test_kernels_floyd.py::test_fully_masked_row_gradients): dS is zero
     where masked, so Q, K1, K2 get exactly nothing from a fully masked row, and V1, V2 get P dY
@@ -383,6 +394,7 @@ def test_fully_masked_row_gradients(memory, pairs, dtype, device):
 @pytest.mark.parametrize("memory,kind,dtype,budget", with_memory(
     [("K1", torch.bfloat16, "groups_of_3"), ("one_hot", torch.float16, "rows_of_10"),
      ("one_hot", torch.bfloat16, "groups_of_3")], ["hybrid"])
+    + with_memory([("one_hot", torch.float16, "rows_of_10")], ["hybrid32"])
     + with_memory([("one_hot", torch.float32, "rows_of_10")], ["chunked"]),
     indirect=["memory"], ids=case_id)
 def test_one_hot_softmax_gives_exactly_zero_score_gradients(memory, kind, dtype, budget, device):

@@ -442,7 +442,7 @@ HYBRID_TILES: Dict[int, Dict[int, Tuple[int, int, int]]] = {
     4: {16: (32, 32, 4), 32: (32, 32, 4), 64: (32, 32, 8), 128: (64, 16, 8), 256: (16, 16, 8)},
 }
 HYBRID_MAX_HEAD_DIM = 256  # past it the chunked strategy takes the call
-HYBRID_STAGES = 2
+HYBRID_STAGES = 3
 
 
 @functools.lru_cache(maxsize=64)

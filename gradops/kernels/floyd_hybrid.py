@@ -167,7 +167,8 @@ def _score_step(k0, q, k1_base, sk2, sk3, s2_hi, s2_lo, mask_row, smk_k, m_loc, 
 def _over_half(ptr, x, m_loc, k_idx, inside, K, P_SPREAD: tl.constexpr):
     """Store a [BLOCK_M, BLOCK_K] tile of P or dS over the half this program has read: rows
     P_SPREAD * K elements apart. Where an element of P takes a half's element (P_SPREAD 1) it
-    is computed from that very element, which its thread has therefore read; where two take
+    is computed from that very element's value, so the element was read before it is written,
+    whichever thread copied it in; where two take
     one (P_SPREAD 2: a 16-bit P over float32 halves, into the first half of each row's bytes)
     a tile's bytes overlap the halves of earlier pivots of the same rows, which other threads
     of the program read, this step or before: a barrier first (never another program's rows:
@@ -377,7 +378,8 @@ class _Workspace:
 def mask_words(mask: torch.Tensor, strides, has_mask: bool, k: int) -> bool:
     """Whether the row kernels read the mask (``_mask_arg``'s bytes and its b, n, k strides)
     as 4-byte words (MASK_WORDS): every pivot row's bytes contiguous and 4-byte aligned."""
-    return has_mask and strides[2] == 1 and k % 4 == 0 and all(x % 4 == 0 for x in (mask.data_ptr(), *strides[:2]))
+    return (has_mask and mask.element_size() == 1 and strides[2] == 1 and k % 4 == 0
+            and all(x % 4 == 0 for x in (mask.data_ptr(), *strides[:2])))
 
 
 def _launch_rows(kernel, work, g, cn, cm, d, device, *args, has_mask, words):
