@@ -1,7 +1,8 @@
 """The hybrid strategy of the Triton Floyd attention backend (gradops/kernels/floyd_hybrid.py):
 the n-side half of every score on chip, the m-side half through memory (24 bits by default
-for 16-bit inputs, float32 or 16 bits where set). Its own tests (launches, the workspace, the halves, compiles); what it promises
-alike with the chunked strategy is tested for both in tests/test_floyd_memory_strategies.py.
+for 16-bit inputs, float32 or 16 bits where set). Its own tests (launches, the workspace, the
+halves, the mask, compiles); what it promises alike with the chunked strategy is tested for
+both in tests/test_floyd_memory_strategies.py.
 
 On CPU its row kernels and GEMMs run through the Triton interpreter (bfloat16 tiles widened to
 float32 as they are loaded, the interpreter's bf16 tl.dot being wrong). The oracle is the

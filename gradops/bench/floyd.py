@@ -796,8 +796,9 @@ def compile_check_hybrid(dtype: torch.dtype, head_dim: int, arch: int = 90, mask
     top = "*fp32" if bits == 32 else "*i16"
     rows = []
     for name, kernel in (("hybrid_fwd", fh._rows_forward), ("hybrid_bwd", fh._rows_backward)):
-        consts = dict(HAS_MASK=masked, MASK_WORDS=masked, HALF_BITS=bits, P_SPREAD=fh.p_spread(dtype), BLOCK_M=cfg["BLOCK_M"],
-                      BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], STAGES=cfg["STAGES"], **dot_constexprs_for(dtype))
+        consts = dict(HAS_MASK=masked, MASK_WORDS=masked, HALF_BITS=bits, P_SPREAD=fh.p_spread(dtype),
+                      **{key: cfg[key] for key in ("BLOCK_M", "BLOCK_K", "BLOCK_D", "STAGES")},
+                      **dot_constexprs_for(dtype))
 
         def pointer(arg):
             if arg.endswith("_hi"):
@@ -1045,9 +1046,9 @@ def _print_compile_row(row: dict, limit: int) -> int:
     print(f"{row['kernel']:12} {row['dtype']:9} {where} {row['tile']:14} w{row['warps']} "
           f"shared={_size(row['shared'])}{' (over the H100 limit)' if over else ''} "
           f"registers={row['registers']} spill ld/st={row['spill_loads']}/{row['spill_stores']} "
-          f"mma={row['mma']} (wgmma {row['wgmma']}) layout conversions={row['layout_conversions']} fma.f32={row['fma_f32']} "
-          f"in loops: waiting loads={row['loop_loads']} async copies={row['loop_async_copies']} "
-          f"barriers={row['loop_barriers']}", flush=True)
+          f"mma={row['mma']} (wgmma {row['wgmma']}) layout conversions={row['layout_conversions']} "
+          f"fma.f32={row['fma_f32']} in loops: waiting loads={row['loop_loads']} "
+          f"async copies={row['loop_async_copies']} barriers={row['loop_barriers']}", flush=True)
     return int(over)
 
 

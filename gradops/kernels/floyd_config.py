@@ -442,6 +442,8 @@ HYBRID_TILES: Dict[int, Dict[int, Tuple[int, int, int]]] = {
     4: {16: (32, 32, 4), 32: (32, 32, 4), 64: (32, 32, 8), 128: (64, 16, 8), 256: (16, 16, 8)},
 }
 HYBRID_MAX_HEAD_DIM = 256  # past it the chunked strategy takes the call
+# Stages of the row kernels' tl.range loops (and their launch's num_stages): every load of a
+# step issued STAGES - 1 steps ahead (docs/kernels-floyd.md, "Pipelining").
 HYBRID_STAGES = 3
 
 
@@ -454,5 +456,4 @@ def hybrid_config(d: int, dtype: torch.dtype) -> Dict[str, int]:
         raise ValueError(f"the hybrid strategy takes head dims up to {HYBRID_MAX_HEAD_DIM}, got {d}")
     block_m, block_k, warps = HYBRID_TILES[min(dtype.itemsize, 4)][block_d]
     return dict(BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_D=block_d, STAGES=HYBRID_STAGES, num_warps=warps,
-                num_stages=HYBRID_STAGES,
-                enable_fp_fusion=ROW_FP_FUSION)
+                num_stages=HYBRID_STAGES, enable_fp_fusion=ROW_FP_FUSION)

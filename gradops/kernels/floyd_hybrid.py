@@ -168,11 +168,10 @@ def _over_half(ptr, x, m_loc, k_idx, inside, K, P_SPREAD: tl.constexpr):
     """Store a [BLOCK_M, BLOCK_K] tile of P or dS over the half this program has read: rows
     P_SPREAD * K elements apart. Where an element of P takes a half's element (P_SPREAD 1) it
     is computed from that very element's value, so the element was read before it is written,
-    whichever thread copied it in; where two take
-    one (P_SPREAD 2: a 16-bit P over float32 halves, into the first half of each row's bytes)
-    a tile's bytes overlap the halves of earlier pivots of the same rows, which other threads
-    of the program read, this step or before: a barrier first (never another program's rows:
-    a program owns its own)."""
+    whichever thread copied it in; where two take one (P_SPREAD 2: a 16-bit P over float32
+    halves, into the first half of each row's bytes) a tile's bytes overlap the halves of
+    earlier pivots of the same rows, which other threads of the program read, this step or
+    before: a barrier first (never another program's rows: a program owns its own)."""
     if P_SPREAD > 1:
         tl.debug_barrier()
     tl.store(ptr + m_loc[:, None] * (K * P_SPREAD) + k_idx[None, :], x, mask=inside)
@@ -184,7 +183,8 @@ def _rows_forward(
     sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, smk_b, smk_n, smk_k, sst0, sst1, sst2,
     cn, cm, K, D, H, g0, n0, scale_high, scale_low,
     HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr, HALF_BITS: tl.constexpr, P_SPREAD: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Forward rows: the row max and sum of exp(S - max) over every pivot (first sweep), then P
     (written over S2's top plane, in the input dtype) and Y1 = P V1 (second sweep), the
@@ -259,7 +259,8 @@ def _rows_backward(
     sst0, sst1, sst2,
     cn, cm, K, D, H, g0, n0, scale_high, scale_low,
     HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr, HALF_BITS: tl.constexpr, P_SPREAD: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Backward rows: P and dP in both sweeps (``_probs_and_dp``); Dr = sum_k P dP in float32
     (first sweep; not dY.Y from the rounded Y: OPERATORS.md section 5), then dS = P (dP - Dr) scale
