@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._scalar_args import float64_bits, unpack_float64
+from ._scalar_args import float64_bits, unpack_float64, word_args
 
 FLT_MAX = 3.4028234663852886e38  # the masked score is -FLT_MAX, as CANN writes it
 _NEG_FLT_MAX = tl.constexpr(-FLT_MAX)  # kernels may only read globals that are constexpr
@@ -23,7 +23,7 @@ _TL = {torch.float32: tl.float32, torch.float64: tl.float64}
 _scale_bits = float64_bits
 _unpack_scale = unpack_float64
 # The kernels' two arguments that carry it (its high and low words), never specialised by the JIT.
-SCALE_ARGS = ["scale_high", "scale_low"]
+SCALE_ARGS = word_args("scale")
 
 
 def dot_constexprs(dtype: torch.dtype, device: torch.device) -> dict:

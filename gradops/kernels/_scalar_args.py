@@ -20,10 +20,16 @@ to the JIT, which would otherwise compile a variant per value (equal to 1, divis
 from __future__ import annotations
 
 import struct
-from typing import Tuple
+from typing import List, Tuple
 
 import triton
 import triton.language as tl
+
+
+def word_args(*names: str) -> List[str]:
+    """The kernel parameters that carry the floats ``names`` (``eps`` -> ``eps_high``,
+    ``eps_low``): what a kernel lists in ``do_not_specialize``."""
+    return [f"{name}_{word}" for name in names for word in ("high", "low")]
 
 
 def float64_bits(value: float) -> Tuple[int, int]:

@@ -38,12 +38,12 @@ from ._norm_common import (
     tl_acc,
     vector,
 )
-from ._scalar_args import float64_bits, unpack_float64
+from ._scalar_args import float64_bits, unpack_float64, word_args
 from ._traceable import launcher
 
 
 # --------------------------------------------------------------------------- forward
-@triton.jit(do_not_specialize=["eps_high", "eps_low"])
+@triton.jit(do_not_specialize=word_args("eps"))
 def _ln_fwd_fused_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low,
                          tiles_per_program, num_programs,
                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, ACC: tl.constexpr,
@@ -87,7 +87,7 @@ def _ln_fwd_fused_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r,
         tl.store(Rstd + rows, rstd.to(Rstd.dtype.element_ty), mask=rmask)
 
 
-@triton.jit(do_not_specialize=["eps_high", "eps_low"])
+@triton.jit(do_not_specialize=word_args("eps"))
 def _ln_fwd_wide_kernel(X, R, H, Y, W, B, Mean, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low,
                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, ACC: tl.constexpr,
                         BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
@@ -410,7 +410,7 @@ def _ascendc_row_factors(var, s_x1x2, s_x1, s_x2, eps, H, ACC: tl.constexpr):
     return r, pd_var, pd_mean, inv_h
 
 
-@triton.jit(do_not_specialize=["eps_high", "eps_low"])
+@triton.jit(do_not_specialize=word_args("eps"))
 def _ln_grad_fused_kernel(DY, X, Var, Mean, Gamma, PDX, RES, M, H,
                           stride_dy, stride_x, stride_pdx, stride_res, eps_high, eps_low,
                           REUSE: tl.constexpr, ACC: tl.constexpr,
@@ -466,7 +466,7 @@ def _ln_grad_row_sums_kernel(DY, X, Mean, Gamma, S, H, stride_dy, stride_x,
     tl.store(S + row * 3 + 2, tl.sum(s2, axis=0))
 
 
-@triton.jit(do_not_specialize=["eps_high", "eps_low"])
+@triton.jit(do_not_specialize=word_args("eps"))
 def _ln_grad_cols_kernel(DY, X, Var, Mean, Gamma, S, PDX, RES, M, H,
                          stride_dy, stride_x, stride_pdx, stride_res, eps_high, eps_low,
                          REUSE: tl.constexpr, ACC: tl.constexpr,

@@ -22,12 +22,12 @@ import triton.language as tl
 from ..ops._checks import stat_dtype
 from . import norm_config
 from ._norm_common import as_rows, dx_target, fused_launch, load_input, row_stride, sum_partial_rows, tl_acc, vector
-from ._scalar_args import float64_bits, unpack_float64
+from ._scalar_args import float64_bits, unpack_float64, word_args
 from ._traceable import launcher
 
 
 # --------------------------------------------------------------------------- forward
-@triton.jit(do_not_specialize=["eps_high", "eps_low", "offset_high", "offset_low"])
+@triton.jit(do_not_specialize=word_args("eps", "offset"))
 def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low,
                           offset_high, offset_low, tiles_per_program, num_programs,
                           HAS_W: tl.constexpr, HAS_RES: tl.constexpr, ROUND_XHAT: tl.constexpr,
@@ -61,7 +61,7 @@ def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_
         tl.store(Rstd + rows, rstd.to(Rstd.dtype.element_ty), mask=rmask)
 
 
-@triton.jit(do_not_specialize=["eps_high", "eps_low", "offset_high", "offset_low"])
+@triton.jit(do_not_specialize=word_args("eps", "offset"))
 def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low,
                          offset_high, offset_low,
                          HAS_W: tl.constexpr, HAS_RES: tl.constexpr, ROUND_XHAT: tl.constexpr,
@@ -112,7 +112,8 @@ def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=N
     strides = (row_stride(x), row_stride(r), row_stride(h), row_stride(y))
     if norm_config.is_fused(n, x.device, "fwd"):
         launch, cfg, kw = fused_launch(_rms_fwd_fused_kernel, m, n, x.dtype, x.device, "fwd", 1 + has_res, flags)
-        launch(x, r, h, y, w, rstd, m, n, *strides, *float64_bits(eps), *float64_bits(offset), cfg.tiles_per_program, cfg.grid, **kw)
+        launch(x, r, h, y, w, rstd, m, n, *strides, *float64_bits(eps), *float64_bits(offset), cfg.tiles_per_program,
+               cfg.grid, **kw)
     else:
         common = dict(flags, ACC=tl_acc(x.dtype))
         shape = dict(elem_bytes=x.element_size(), streams=2 if has_res else 1)
@@ -125,7 +126,7 @@ def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=N
 
 
 # -------------------------------------------------------------------------- backward
-@triton.jit(do_not_specialize=["offset_high", "offset_low"])
+@triton.jit(do_not_specialize=word_args("offset"))
 def _rms_bwd_fused_kernel(DY, X, W, Rstd, DRES, DX, DW_P, M, N,
                           stride_dy, stride_x, stride_dres, stride_dx, stride_p, offset_high, offset_low,
                           tiles_per_program, num_programs, HAS_W: tl.constexpr, HAS_DRES: tl.constexpr,
@@ -167,7 +168,7 @@ def _rms_bwd_fused_kernel(DY, X, W, Rstd, DRES, DX, DW_P, M, N,
     tl.store(DW_P + pid.to(tl.int64) * stride_p + cols, acc_dw, mask=cmask)
 
 
-@triton.jit(do_not_specialize=["offset_high", "offset_low"])
+@triton.jit(do_not_specialize=word_args("offset"))
 def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset_high, offset_low, segment_blocks, num_segments,
                              HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr,
                              NUM_STAGES: tl.constexpr):
@@ -189,7 +190,7 @@ def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset_high, o
     tl.store(C + row * num_segments + seg, tl.sum(s, axis=0))
 
 
-@triton.jit(do_not_specialize=["offset_high", "offset_low"])
+@triton.jit(do_not_specialize=word_args("offset"))
 def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DRES, DX, DW, M, N,
                          stride_dy, stride_x, stride_dres, stride_dx, offset_high, offset_low, row_tiles, num_segments,
                          HAS_W: tl.constexpr, HAS_DRES: tl.constexpr, ROUND_XHAT: tl.constexpr,
