@@ -3,19 +3,15 @@ of a model built from gradops.nn modules, under DistributedDataParallel and unde
 (``fully_shard``), gives each rank the gradients a single process computes on the whole
 batch, and the same parameters after the optimizer step. Both run in the same two worker
 processes (spawning is the slow part)."""
-import datetime
 import os
-import socket
-import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import gradops.nn as gnn
+from spawn import init_gloo, run_workers
 
 try:
     from torch.distributed.device_mesh import init_device_mesh
@@ -78,14 +74,7 @@ def _full(t):
 
 def _worker(rank, port, out_dir):
     torch.set_num_threads(1)
-    # The rendezvous is on 127.0.0.1, but gloo's own connections bind to the address the
-    # host name resolves to unless told otherwise: keep them on the loopback interface too.
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    elif sys.platform == "darwin":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    init_gloo(rank, WORLD, port, TIMEOUT_S)
     try:
         results = {}
         ddp = nn.parallel.DistributedDataParallel(make_model())
@@ -111,29 +100,11 @@ def _worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory):
     """Runs both training steps in two spawned gloo workers; returns each rank's results."""
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("needs torch.distributed with gloo")
     out_dir = tmp_path_factory.mktemp("ddp")
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                pytest.fail(f"distributed workers did not finish within {TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    run_workers(_worker, WORLD, (str(out_dir),), TIMEOUT_S)
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD)]
 
 

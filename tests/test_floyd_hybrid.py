@@ -25,7 +25,7 @@ from gradops.kernels import floyd_config as config
 from gradops.kernels import floyd_gemm
 from gradops.kernels import floyd_hybrid as hybrid
 from helpers import record_launches
-from test_floyd_chunked import Allocations
+from memory_harness import Allocations
 from test_floyd_memory_strategies import check_against_oracle
 from test_kernels_floyd import TOL, make_inputs, oracle, run_kernels
 

@@ -68,12 +68,12 @@ class Backward:
     m-chunks of one n range, dK2/dV2 over the n ranges of one group of slices), only where
     some do."""
 
-    def __init__(self, q, k, softmax_max, softmax_sum, plan):
+    def __init__(self, q, k, softmax_max, softmax_sum, plan, kv2_dtype):
         b, h, n, m, d = q.shape
         dev, dtype = q.device, q.dtype
         self.softmax_max, self.softmax_sum = (flat(t.to(_ACC[dtype])).contiguous() for t in (softmax_max, softmax_sum))
-        self.grads = [torch.empty(shape, dtype=dtype, device=dev)
-                      for shape in [(b, h, n, m, d)] + [(b, h, n, k, d)] * 2 + [(b, h, k, m, d)] * 2]
+        self.grads = ([torch.empty(shape, dtype=dtype, device=dev) for shape in [(b, h, n, m, d)] + [(b, h, n, k, d)] * 2]
+                      + [torch.empty((b, h, k, m, d), dtype=kv2_dtype, device=dev) for _ in range(2)])
         self.dq, self.dk1, self.dv1, self.dk2, self.dv2 = (flat(t) for t in self.grads)
 
         def accumulators(shape, needed):

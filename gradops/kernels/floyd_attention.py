@@ -541,24 +541,27 @@ def floyd_attention(q, k1, v1, k2, v2, mask, scale):
     return _fused_forward(q, k1, v1, k2, v2, mask, scale)
 
 
-def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask, scale):
+def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask, scale, kv2_dtype=None):
     """Backward: ``(dq, dk1, dv1, dk2, dv2)`` in q.dtype, deterministic (no atomics), by the
-    strategy floyd_config.strategy chooses (the forward's, for the same shapes).
+    strategy floyd_config.strategy chooses (the forward's, for the same shapes). ``kv2_dtype``:
+    dK2/dV2's dtype instead (the accumulation dtype, for a caller that adds sums over other
+    rows of n to them: gradops.distributed).
 
     ``out`` (Y) is not read: Dr = sum_k P dP is computed from the recomputed P and dP in
     the accumulation dtype (OPERATORS.md section 5, "Dr and precision")."""
     B, H, N, M, D = q.shape
     K = k1.shape[3]
+    kv2_dtype = q.dtype if kv2_dtype is None else kv2_dtype
     if B * H * N * M * K == 0:  # every sum is over nothing
         return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
                 torch.zeros((B, H, N, K, D), dtype=q.dtype, device=q.device),
                 torch.zeros((B, H, N, K, D), dtype=q.dtype, device=q.device),
-                torch.zeros((B, H, K, M, D), dtype=q.dtype, device=q.device),
-                torch.zeros((B, H, K, M, D), dtype=q.dtype, device=q.device))
+                torch.zeros((B, H, K, M, D), dtype=kv2_dtype, device=q.device),
+                torch.zeros((B, H, K, M, D), dtype=kv2_dtype, device=q.device))
     memory_strategy = _strategy(q, k1)
     if memory_strategy is not None:
-        return memory_strategy.backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale)
-    return _fused_backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale)
+        return memory_strategy.backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale, kv2_dtype)
+    return _fused_backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale, kv2_dtype)
 
 
 def _fused_forward(q, k1, v1, k2, v2, mask, scale):
@@ -583,7 +586,7 @@ def _fused_forward(q, k1, v1, k2, v2, mask, scale):
     return out, softmax_max, softmax_sum
 
 
-def _fused_backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale):
+def _fused_backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale, kv2_dtype):
     """The fused backward kernels' launches (B*H*N*M*K > 0): dQ (and Dr), then dK1/dV1 and
     dK2/dV2."""
     acc, consts, scale_bits = _launch_args(q, scale)
@@ -593,8 +596,8 @@ def _fused_backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale
     dq = torch.empty((B, H, N, M, D), dtype=q.dtype, device=dev)
     dk1 = torch.empty((B, H, N, K, D), dtype=q.dtype, device=dev)
     dv1 = torch.empty((B, H, N, K, D), dtype=q.dtype, device=dev)
-    dk2 = torch.empty((B, H, K, M, D), dtype=q.dtype, device=dev)
-    dv2 = torch.empty((B, H, K, M, D), dtype=q.dtype, device=dev)
+    dk2 = torch.empty((B, H, K, M, D), dtype=kv2_dtype, device=dev)  # the kernel's stores cast
+    dv2 = torch.empty((B, H, K, M, D), dtype=kv2_dtype, device=dev)
     mask_t, mask_strides, has_mask = _mask_arg(mask, q)
     dr = torch.empty((B, H, N, M), dtype=acc, device=dev)  # sum_k P dP, contiguous
     consts["IDX"] = _index_dtype(q, k1, v1, k2, v2, mask, dy, softmax_max, softmax_sum, dq, dk1, dk2)

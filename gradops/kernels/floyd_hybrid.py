@@ -418,8 +418,9 @@ def forward(q, k1, v1, k2, v2, mask, scale):
     return out, softmax_max, softmax_sum
 
 
-def backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale):
-    """``(dq, dk1, dv1, dk2, dv2)`` in q.dtype, as ``floyd_attention.floyd_attention_grad``;
+def backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale, kv2_dtype):
+    """``(dq, dk1, dv1, dk2, dv2)`` in q.dtype (dK2/dV2 in ``kv2_dtype``), as
+    ``floyd_attention.floyd_attention_grad``;
     16-bit and float32 inputs, B*H*N*M*K > 0."""
     B, H, N, M, D = q.shape
     K = k1.shape[3]
@@ -429,7 +430,7 @@ def backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale):
     words = mask_words(mask_t, mask_strides, has_mask, K)
     bits = _scale_bits(scale)
     plan = _plan(q, K)
-    grads = Backward(q, K, softmax_max, softmax_sum, plan)
+    grads = Backward(q, K, softmax_max, softmax_sum, plan, kv2_dtype)
     work = _Workspace(plan, K, D, q.dtype, dev, ("s2", "dp2"))
     for c in chunks(plan, B * H, N, M):
         gs, ns, ms, g, cn, cm = c.gs, c.ns, c.ms, c.g, c.cn, c.cm

@@ -846,6 +846,10 @@ def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, m
         require_tensor(op, name, t)
     require_tensor(op, "mask", mask, optional=True)
     scale = check_float_attr(op, "scale", scale)
+    if type(q).__name__ == "DTensor":  # its rule is registered on first use (importing DTensor takes ~1 s)
+        from ..distributed import dtensor
+
+        dtensor.register()
     out, _, _ = torch.ops.gradops.floyd_attention(q, k1, v1, k2, v2, mask, scale, _backend_arg(op, backend))
     return out
 

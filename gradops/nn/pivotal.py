@@ -37,7 +37,7 @@ as torch's autocast leaves them) and then compute in float32 inside.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as torch_F
@@ -58,23 +58,24 @@ FUSED_MIN_INF = 1e4
 _OP = "pivotal_attention"
 
 
-def _fail(message: str, status: int = ACLNN_ERR_PARAM_INVALID):
-    raise AclnnError(status, f"{_OP}: {message}")
+def _fail(message: str, status: int = ACLNN_ERR_PARAM_INVALID, op: str = _OP):
+    raise AclnnError(status, f"{op}: {message}")
 
 
-def _check_inputs(q_ik, k_ij, k_jk, v_ij, v_jk):
+def _check_inputs(q_ik, k_ij, k_jk, v_ij, v_jk, op):
     named = (("q_ik", q_ik), ("k_ij", k_ij), ("k_jk", k_jk), ("v_ij", v_ij), ("v_jk", v_jk))
     for name, t in named:  # None -> 161001, a non-tensor -> AclnnTypeError, before any other rule
-        require_tensor(_OP, name, t)
+        require_tensor(op, name, t)
     for name, t in named:
         if t.dim() != 5:
-            _fail(f"{name} has {t.dim()} dims (shape {tuple(t.shape)}), expected 5 dims (B, H, ., ., D)")
+            _fail(f"{name} has {t.dim()} dims (shape {tuple(t.shape)}), expected 5 dims (B, H, ., ., D)", op=op)
         if not t.is_floating_point():
-            _fail(f"{name} has dtype {dtype_name(t.dtype)}, expected a floating dtype")
+            _fail(f"{name} has dtype {dtype_name(t.dtype)}, expected a floating dtype", op=op)
         if t.dtype != q_ik.dtype:
-            _fail(f"{name} has dtype {dtype_name(t.dtype)}, expected the dtype of q_ik ({dtype_name(q_ik.dtype)})")
+            _fail(f"{name} has dtype {dtype_name(t.dtype)}, expected the dtype of q_ik ({dtype_name(q_ik.dtype)})",
+                  op=op)
         if t.device != q_ik.device:
-            _fail(f"{name} is on {t.device}, expected the device of q_ik ({q_ik.device})")
+            _fail(f"{name} is on {t.device}, expected the device of q_ik ({q_ik.device})", op=op)
     b, h, li, lk, d = q_ik.shape
     lj = k_ij.shape[3]
     for name, t, shape, rule in (("k_ij", k_ij, (b, h, li, lj, d), "(B, H, L_i, L_j, D)"),
@@ -83,26 +84,26 @@ def _check_inputs(q_ik, k_ij, k_jk, v_ij, v_jk):
                                  ("v_jk", v_jk, (b, h, lj, lk, d), "(B, H, L_j, L_k, D) of k_jk")):
         if tuple(t.shape) != shape:
             _fail(f"{name} has shape {tuple(t.shape)}, expected {rule} == {shape} "
-                  f"(q_ik is (B, H, L_i, L_k, D) == {tuple(q_ik.shape)})")
+                  f"(q_ik is (B, H, L_i, L_k, D) == {tuple(q_ik.shape)})", op=op)
     return b, h, li, lk, lj, d
 
 
-def _mask_5d(attn_mask, full_shape, device):
+def _mask_5d(attn_mask, full_shape, device, op):
     """The mask with leading singleton dims added, checked to broadcast to ``full_shape``."""
-    require_tensor(_OP, "attn_mask", attn_mask)  # not None here: a non-tensor is an AclnnTypeError
+    require_tensor(op, "attn_mask", attn_mask)  # not None here: a non-tensor is an AclnnTypeError
     if attn_mask.is_complex():
         _fail(f"attn_mask has dtype {dtype_name(attn_mask.dtype)}, expected bool (True removes the pivot) or a "
-              f"real dtype (an additive mask)")
+              f"real dtype (an additive mask)", op=op)
     if attn_mask.device != device:
-        _fail(f"attn_mask is on {attn_mask.device}, expected the device of q_ik ({device})")
+        _fail(f"attn_mask is on {attn_mask.device}, expected the device of q_ik ({device})", op=op)
     if attn_mask.dim() > 5:
         _fail(f"attn_mask has {attn_mask.dim()} dims, expected at most 5, broadcastable to "
-              f"(B, H, L_i, L_k, L_j) == {tuple(full_shape)}")
+              f"(B, H, L_i, L_k, L_j) == {tuple(full_shape)}", op=op)
     mask = attn_mask.reshape((1,) * (5 - attn_mask.dim()) + tuple(attn_mask.shape))
     for size, full in zip(mask.shape, full_shape):
         if size not in (1, full):
             _fail(f"attn_mask has shape {tuple(attn_mask.shape)}, expected a shape broadcastable to "
-                  f"(B, H, L_i, L_k, L_j) == {tuple(full_shape)}")
+                  f"(B, H, L_i, L_k, L_j) == {tuple(full_shape)}", op=op)
     return mask
 
 
@@ -159,6 +160,51 @@ def _chunked(q, k1, k2, v1, v2, mask, scale, softmax_cap, inf, dropout):
     return rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)
 
 
+class PivotalCall(NamedTuple):
+    """A checked call: its path (``fused``), the operator's ``[B,1,L_i,1,L_j]`` mask on the fused
+    path, the 5-d mask on the chunked one, and the float arguments."""
+
+    fused: bool
+    mask: Optional[torch.Tensor]
+    scale: float
+    inf: float
+    softmax_cap: float
+    dropout: float
+
+
+def resolve(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf, softmax_cap, op: str = _OP) -> PivotalCall:
+    """Every check of a call, and which path takes it (the module docstring's rules)."""
+    b, h, li, lk, lj, d = _check_inputs(q_ik, k_ij, k_jk, v_ij, v_jk, op)
+    dropout = check_float_attr(op, "dropout", dropout)
+    if not 0.0 <= dropout <= 1.0:
+        _fail(f"dropout is {short_repr(dropout)}, expected a float in [0, 1]", op=op)
+    if scale is None:  # with D = 0 every score is 0 whatever the scale: any finite one will do
+        scale = 1.0 / math.sqrt(2.0 * d) if d else 1.0
+    else:
+        scale = check_float_attr(op, "scale", scale)
+    inf = check_float_attr(op, "inf", inf)
+    softmax_cap = check_float_attr(op, "softmax_cap", softmax_cap)
+    full_shape = (b, h, li, lk, lj)
+    mask = None if attn_mask is None else _mask_5d(attn_mask, full_shape, q_ik.device, op)
+
+    fusable_mask = mask is None or (mask.dtype == torch.bool and mask.shape[1] == 1 and mask.shape[3] == 1
+                                    and inf >= FUSED_MIN_INF)
+    if dropout == 0.0 and not softmax_cap > 0 and fusable_mask:
+        fused_mask = None if mask is None else mask.expand(b, 1, li, 1, lj).contiguous()
+        return PivotalCall(True, fused_mask, float(scale), float(inf), float(softmax_cap), float(dropout))
+    return PivotalCall(False, mask, float(scale), float(inf), float(softmax_cap), float(dropout))
+
+
+def chunked(call: PivotalCall, q_ik, k_ij, k_jk, v_ij, v_jk) -> torch.Tensor:
+    """The chunked path of a resolved call (autocast as the module docstring says)."""
+    dtype = _autocast_dtype(q_ik.device.type)
+    tensors = (q_ik, k_ij, k_jk, v_ij, v_jk)
+    if dtype is not None:
+        tensors = tuple(t.to(dtype) if autocast_eligible(t, q_ik.device.type) else t for t in tensors)
+    with torch.autocast(device_type=q_ik.device.type, enabled=False):
+        return _chunked(*tensors, call.mask, call.scale, call.softmax_cap, call.inf, call.dropout)
+
+
 def pivotal_attention(
     q_ik: torch.Tensor,
     k_ij: torch.Tensor,
@@ -185,29 +231,8 @@ def pivotal_attention(
     shape broadcastable to ``(B,1,L_i,1,L_j)``), else a bounded-memory chunked path; see the
     module docstring.
     """
-    b, h, li, lk, lj, d = _check_inputs(q_ik, k_ij, k_jk, v_ij, v_jk)
-    dropout = check_float_attr(_OP, "dropout", dropout)
-    if not 0.0 <= dropout <= 1.0:
-        _fail(f"dropout is {short_repr(dropout)}, expected a float in [0, 1]")
-    if scale is None:  # with D = 0 every score is 0 whatever the scale: any finite one will do
-        scale = 1.0 / math.sqrt(2.0 * d) if d else 1.0
-    else:
-        scale = check_float_attr(_OP, "scale", scale)
-    inf = check_float_attr(_OP, "inf", inf)
-    softmax_cap = check_float_attr(_OP, "softmax_cap", softmax_cap)
-    full_shape = (b, h, li, lk, lj)
-    mask = None if attn_mask is None else _mask_5d(attn_mask, full_shape, q_ik.device)
-
-    fusable_mask = mask is None or (mask.dtype == torch.bool and mask.shape[1] == 1 and mask.shape[3] == 1
-                                    and inf >= FUSED_MIN_INF)
-    if dropout == 0.0 and not softmax_cap > 0 and fusable_mask:
-        fused_mask = None if mask is None else mask.expand(b, 1, li, 1, lj).contiguous()
+    call = resolve(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf, softmax_cap)
+    if call.fused:
         # gradops' argument order is (q, k1, v1, k2, v2); FloydNet's is (q, k_ij, k_jk, v_ij, v_jk)
-        return floyd_attention(q_ik, k_ij, v_ij, k_jk, v_jk, mask=fused_mask, scale=scale)
-
-    dtype = _autocast_dtype(q_ik.device.type)
-    tensors = (q_ik, k_ij, k_jk, v_ij, v_jk)
-    if dtype is not None:
-        tensors = tuple(t.to(dtype) if autocast_eligible(t, q_ik.device.type) else t for t in tensors)
-    with torch.autocast(device_type=q_ik.device.type, enabled=False):
-        return _chunked(*tensors, mask, float(scale), float(softmax_cap), float(inf), float(dropout))
+        return floyd_attention(q_ik, k_ij, v_ij, k_jk, v_jk, mask=call.mask, scale=call.scale)
+    return chunked(call, q_ik, k_ij, k_jk, v_ij, v_jk)

@@ -119,7 +119,9 @@ def compact_stat(op, name, t, b, h, n, m):
 
 
 def prepare_floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask=None,
-                                 scale=1.0, *, backend=None, op="floyd_attention_grad") -> Prepared:
+                                 scale=1.0, *, backend=None, op="floyd_attention_grad", kv2_partial=False) -> Prepared:
+    """``kv2_partial``: dK2/dV2 in the accumulation dtype (float32 for 16-bit inputs), as partial
+    sums over this call's rows of n that a caller adds to others' (gradops.distributed)."""
     # None -> 161001, then every dtype rule (161002), then the shapes CANN checks at tiling
     tensors = (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2), ("dy", dy), ("out", out))
     stats = (("softmax_max", softmax_max), ("softmax_sum", softmax_sum))
@@ -139,8 +141,12 @@ def prepare_floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softma
                            ("out", out), ("softmax_max", smax), ("softmax_sum", ssum), ("mask", mask)])
     impl = implementation(op, FAMILY, backend, q.device, kernel_limit=lambda kernels: kernels.unsupported(q))
 
-    def run():
-        return impl.floyd_attention_grad(dy, q, k1, v1, k2, v2, out, smax, ssum, _as_bool_mask(mask), scale)
+    kv2_dtype = stat_dtype(q.dtype) if kv2_partial else q.dtype
 
-    outputs = tuple((tuple(t.shape), q.dtype) for t in (q, k1, v1, k2, v2))
+    def run():
+        return impl.floyd_attention_grad(dy, q, k1, v1, k2, v2, out, smax, ssum, _as_bool_mask(mask), scale,
+                                         kv2_dtype)
+
+    outputs = (tuple((tuple(t.shape), q.dtype) for t in (q, k1, v1))
+               + tuple((tuple(t.shape), kv2_dtype) for t in (k2, v2)))
     return Prepared(op, q.device, impl, outputs, run)

@@ -86,9 +86,11 @@ def floyd_attention(q, k1, v1, k2, v2, mask, scale):
     return out.to(dtype), smax, ssum
 
 
-def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask, scale):
+def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask, scale, kv2_dtype=None):
+    """As the kernels' (``kv2_dtype``: dK2/dV2's dtype, q's by default)."""
     dtype = q.dtype
     acc = stat_dtype(dtype)
+    kv2_dtype = dtype if kv2_dtype is None else kv2_dtype
     # ``out`` (Y) is not read: Dr = sum_k P dP below (OPERATORS.md section 5, "Dr and precision")
     dy, q, k1, v1, k2, v2 = (t.to(acc) for t in (dy, q, k1, v1, k2, v2))
     smax, ssum = softmax_max.to(acc), softmax_sum.to(acc)
@@ -130,4 +132,4 @@ def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, m
             dv2m += torch.matmul(p_m.transpose(-1, -2), dyc.transpose(2, 3))
         dk2[:, :, :, mt] = dk2m.permute(0, 1, 3, 2, 4)
         dv2[:, :, :, mt] = dv2m.permute(0, 1, 3, 2, 4)
-    return tuple(t.to(dtype) for t in (dq, dk1, dv1, dk2, dv2))
+    return tuple(t.to(dtype) for t in (dq, dk1, dv1)) + tuple(t.to(kv2_dtype) for t in (dk2, dv2))

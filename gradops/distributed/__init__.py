@@ -1,0 +1,18 @@
+"""Floyd attention for grids one device cannot hold: a FloydNet grid sharded by rows over the
+ranks of a ``torch.distributed`` process group (NCCL on GPUs, gloo on CPUs). See
+docs/distributed.md: the sharding, the collectives and their volume, memory per rank.
+
+- :func:`floyd_attention`: gradops' operator (argument order ``q, k1, v1, k2, v2``) on row shards;
+- :func:`pivotal_attention`: FloydNet's ``pivotal_attention`` signature on row shards;
+- :func:`transpose_rows`: the grid's transpose, row-sharded (a block's symmetric mix);
+- :class:`RowShardedBlock`: a ``floydnet.PivotalAttentionBlock`` run on this rank's rows;
+- :func:`collective_bytes`: the bytes this rank hands to those collectives, tallied;
+- DTensors sharded ``Shard(2)`` on a 1-D mesh go through ``gradops.nn.functional.floyd_attention``
+  and ``gradops.pivotal_attention`` (fused path) with no special call (``dtensor.py``).
+"""
+from ._collectives import collective_bytes
+from .floyd import floyd_attention
+from .floydnet import RowShardedBlock
+from .grid import pivotal_attention, transpose_rows
+
+__all__ = ["floyd_attention", "pivotal_attention", "transpose_rows", "RowShardedBlock", "collective_bytes"]

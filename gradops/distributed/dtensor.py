@@ -1,0 +1,102 @@
+"""gradops' Floyd attention ops on DTensors: a model written with DTensor calls
+``gradops.nn.functional.floyd_attention`` / ``gradops.pivotal_attention`` (fused path) as on
+plain tensors, and the ops run row-sharded (``floyd.py``).
+
+The rule, registered for both ops (``torch.library.register_torch_dispatch``): on a 1-D mesh,
+every tensor argument is taken as ``Shard(2)`` (the rows n of q, k1, v1, dY, Y, the statistics
+and the mask; the pivots' rows of k2 and v2), redistributed there first when it is placed
+otherwise (a ``Replicate`` mask or upstream gradient: a local slice, no communication); the
+outputs are ``Shard(2)``. The shard sizes are DTensor's own (``torch.chunk``'s: the first
+ranks one row more, trailing ranks possibly none), known to every rank from the global shapes,
+so no shapes are exchanged. DTensor's own rules would gather k2/v2 as ``Replicate`` and sum
+dK2/dV2 as ``Partial`` through a reduce-scatter in the input dtype; this rule sums float32
+partials on the owners in a fixed order, as the plain path does.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
+from .floyd import OP, RowPlan, row_sharded_backward, row_sharded_forward
+
+try:
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # torch < 2.5: no public DTensor
+    DTensor = None
+
+_registered = False
+
+
+def _chunk_sizes(length: int, world: int):
+    per = -(-length // world) if world else 0
+    return tuple(max(0, min(per, length - r * per)) for r in range(world))
+
+
+def _mesh_of(op: str, tensors):
+    meshes = {t.device_mesh for t in tensors if isinstance(t, DTensor)}
+    if len(meshes) != 1:
+        raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: the DTensor arguments are on {len(meshes)} device meshes, "
+                                                  f"expected one")
+    mesh = meshes.pop()
+    if mesh.ndim != 1:
+        raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: the DTensor arguments are on a {mesh.ndim}-D mesh, "
+                                                  f"expected a 1-D mesh (rows over its ranks)")
+    return mesh
+
+
+def _local_rows(op: str, name: str, t, mesh):
+    """This rank's rows (dim 2) of a DTensor argument; None stays None."""
+    if t is None:
+        return None
+    if not isinstance(t, DTensor):
+        raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: {name} is a plain tensor beside DTensor arguments, "
+                                                  f"expected a DTensor on their mesh")
+    if t.placements != (Shard(2),):
+        t = t.redistribute(mesh, [Shard(2)])
+    return t.to_local()
+
+
+def _as_dtensor(local, mesh, shape):
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def _plan(q, k2, mesh) -> RowPlan:
+    world = mesh.size()
+    group = mesh.get_group()
+    return RowPlan(group, mesh.get_local_rank(), _chunk_sizes(q.shape[2], world), _chunk_sizes(k2.shape[2], world))
+
+
+def _forward_rule(_mode, _func, _types, args, kwargs=None):
+    q, k1, v1, k2, v2, mask, scale, backend = args
+    mesh = _mesh_of(OP, (q, k1, v1, k2, v2, mask))
+    names = ("q", "k1", "v1", "k2", "v2", "mask")
+    local = [_local_rows(OP, name, t, mesh) for name, t in zip(names, (q, k1, v1, k2, v2, mask))]
+    out, smax, ssum = row_sharded_forward(*local, scale, _plan(q, k2, mesh), backend)
+    b, h, n, m, _ = q.shape
+    return _as_dtensor(out, mesh, q.shape), _as_dtensor(smax, mesh, (b, h, n, m)), _as_dtensor(ssum, mesh, (b, h, n, m))
+
+
+def _backward_rule(_mode, _func, _types, args, kwargs=None):
+    dy, q, k1, v1, k2, v2, out, smax, ssum, mask, scale, backend = args
+    mesh = _mesh_of(OP, (dy, q, k1, v1, k2, v2, out, smax, ssum, mask))
+    names = ("dy", "q", "k1", "v1", "k2", "v2", "out", "softmax_max", "softmax_sum", "mask")
+    local = [_local_rows(OP, name, t, mesh) for name, t in zip(names, (dy, q, k1, v1, k2, v2, out, smax, ssum, mask))]
+    grads = row_sharded_backward(*local, scale, _plan(q, k2, mesh), backend)
+    return tuple(_as_dtensor(g, mesh, t.shape) for g, t in zip(grads, (q, k1, v1, k2, v2)))
+
+
+def register() -> bool:
+    """Register the rule for gradops::floyd_attention and its backward (once); False where
+    this torch has no public DTensor or no ``register_torch_dispatch``."""
+    global _registered
+    if _registered:
+        return True
+    if DTensor is None or not hasattr(torch.library, "register_torch_dispatch"):
+        return False
+    import gradops.nn.functional  # noqa: F401  (defines the ops)
+
+    torch.library.register_torch_dispatch("gradops::floyd_attention", DTensor, _forward_rule)
+    torch.library.register_torch_dispatch("gradops::floyd_attention_backward", DTensor, _backward_rule)
+    _registered = True
+    return True
