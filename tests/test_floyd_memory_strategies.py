@@ -553,3 +553,27 @@ def test_zero_head_dim(memory, dtype, device):
     grads = gradops.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, 1.0, backend="triton")
     for g, t in zip(grads, inputs):
         assert g.shape == t.shape and g.dtype == dtype
+
+
+@pytest.mark.parametrize("strategy", ["fused", "hybrid", "chunked"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=case_id)
+def test_kv2_in_the_accumulation_dtype(monkeypatch, strategy, dtype, device):
+    """``kv2_dtype=float32`` (gradops.distributed's partial sums over its rows of n) stores dK2/dV2
+    before their rounding to the input dtype and changes nothing else: rounded, they are the
+    default call's bits, dQ/dK1/dV1 are its bits; for the memory strategies in 4 chunks, whose
+    sums over n travel through the float32 accumulators."""
+    monkeypatch.setattr(config, "STRATEGY", strategy)
+    b, h, n, m, k, d = 1, 1, 16, 16, 8, 16  # 4 chunks of 8 x 8 (n, m) rows, as test_sums_across_chunks_are_float32
+    if strategy != "fused":
+        pair_bytes = (config.hybrid_pair_bytes(k, d, dtype) if strategy == "hybrid"
+                      else config.pair_bytes(k, d, dtype.itemsize))
+        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", pair_bytes * 8 * 8)
+    inputs, dy, mask = make_inputs(b, h, n, m, k, d, dtype, device, "random")
+    out, mx, sm = kernels.floyd_attention(*inputs, mask, SCALE)
+    rounded = kernels.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, SCALE)
+    partial = kernels.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, SCALE, kv2_dtype=torch.float32)
+    for name, a, r in zip(GRAD_NAMES, partial, rounded):
+        assert a.dtype == (torch.float32 if name in ("dk2", "dv2") else dtype), name
+        assert torch.equal(a.to(dtype), r), name
+    if dtype == torch.float16:  # the float32 values are not the rounded ones
+        assert not torch.equal(partial[3], rounded[3].float())
