@@ -91,10 +91,9 @@ def exchange(op: str, values: Sequence[int], failure: Optional[AclnnError], grou
     if failed:
         if failure is not None:
             raise failure
-        status = rows[failed[0]][0]
-        raise AclnnError(status, f"{op}: rank{'s' if len(failed) > 1 else ''} "
-                                 f"{', '.join(map(str, failed))} of the group refused {'their' if len(failed) > 1 else 'its'} "
-                                 f"shards (see {'their' if len(failed) > 1 else 'its'} error); no output was written")
+        ranks, their = ("ranks", "their") if len(failed) > 1 else ("rank", "its")
+        raise AclnnError(rows[failed[0]][0], f"{op}: {ranks} {', '.join(map(str, failed))} of the group refused "
+                                             f"{their} shards (see {their} error); no output was written")
     return [values[1:] for values in rows]
 
 

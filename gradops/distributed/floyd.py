@@ -30,7 +30,8 @@ from . import _collectives as comm
 
 OP = "gradops.distributed.floyd_attention"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_FIELDS = ("B", "H", "M", "K (k1's pivots)", "D", "dtype", "device type", "path (0: no mask, 1: a mask, 2: pivotal_attention's chunked path)", "scale",
+_FIELDS = ("B", "H", "M", "K (k1's pivots)", "D", "dtype", "device type",
+           "path (0: no mask, 1: a mask, 2: pivotal_attention's chunked path)", "scale",
            "requires_grad of (q, k1, v1, k2, v2)")
 
 

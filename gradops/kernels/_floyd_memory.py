@@ -61,8 +61,8 @@ def reduction(a, b, out, accumulator, first: bool, last: bool) -> Product:
 
 
 class Backward:
-    """A backward's outputs: the five gradients (``grads``, [B, H, ...]; ``dq``, ``dk1``, ...
-    flat), the statistics flat and contiguous (the row kernels read both at one offset, and
+    """A backward's outputs: the five gradients (``grads``, [B, H, ...], q's dtype, dK2/dV2
+    ``kv2_dtype``'s; ``dq``, ``dk1``, ... flat), the statistics flat and contiguous (the row kernels read both at one offset, and
     each may come in its own layout: compact, a view of CANN's [B,H,N,M,8], transposed), and
     the float32 accumulators of the sums that span ``plan``'s chunks (dK1/dV1 over the
     m-chunks of one n range, dK2/dV2 over the n ranges of one group of slices), only where
@@ -72,8 +72,9 @@ class Backward:
         b, h, n, m, d = q.shape
         dev, dtype = q.device, q.dtype
         self.softmax_max, self.softmax_sum = (flat(t.to(_ACC[dtype])).contiguous() for t in (softmax_max, softmax_sum))
-        self.grads = ([torch.empty(shape, dtype=dtype, device=dev) for shape in [(b, h, n, m, d)] + [(b, h, n, k, d)] * 2]
-                      + [torch.empty((b, h, k, m, d), dtype=kv2_dtype, device=dev) for _ in range(2)])
+        self.grads = [torch.empty(shape, dtype=grad_dtype, device=dev)
+                      for shape, grad_dtype in [((b, h, n, m, d), dtype)] + [((b, h, n, k, d), dtype)] * 2
+                      + [((b, h, k, m, d), kv2_dtype)] * 2]
         self.dq, self.dk1, self.dv1, self.dk2, self.dv2 = (flat(t) for t in self.grads)
 
         def accumulators(shape, needed):
