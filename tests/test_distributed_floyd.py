@@ -173,7 +173,7 @@ def _dtensor(world, rank):
     """gradops.nn.functional.floyd_attention and gradops.pivotal_attention on DTensors sharded
     Shard(2) over a 1-D CPU mesh (DTensor's own uneven split: L = 7)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
     case = CASES[2]
@@ -191,7 +191,19 @@ def _dtensor(world, rank):
         y.backward(distribute_tensor(dy.double(), mesh, [Shard(2)]))
         out[name] = [y.full_tensor().detach()] + [t.grad.full_tensor() for t in leaves]
         out[name + " placements"] = [str(y.placements)] + [str(t.grad.placements) for t in leaves]
+    # the chunked path: an additive mask over heads (replicated: the rule shards it), the cap
+    q, k1, v1, k2, v2 = leaves = [distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in tensors]
+    additive = distribute_tensor(chunked_mask(case), mesh, [Replicate()])
+    y = gradops.pivotal_attention(q, k1, k2, v1, v2, attn_mask=additive, scale=SCALE, softmax_cap=5.0)
+    y.backward(distribute_tensor(dy.double(), mesh, [Shard(2)]))
+    out["pivotal_chunked"] = [y.full_tensor().detach()] + [t.grad.full_tensor() for t in leaves]
+    out["pivotal_chunked placements"] = [str(y.placements)] + [str(t.grad.placements) for t in leaves]
     return out
+
+
+def chunked_mask(case):
+    g = torch.Generator().manual_seed(9)
+    return torch.randn((1, H, case.n, 1, case.k), generator=g, dtype=torch.float64)
 
 
 def _worker(rank, port, world, out_dir):
@@ -378,14 +390,19 @@ def test_transpose_rows(world_results):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["floyd_attention", "pivotal_attention"])
+@pytest.mark.parametrize("name", ["floyd_attention", "pivotal_attention", "pivotal_chunked"])
 def test_dtensor_rule(world_results, backend, name):
     world, results = world_results
     case = CASES[2]
     tensors, dy, mask = case.inputs(seed=1)
     leaves = [t.double().requires_grad_() for t in tensors]
+    q, k1, v1, k2, v2 = leaves
     with gradops.use_backend(backend):
-        y = GF.floyd_attention(*leaves, mask=mask, scale=SCALE)
+        if name == "pivotal_chunked":
+            y = gradops.pivotal_attention(q, k1, k2, v1, v2, attn_mask=chunked_mask(case), scale=SCALE,
+                                          softmax_cap=5.0)
+        else:
+            y = GF.floyd_attention(*leaves, mask=mask, scale=SCALE)
     y.backward(dy.double())
     single = [y.detach()] + [t.grad for t in leaves]
     for r in results:  # full_tensor(): every rank holds the whole result

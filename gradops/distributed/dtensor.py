@@ -1,6 +1,8 @@
-"""gradops' Floyd attention ops on DTensors: a model written with DTensor calls
-``gradops.nn.functional.floyd_attention`` / ``gradops.pivotal_attention`` (fused path) as on
-plain tensors, and the ops run row-sharded (``floyd.py``).
+"""gradops' Floyd attention on DTensors: a model written with DTensor calls
+``gradops.nn.functional.floyd_attention`` / ``gradops.pivotal_attention`` as on plain
+tensors, and they run row-sharded (``floyd.py``, ``grid.py``). ``pivotal_attention`` takes
+its DTensors to ``grid.pivotal_attention`` (below); the ops, whichever way they are reached,
+go through the rule that follows.
 
 The rule, registered for both ops (``torch.library.register_torch_dispatch``): on a 1-D mesh,
 every tensor argument is taken as ``Shard(2)`` (the rows n of q, k1, v1, dY, Y, the statistics
@@ -20,7 +22,7 @@ from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
 from .floyd import OP, RowPlan, row_sharded_backward, row_sharded_forward
 
 try:
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # torch < 2.5: no public DTensor
     DTensor = None
 
@@ -84,6 +86,31 @@ def _backward_rule(_mode, _func, _types, args, kwargs=None):
     local = [_local_rows(OP, name, t, mesh) for name, t in zip(names, (dy, q, k1, v1, k2, v2, out, smax, ssum, mask))]
     grads = row_sharded_backward(*local, scale, _plan(q, k2, mesh), backend)
     return tuple(_as_dtensor(g, mesh, t.shape) for g, t in zip(grads, (q, k1, v1, k2, v2)))
+
+
+def pivotal_attention(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf, softmax_cap):
+    """``gradops.pivotal_attention`` on DTensors, every path (the fused one, and the chunked one
+    that DTensor's own rules would run on replicated scores): this rank's rows of each
+    (redistributed to ``Shard(2)`` first, differentiably) through ``grid.pivotal_attention``
+    on the mesh's group; the output ``Shard(2)``. The mask is sharded along its L_i dim
+    (``Replicate`` where that dim has size 1, or it has fewer than 3 dims)."""
+    from .grid import PIVOTAL_OP, pivotal_attention as row_sharded
+
+    tensors = (q_ik, k_ij, k_jk, v_ij, v_jk)
+    mesh = _mesh_of(PIVOTAL_OP, tensors + (attn_mask,))
+    names = ("q_ik", "k_ij", "k_jk", "v_ij", "v_jk")
+    local = [_local_rows(PIVOTAL_OP, name, t, mesh) for name, t in zip(names, tensors)]
+    mask = None
+    if attn_mask is not None:
+        if not isinstance(attn_mask, DTensor):
+            raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{PIVOTAL_OP}: attn_mask is a plain tensor beside DTensor "
+                                                      f"arguments, expected a DTensor on their mesh")
+        rows = attn_mask.dim() - 3
+        placement = Shard(rows) if rows >= 0 and attn_mask.shape[rows] > 1 else Replicate()
+        mask = attn_mask.redistribute(mesh, [placement]).to_local()
+    y = row_sharded(*local, attn_mask=mask, dropout=dropout, scale=scale, inf=inf, softmax_cap=softmax_cap,
+                    group=mesh.get_group())
+    return _as_dtensor(y, mesh, q_ik.shape)
 
 
 def register() -> bool:

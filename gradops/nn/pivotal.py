@@ -231,6 +231,10 @@ def pivotal_attention(
     shape broadcastable to ``(B,1,L_i,1,L_j)``), else a bounded-memory chunked path; see the
     module docstring.
     """
+    if type(q_ik).__name__ == "DTensor":  # row-sharded over its mesh, every path (docs/distributed.md)
+        from ..distributed import dtensor
+
+        return dtensor.pivotal_attention(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf, softmax_cap)
     call = resolve(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf, softmax_cap)
     if call.fused:
         # gradops' argument order is (q, k1, v1, k2, v2); FloydNet's is (q, k_ij, k_jk, v_ij, v_jk)
