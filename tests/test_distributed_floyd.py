@@ -62,11 +62,13 @@ class Case:
 
 CASES = [
     Case("f64_equal", torch.float64, 6, 6, 6, {2: (3, 3), 3: (2, 2, 2)}, {2: (3, 3), 3: (2, 2, 2)}, False),
-    Case("f64_unequal_masked", torch.float64, 5, 4, 7, {2: (3, 2), 3: (2, 0, 3)}, {2: (6, 1), 3: (2, 4, 1)}, True),
+    # a rank without rows of q (N) and another without pivots (K) on 3 ranks
+    Case("f64_unequal_masked", torch.float64, 5, 4, 7, {2: (3, 2), 3: (2, 0, 3)}, {2: (6, 1), 3: (3, 4, 0)}, True),
     Case("f32_unequal_masked", torch.float32, 7, 7, 7, {2: (4, 3), 3: (3, 2, 2)}, {2: (4, 3), 3: (3, 2, 2)}, True),
     Case("f16_equal", torch.float16, 6, 6, 6, {2: (3, 3), 3: (2, 2, 2)}, {2: (3, 3), 3: (2, 2, 2)}, False),
 ]
 DETERMINISM_CASE = CASES[2]
+BYTES_CASES = (CASES[0], CASES[1])  # equal shards (one all-gather), unequal ones (broadcasts), float64
 # Memory: one head, no batch, D = 8: large enough that the shards, not the bookkeeping, dominate
 MEMORY = Case("memory", torch.float64, 24, 24, 24, {2: (12, 12), 3: (8, 8, 8)}, {2: (12, 12), 3: (8, 8, 8)}, False)
 MEMORY_SHAPE = dict(b=1, h=1, d=8)
@@ -86,6 +88,57 @@ def local_inputs(case, world, rank, tensors, dy, mask):
     local = [rows_of(t, n_sizes, rank) for t in (q, k1, v1)] + [rows_of(t, k_sizes, rank) for t in (k2, v2)]
     return ([t.clone().requires_grad_() for t in local], rows_of(dy, n_sizes, rank),
             None if mask is None else rows_of(mask, n_sizes, rank).contiguous())
+
+
+class HandedBytes:
+    """The tensors gradops.distributed hands to torch.distributed, counted by wrapping its
+    functions (independently of gradops' own tally): per call, what this rank sends to and
+    receives from the others."""
+
+    def __init__(self, world, rank):
+        self.world, self.rank = world, rank
+        self.sent = {"gather": 0, "reduce": 0, "meta": 0}
+        self.received = {"gather": 0, "reduce": 0, "meta": 0}
+        self._real = {}
+
+    def _wrap(self, name, count):
+        real = self._real[name] = getattr(dist, name)
+
+        def wrapped(*args, **kwargs):
+            count(*args, **kwargs)
+            return real(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+
+    def __enter__(self):
+        def nbytes(t):
+            return t.numel() * t.element_size()
+
+        def all_gather(out, shard, group=None):
+            kind = "meta" if shard.dtype == torch.int64 else "gather"  # the shape agreement's vectors
+            self.sent[kind] += nbytes(shard) * (self.world - 1)
+            self.received[kind] += nbytes(out) - nbytes(shard)
+
+        def broadcast(t, src, group=None):
+            if src == self.rank:
+                self.sent["gather"] += nbytes(t) * (self.world - 1)
+            else:
+                self.received["gather"] += nbytes(t)
+
+        def batch(ops):
+            for op in ops:
+                way = self.sent if op.op is dist.isend else self.received
+                way["reduce"] += nbytes(op.tensor)
+
+        for name, count in (("all_gather_single", all_gather), ("all_gather_into_tensor", all_gather),
+                            ("broadcast", broadcast), ("batch_isend_irecv", batch)):
+            if hasattr(dist, name):
+                self._wrap(name, count)
+        return self
+
+    def __exit__(self, *exc):
+        for name, real in self._real.items():
+            setattr(dist, name, real)
 
 
 def run_case(case, world, rank, seed=0):
@@ -124,6 +177,10 @@ def _errors(world, rank):
                                                       scale=SCALE),
         "scale": lambda: GD.floyd_attention(*leaves, scale=SCALE + rank),
         "transpose rows": lambda: GD.transpose_rows(torch.zeros(1, 2, 5, 3)),  # 2 W rows for 5 columns
+        # rank 0 alone takes pivotal_attention's chunked path (dropout), the others the fused one
+        "pivotal path": lambda: GD.pivotal_attention(leaves[0], leaves[1], leaves[3], leaves[2], leaves[4],
+                                                     dropout=0.1 if rank == 0 else 0.0),
+        "dtensor rows": lambda: _dtensor_with_wrong_global_rows(leaves),
     }
     outcome = {}
     for name, call in attempts.items():
@@ -136,6 +193,22 @@ def _errors(world, rank):
             outcome[name] = ("not AclnnError", f"{type(error).__name__}: {error}")
     outcome["valid after"] = run_case(case, world, rank)
     return outcome
+
+
+def _dtensor_with_wrong_global_rows(leaves):
+    """DTensors made with ``from_local`` whose declared global shape has one row more than the
+    ranks' shards hold."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    n = sum(t.shape[2] for t in [leaves[0]]) * dist.get_world_size()  # equal shards: the whole N
+    tensors = []
+    for t in leaves:
+        shape = t.shape[:2] + (n + 1,) + t.shape[3:]
+        tensors.append(DTensor.from_local(t.detach(), mesh, [Shard(2)], run_check=False, shape=shape,
+                                          stride=torch.empty(shape, device="meta").stride()))
+    return GF.floyd_attention(*tensors, scale=SCALE)
 
 
 def _pivotal(world, rank):
@@ -158,6 +231,24 @@ def _pivotal(world, rank):
     return out
 
 
+def wide_problem():
+    """Past the fused kernels' widest float64 head (D = 128): the chunked path's only."""
+    g = torch.Generator().manual_seed(6)
+    whole = [torch.randn((1, 1, 4, 4, 130), generator=g, dtype=torch.float64) for _ in range(5)]
+    return whole, torch.randn((1, 1, 4, 4, 130), generator=g, dtype=torch.float64)
+
+
+def _pivotal_wide(world, rank):
+    """pivotal_attention's chunked path takes any head, also where the backend's fused kernels
+    would refuse it (the Triton backend, float64, D = 130)."""
+    whole, dy = wide_problem()
+    sizes = (2, 2) if world == 2 else (2, 1, 1)
+    leaves = [rows_of(t, sizes, rank).clone().requires_grad_() for t in whole]
+    y = GD.pivotal_attention(*leaves, softmax_cap=5.0)
+    y.backward(rows_of(dy, sizes, rank))
+    return [y.detach()] + [t.grad for t in leaves]
+
+
 def _transpose(world, rank):
     g = torch.Generator().manual_seed(4)
     sizes = TRAIN_ROWS[world]
@@ -173,7 +264,7 @@ def _dtensor(world, rank):
     """gradops.nn.functional.floyd_attention and gradops.pivotal_attention on DTensors sharded
     Shard(2) over a 1-D CPU mesh (DTensor's own uneven split: L = 7)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
     case = CASES[2]
@@ -182,15 +273,27 @@ def _dtensor(world, rank):
     out = {}
     for name in ("floyd_attention", "pivotal_attention"):
         leaves = [distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in tensors]
-        dmask = distribute_tensor(mask, mesh, [Shard(2)])
+        # the op's rule redistributes a replicated mask and upstream gradient to Shard(2)
+        placement = [Replicate()] if name == "floyd_attention" else [Shard(2)]
+        dmask = distribute_tensor(mask, mesh, placement)
         if name == "floyd_attention":
             y = GF.floyd_attention(*leaves, mask=dmask, scale=SCALE)
         else:  # FloydNet's order (q, k_ij, k_jk, v_ij, v_jk); its [B,1,L_i,1,L_j] mask takes the fused path
             q, k1, v1, k2, v2 = leaves
             y = gradops.pivotal_attention(q, k1, k2, v1, v2, attn_mask=dmask, scale=SCALE)
-        y.backward(distribute_tensor(dy.double(), mesh, [Shard(2)]))
+        y.backward(distribute_tensor(dy.double(), mesh, placement))
         out[name] = [y.full_tensor().detach()] + [t.grad.full_tensor() for t in leaves]
         out[name + " placements"] = [str(y.placements)] + [str(t.grad.placements) for t in leaves]
+    # shards of DTensor.from_local, which may differ from torch.chunk's split (3, 2, 2 on 3 ranks)
+    local, dy_local, mask_local = local_inputs(case, world, rank, tensors, dy.double(), mask)
+    leaves = [DTensor.from_local(t.detach(), mesh, [Shard(2)], run_check=False, shape=w.shape,
+                                 stride=w.stride()).requires_grad_() for t, w in zip(local, tensors)]
+    dmask = DTensor.from_local(mask_local, mesh, [Shard(2)], run_check=False, shape=mask.shape, stride=mask.stride())
+    y = GF.floyd_attention(*leaves, mask=dmask, scale=SCALE)
+    y.backward(DTensor.from_local(dy_local, mesh, [Shard(2)], run_check=False, shape=dy.shape, stride=dy.stride()))
+    # (full_tensor() would reassemble by torch.chunk's split: the rows as held are the result)
+    out["from_local"] = [y.to_local().detach()] + [t.grad.to_local() for t in leaves]
+    out["from_local placements"] = [str(y.placements)] + [str(t.grad.placements) for t in leaves]
     # the chunked path: an additive mask over heads (replicated: the rule shards it), the cap
     q, k1, v1, k2, v2 = leaves = [distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in tensors]
     additive = distribute_tensor(chunked_mask(case), mesh, [Replicate()])
@@ -219,15 +322,17 @@ def _worker(rank, port, world, out_dir):
                 results["dtensor", backend] = _dtensor(world, rank)
         with gradops.use_backend("triton"):
             results["again"] = run_case(DETERMINISM_CASE, world, rank)
+            results["pivotal_wide"] = _pivotal_wide(world, rank)
             *leaves, dy = memory_inputs(world, rank)
             leaves = [t.requires_grad_() for t in leaves]
             with Allocations(*leaves, dy) as seen:
                 GD.floyd_attention(*leaves, scale=SCALE).backward(dy)
             results["memory_peak"] = seen.peak
         with gradops.use_backend("reference"):
-            with GD.collective_bytes() as tally:
-                run_case(DETERMINISM_CASE, world, rank)
-            results["bytes"] = dict(tally)
+            for case in BYTES_CASES:
+                with GD.collective_bytes() as tally, HandedBytes(world, rank) as handed:
+                    run_case(case, world, rank)
+                results["bytes", case.name] = (dict(tally), handed.sent, handed.received)
             results["errors"] = _errors(world, rank)
             results["transpose"] = _transpose(world, rank)
             results["train"] = example.train_sharded(TRAIN_STEPS, torch.device("cpu"), rows=TRAIN_ROWS[world])
@@ -292,23 +397,27 @@ def test_same_bits_on_every_run(world_results):
         assert torch.equal(a, b), name
 
 
-def test_collective_bytes_are_the_gathers_and_the_partial_sums(world_results):
-    """Per rank: k2 and v2 gathered twice (forward, backward), the float32 partials of dK2/dV2
-    of other ranks' rows sent and of its own rows received: docs/distributed.md's volumes,
-    nothing score-sized."""
+@pytest.mark.parametrize("case", BYTES_CASES, ids=lambda c: c.name)
+def test_collective_bytes_are_the_gathers_and_the_partial_sums(world_results, case):
+    """Per rank: k2 and v2 gathered twice (forward, backward), the partials of dK2/dV2 (here in
+    float64, the accumulation dtype of float64 inputs) of other ranks' rows sent and of its own
+    rows received: docs/distributed.md's volumes, nothing score-sized. Counted twice: by
+    gradops' tally (``collective_bytes``) and by wrapping torch.distributed's functions."""
     world, results = world_results
-    case = DETERMINISM_CASE
     k_sizes = case.k_sizes[world]
-    row = B * H * case.m * D * 4  # one pivot row of k2 (float32 inputs, float32 partials)
+    row = B * H * case.m * D * 8  # one pivot row of k2
     for rank, r in enumerate(results):
+        tally, sent, received = r["bytes", case.name]
         own, others = k_sizes[rank], case.k - k_sizes[rank]
         expected = {"gather_sent": 4 * own * (world - 1) * row, "gather_received": 4 * others * row,
                     "reduce_sent": 2 * others * row, "reduce_received": 2 * own * (world - 1) * row,
                     "transpose_sent": 0, "transpose_received": 0}
-        got = {k: v for k, v in r["bytes"].items() if k != "meta"}
-        assert got == expected, rank
+        assert {k: v for k, v in tally.items() if k != "meta"} == expected, rank
+        handed = {f"{kind}_{way}": counts[kind] for way, counts in (("sent", sent), ("received", received))
+                  for kind in ("gather", "reduce")}
+        assert handed == {k: v for k, v in expected.items() if not k.startswith("transpose")}, rank
         fields = 13  # the signature's int64s (status, 10 fields, N_r, K_r), to each other rank
-        assert r["bytes"]["meta"] == fields * 8 * (world - 1)
+        assert tally["meta"] == sent["meta"] == received["meta"] == fields * 8 * (world - 1)
 
 
 def test_peak_memory_per_rank(world_results):
@@ -338,7 +447,8 @@ def test_errors_reach_every_rank(world_results):
     world, results = world_results
     words = {"D on the last rank": "disagree on D", "pivot rows": "rows of the pivots",
              "dtype on rank 0": "disagree on dtype", "scale": "disagree on scale",
-             "transpose rows": "expected x.shape[2]"}
+             "transpose rows": "expected x.shape[2]", "pivotal path": "disagree on path",
+             "dtensor rows": "expected its global"}
     for rank, r in enumerate(results):
         errors = r["errors"]
         for name, word in words.items():
@@ -378,6 +488,19 @@ def test_pivotal_attention(world_results, backend, path):
         assert rel_error(a, s) <= 1e-13, (name, rel_error(a, s))
 
 
+def test_pivotal_attention_chunked_takes_any_head(world_results):
+    world, results = world_results
+    whole, dy = wide_problem()
+    leaves = [t.clone().requires_grad_() for t in whole]
+    with gradops.use_backend("triton"):
+        y = gradops.pivotal_attention(*leaves, softmax_cap=5.0)
+    y.backward(dy)
+    single = [y.detach()] + [t.grad for t in leaves]
+    got = [torch.cat([r["pivotal_wide"][i] for r in results], dim=2) for i in range(6)]
+    for name, a, b in zip(("y", "q_ik", "k_ij", "k_jk", "v_ij", "v_jk"), got, single):
+        assert rel_error(a, b) <= 1e-13, (name, rel_error(a, b))
+
+
 def test_transpose_rows(world_results):
     world, results = world_results
     g = torch.Generator().manual_seed(4)
@@ -390,7 +513,7 @@ def test_transpose_rows(world_results):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["floyd_attention", "pivotal_attention", "pivotal_chunked"])
+@pytest.mark.parametrize("name", ["floyd_attention", "pivotal_attention", "from_local", "pivotal_chunked"])
 def test_dtensor_rule(world_results, backend, name):
     world, results = world_results
     case = CASES[2]
@@ -405,9 +528,14 @@ def test_dtensor_rule(world_results, backend, name):
             y = GF.floyd_attention(*leaves, mask=mask, scale=SCALE)
     y.backward(dy.double())
     single = [y.detach()] + [t.grad for t in leaves]
-    for r in results:  # full_tensor(): every rank holds the whole result
-        for label, a, s in zip(NAMES, r["dtensor", backend][name], single):
+    if name == "from_local":  # each rank's own rows, put back together
+        got = [[torch.cat([r["dtensor", backend][name][i] for r in results], dim=2) for i in range(6)]]
+    else:  # full_tensor(): every rank holds the whole result
+        got = [r["dtensor", backend][name] for r in results]
+    for result in got:
+        for label, a, s in zip(NAMES, result, single):
             assert rel_error(a, s) <= 1e-13, (label, rel_error(a, s))
+    for r in results:
         assert set(r["dtensor", backend][name + " placements"]) == {"(Shard(dim=2),)"}
 
 

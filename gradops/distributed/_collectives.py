@@ -63,7 +63,7 @@ def world_of(group) -> "tuple[int, int]":
 def _meta_group(group):
     """A CPU group over ``group``'s ranks for the shape agreement: the group itself when it is
     gloo's, else a gloo twin made once (with every member: the first call is collective anyway)."""
-    if dist.get_backend(group) == "gloo":
+    if "gloo" in str(dist.get_backend(group)):  # gloo's, or a "cpu:gloo,cuda:nccl" group's
         return group
     key = group if group is not None else "default"
     with _lock:
@@ -157,7 +157,8 @@ def reduce_rows(partial: torch.Tensor, dim: int, sizes: Sequence[int], group) ->
     rank, world = dist.get_rank(group), len(sizes)
     starts = offsets(sizes)
     by_row = partial.movedim(dim, 0)
-    total = by_row[starts[rank]:starts[rank + 1]].contiguous()
+    # a copy: a contiguous slice would alias ``partial`` (the caller's gradient, in place)
+    total = by_row[starts[rank]:starts[rank + 1]].clone(memory_format=torch.contiguous_format)
     received = torch.empty_like(total)
     row_bytes = _row_bytes(total)
     for s in range(1, world):

@@ -8,9 +8,10 @@ The rule, registered for both ops (``torch.library.register_torch_dispatch``): o
 every tensor argument is taken as ``Shard(2)`` (the rows n of q, k1, v1, dY, Y, the statistics
 and the mask; the pivots' rows of k2 and v2), redistributed there first when it is placed
 otherwise (a ``Replicate`` mask or upstream gradient: a local slice, no communication); the
-outputs are ``Shard(2)``. The shard sizes are DTensor's own (``torch.chunk``'s: the first
-ranks one row more, trailing ranks possibly none), known to every rank from the global shapes,
-so no shapes are exchanged. DTensor's own rules would gather k2/v2 as ``Replicate`` and sum
+outputs are ``Shard(2)``. The ranks agree on their shards' sizes as on the plain path (one
+exchange per op call: ``DTensor.from_local`` may split otherwise than ``distribute_tensor``,
+and a rank whose rows differ from the others' expectation must not enter a collective they
+skip). DTensor's own rules would gather k2/v2 as ``Replicate`` and sum
 dK2/dV2 as ``Partial`` through a reduce-scatter in the input dtype; this rule sums float32
 partials on the owners in a fixed order, as the plain path does.
 """
@@ -19,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
-from .floyd import OP, RowPlan, row_sharded_backward, row_sharded_forward
+from ._collectives import refuse
+from .floyd import OP, RowPlan, agree, row_sharded_backward, row_sharded_forward
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -27,11 +29,6 @@ except ImportError:  # torch < 2.5: no public DTensor
     DTensor = None
 
 _registered = False
-
-
-def _chunk_sizes(length: int, world: int):
-    per = -(-length // world) if world else 0
-    return tuple(max(0, min(per, length - r * per)) for r in range(world))
 
 
 def _mesh_of(op: str, tensors):
@@ -63,28 +60,42 @@ def _as_dtensor(local, mesh, shape):
     return DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=torch.Size(shape), stride=stride)
 
 
-def _plan(q, k2, mesh) -> RowPlan:
-    world = mesh.size()
-    group = mesh.get_group()
-    return RowPlan(group, mesh.get_local_rank(), _chunk_sizes(q.shape[2], world), _chunk_sizes(k2.shape[2], world))
+def _plan(q, k1, v1, k2, v2, mask, scale, backend, global_q, global_k2, mesh) -> RowPlan:
+    """The rows every rank holds, agreed as on the plain path (``floyd.agree``: the local shards
+    as they are, which ``DTensor.from_local`` may have split otherwise than torch.chunk), and
+    checked to make up the DTensors' global rows, on every rank alike."""
+    plan = agree(OP, q, k1, v1, k2, v2, mask, scale, backend, mesh.get_group())
+    for name, sizes, whole in (("q", plan.n_sizes, global_q.shape[2]), ("k2", plan.k_sizes, global_k2.shape[2])):
+        if sum(sizes) != whole:
+            refuse(OP, f"the ranks' local shards of {name} hold {list(sizes)} rows, {sum(sizes)} in all, expected its "
+                       f"global {whole} (a DTensor's Shard(2))")
+    return plan
 
 
-def _forward_rule(_mode, _func, _types, args, kwargs=None):
-    q, k1, v1, k2, v2, mask, scale, backend = args
+def _arguments(func, args, kwargs):
+    """The op's arguments in its schema's order, however they were passed."""
+    names = [a.name for a in func._schema.arguments]
+    return list(args) + [(kwargs or {})[name] for name in names[len(args):]]
+
+
+def _forward_rule(_mode, func, _types, args, kwargs=None):
+    q, k1, v1, k2, v2, mask, scale, backend = _arguments(func, args, kwargs)
     mesh = _mesh_of(OP, (q, k1, v1, k2, v2, mask))
     names = ("q", "k1", "v1", "k2", "v2", "mask")
     local = [_local_rows(OP, name, t, mesh) for name, t in zip(names, (q, k1, v1, k2, v2, mask))]
-    out, smax, ssum = row_sharded_forward(*local, scale, _plan(q, k2, mesh), backend)
+    plan = _plan(*local, scale, backend, q, k2, mesh)
+    out, smax, ssum = row_sharded_forward(*local, scale, plan, backend)
     b, h, n, m, _ = q.shape
     return _as_dtensor(out, mesh, q.shape), _as_dtensor(smax, mesh, (b, h, n, m)), _as_dtensor(ssum, mesh, (b, h, n, m))
 
 
-def _backward_rule(_mode, _func, _types, args, kwargs=None):
-    dy, q, k1, v1, k2, v2, out, smax, ssum, mask, scale, backend = args
+def _backward_rule(_mode, func, _types, args, kwargs=None):
+    dy, q, k1, v1, k2, v2, out, smax, ssum, mask, scale, backend = _arguments(func, args, kwargs)
     mesh = _mesh_of(OP, (dy, q, k1, v1, k2, v2, out, smax, ssum, mask))
     names = ("dy", "q", "k1", "v1", "k2", "v2", "out", "softmax_max", "softmax_sum", "mask")
     local = [_local_rows(OP, name, t, mesh) for name, t in zip(names, (dy, q, k1, v1, k2, v2, out, smax, ssum, mask))]
-    grads = row_sharded_backward(*local, scale, _plan(q, k2, mesh), backend)
+    plan = _plan(*local[1:6], local[9], scale, backend, q, k2, mesh)
+    grads = row_sharded_backward(*local, scale, plan, backend)
     return tuple(_as_dtensor(g, mesh, t.shape) for g, t in zip(grads, (q, k1, v1, k2, v2)))
 
 

@@ -29,7 +29,7 @@ from ..ops._checks import TILING, check_float_attr, check_shape, require_tensor
 from . import _collectives as comm
 
 OP = "gradops.distributed.floyd_attention"
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FIELDS = ("B", "H", "M", "K (k1's pivots)", "D", "dtype", "device type",
            "path (0: no mask, 1: a mask, 2: pivotal_attention's chunked path)", "scale",
            "requires_grad of (q, k1, v1, k2, v2)")
@@ -64,7 +64,7 @@ def _signature(q, k1, v1, k2, v2, path, scale):
     """What every rank must agree on (``_FIELDS``), then the rows it holds: (N_r, K_r)."""
     grads = sum(1 << i for i, t in enumerate((q, k1, v1, k2, v2)) if t.requires_grad and torch.is_grad_enabled())
     b, h, _, m, d = q.shape
-    agreed = [b, h, m, k1.shape[3], d, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1,
+    agreed = [b, h, m, k1.shape[3], d, DTYPES.index(q.dtype) if q.dtype in DTYPES else -1,
               {"cpu": 0, "cuda": 1}.get(q.device.type, 2), path, _scale_bits(scale), grads]
     return agreed + [q.shape[2], k2.shape[2]]
 

@@ -12,7 +12,7 @@ from ..errors import AclnnError
 from ..nn import pivotal as single_pivotal
 from ..ops._checks import require_tensor
 from . import _collectives as comm
-from .floyd import RowPlan, _autocast_inputs, _RowShardedFloyd, _whole_standin, agree
+from .floyd import DTYPES, RowPlan, _autocast_inputs, _RowShardedFloyd, _whole_standin, agree
 
 PIVOTAL_OP = "gradops.distributed.pivotal_attention"
 TRANSPOSE_OP = "gradops.distributed.transpose_rows"
@@ -73,9 +73,13 @@ def pivotal_attention(q_ik: Tensor, k_ij: Tensor, k_jk: Tensor, v_ij: Tensor, v_
                                       softmax_cap, op=PIVOTAL_OP)
     except AclnnError as error:
         failure = error
-    path = (_CHUNKED_PATH if not call.fused else int(call.mask is not None)) if call is not None else 0
-    plan = agree(PIVOTAL_OP, q_ik, k_ij, v_ij, k_jk, v_jk, call.mask if call is not None and call.fused else None,
-                 call.scale if call is not None else 1.0, None, group, path=path, failure=failure)
+    fused = call is not None and call.fused
+    path = int(call.mask is not None) if fused else _CHUNKED_PATH
+    # the operator's checks on the shards; the chunked path never runs the operator, so its
+    # backend's limits (the fused kernels' widest head) do not apply: the reference's checks
+    plan = agree(PIVOTAL_OP, q_ik, k_ij, v_ij, k_jk, v_jk, call.mask if fused else None,
+                 call.scale if call is not None else 1.0, None if fused else "reference", group, path=path,
+                 failure=failure)
     if call.fused:
         return _RowShardedFloyd.apply(q_ik, k_ij, v_ij, k_jk, v_jk, call.mask, call.scale, plan, None)
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q_ik, k_ij, k_jk, v_ij, v_jk))
@@ -147,8 +151,5 @@ def _check_transpose(x, dim0, dim1):
     return dim0, dim1
 
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def _dtype_code(t: Tensor) -> int:
-    return _FLOATS.index(t.dtype) if t.dtype in _FLOATS else -1
+    return DTYPES.index(t.dtype) if t.dtype in DTYPES else -1
