@@ -8,8 +8,10 @@ import sys
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from filelock import FileLock  # a dependency of torch
 
 
 def free_port() -> int:
@@ -45,3 +47,24 @@ def run_workers(worker, world: int, args: tuple, timeout_s: float) -> None:
         for p in ctx.processes:
             if p.is_alive():
                 p.terminate()
+
+
+def once_per_session(tmp_path_factory, name: str, compute):
+    """``compute(out_dir)``'s result files, computed once per test session: pytest-xdist's
+    workers share the base temporary folder's parent (the session's own), and the first to ask
+    computes while the others wait on a lock, then load. Returns the folder."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # without xdist the parent holds earlier sessions' folders
+        root = root.parent
+    out_dir = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        done = out_dir / "done"
+        if not done.exists():
+            out_dir.mkdir(exist_ok=True)
+            compute(out_dir)
+            done.touch()
+    return out_dir
+
+
+def load_ranks(out_dir, world: int):
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]

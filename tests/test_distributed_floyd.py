@@ -26,7 +26,7 @@ from gradops.ops import floyd_attention as floyd_ops
 from gradops.oracles import TOLERANCE, rel_error
 from conftest import TEST_DEVICE
 from memory_harness import Allocations
-from spawn import init_gloo, run_workers
+from spawn import init_gloo, load_ranks, once_per_session, run_workers
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="W ranks need W GPUs under NCCL; the gloo runs are "
                                                              "the CPU suite's")
@@ -344,9 +344,9 @@ def _worker(rank, port, world, out_dir):
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
 def world_results(request, tmp_path_factory):
     world = request.param
-    out_dir = tmp_path_factory.mktemp(f"distributed{world}")
-    run_workers(_worker, world, (world, str(out_dir)), TIMEOUT_S)
-    return world, [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    out_dir = once_per_session(tmp_path_factory, f"distributed-floyd-world{world}",
+                               lambda folder: run_workers(_worker, world, (world, str(folder)), TIMEOUT_S))
+    return world, load_ranks(out_dir, world)
 
 
 def _assembled(results, key):

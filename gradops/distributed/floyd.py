@@ -7,7 +7,7 @@ dK1 and dV1 of its rows are local, while dK2 and dV2 are sums over every rank's 
 
 - forward: all-gather k2 and v2 (``gather_rows``), run gradops' operator on the local rows
   (whatever strategy its rule picks), keep only the local shards for the backward;
-- backward: all-gather k2 and v2 again (kept, they would hold two whole inputs per layer
+- backward: all-gather k2 and v2 again (kept instead, they would hold two whole inputs per layer
   from the forward to the backward, the memory the sharding is for), run the operator's
   backward with dK2/dV2 as partial sums in the accumulation dtype (float32 for 16-bit
   inputs), and sum each row's partials on its owner in a fixed order (``reduce_rows``).
@@ -37,16 +37,11 @@ _FIELDS = ("B", "H", "M", "K (k1's pivots)", "D", "dtype", "device type",
 
 class RowPlan(NamedTuple):
     """Who holds which rows: ``n_sizes[r]`` rows of q/k1/v1 and ``k_sizes[r]`` rows of k2/v2
-    on rank r of ``group`` (this process is rank ``rank``)."""
+    on rank r of ``group``."""
 
     group: object
-    rank: int
     n_sizes: Tuple[int, ...]
     k_sizes: Tuple[int, ...]
-
-    @property
-    def world(self) -> int:
-        return len(self.k_sizes)
 
 
 def _whole_standin(t: Tensor, pivots: int) -> Tensor:
@@ -112,8 +107,7 @@ def agree(op: str, q, k1, v1, k2, v2, mask, scale, backend, group, path: Optiona
     if sum(k_sizes) != pivots:
         comm.refuse(op, f"k2/v2 hold {list(k_sizes)} rows of the pivots by rank, {sum(k_sizes)} in all, "
                         f"expected k1's K = {pivots} (every pivot's row on exactly one rank)")
-    rank, _ = comm.world_of(group)
-    return RowPlan(group, rank, n_sizes, k_sizes)
+    return RowPlan(group, n_sizes, k_sizes)
 
 
 def _no_autocast(t: Tensor):
@@ -190,7 +184,7 @@ def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, m
     require grad, or K_r not summing to K) raise the same AclnnError on every rank. A group
     of one rank, or torch.distributed not initialised, is the single-process operator.
     """
-    rank, world = comm.world_of(group)
+    _, world = comm.world_of(group)
     if world == 1:
         from ..nn.functional import floyd_attention as single
 
