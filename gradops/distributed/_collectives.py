@@ -187,8 +187,10 @@ def transpose_rows(x: torch.Tensor, dim0: int, dim1: int, sizes: Sequence[int], 
     rank, world = dist.get_rank(group), len(sizes)
     starts = offsets(sizes)
     blocks = [x.narrow(dim1, starts[o], sizes[o]).transpose(dim0, dim1) for o in range(world)]
-    send = torch.cat([b.reshape(-1) for b in blocks])
     counts_out = [b.numel() for b in blocks]
+    send = torch.empty(sum(counts_out), dtype=x.dtype, device=x.device)
+    for block, chunk in zip(blocks, send.split(counts_out)):  # one copy of each block, laid out for the peer
+        chunk.view(block.shape).copy_(block)
     shape_in = [list(blocks[rank].shape) for _ in range(world)]
     for src in range(world):
         shape_in[src][dim1] = sizes[src]

@@ -55,11 +55,16 @@ def _scale_bits(scale: float) -> int:
     return struct.unpack("<q", struct.pack("<d", scale))[0]
 
 
+def dtype_code(t: Tensor) -> int:
+    """The dtype of ``t`` as an int of the ranks' signatures (-1: not a float dtype the ops take)."""
+    return DTYPES.index(t.dtype) if t.dtype in DTYPES else -1
+
+
 def _signature(q, k1, v1, k2, v2, path, scale):
     """What every rank must agree on (``_FIELDS``), then the rows it holds: (N_r, K_r)."""
     grads = sum(1 << i for i, t in enumerate((q, k1, v1, k2, v2)) if t.requires_grad and torch.is_grad_enabled())
     b, h, _, m, d = q.shape
-    agreed = [b, h, m, k1.shape[3], d, DTYPES.index(q.dtype) if q.dtype in DTYPES else -1,
+    agreed = [b, h, m, k1.shape[3], d, dtype_code(q),
               {"cpu": 0, "cuda": 1}.get(q.device.type, 2), path, _scale_bits(scale), grads]
     return agreed + [q.shape[2], k2.shape[2]]
 

@@ -12,7 +12,7 @@ from ..errors import AclnnError
 from ..nn import pivotal as single_pivotal
 from ..ops._checks import require_tensor
 from . import _collectives as comm
-from .floyd import DTYPES, RowPlan, _autocast_inputs, _RowShardedFloyd, _whole_standin, agree
+from .floyd import RowPlan, _autocast_inputs, _RowShardedFloyd, _whole_standin, agree, dtype_code
 
 PIVOTAL_OP = "gradops.distributed.pivotal_attention"
 TRANSPOSE_OP = "gradops.distributed.transpose_rows"
@@ -80,7 +80,7 @@ def pivotal_attention(q_ik: Tensor, k_ij: Tensor, k_jk: Tensor, v_ij: Tensor, v_
     plan = agree(PIVOTAL_OP, q_ik, k_ij, v_ij, k_jk, v_jk, call.mask if fused else None,
                  call.scale if call is not None else 1.0, None if fused else "reference", group, path=path,
                  failure=failure)
-    if call.fused:
+    if fused:
         return _RowShardedFloyd.apply(q_ik, k_ij, v_ij, k_jk, v_jk, call.mask, call.scale, plan, None)
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q_ik, k_ij, k_jk, v_ij, v_jk))
     if not tracked:
@@ -117,7 +117,7 @@ def transpose_rows(x: Tensor, dim0: int = 1, dim1: int = 2, *, group=None) -> Te
         shape = list(x.shape)
         shape[dim0] = 0  # the rows: this rank's own count, the signature's last entry
         grad = int(x.requires_grad and torch.is_grad_enabled())
-        signature = ([x.dim(), dim0, dim1, _dtype_code(x), int(x.device.type == "cuda"), grad] + shape
+        signature = ([x.dim(), dim0, dim1, dtype_code(x), int(x.device.type == "cuda"), grad] + shape
                      + [0] * (_MAX_DIMS - x.dim()) + [x.shape[dim0]])
     except AclnnError as error:
         failure = error
@@ -149,7 +149,3 @@ def _check_transpose(x, dim0, dim1):
     if dim0 == dim1:
         comm.refuse(TRANSPOSE_OP, f"dim0 and dim1 are both {dim0}, expected two dims (rows, columns)")
     return dim0, dim1
-
-
-def _dtype_code(t: Tensor) -> int:
-    return DTYPES.index(t.dtype) if t.dtype in DTYPES else -1
