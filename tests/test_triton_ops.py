@@ -15,13 +15,14 @@ import pytest
 import torch
 
 import gradops.nn.functional as GF
+from gradops.nn import _triton_ops as TO
 from gradops.kernels import _traceable
 from gradops.kernels import layer_norm as KLN
 from gradops.kernels import norm_config
 from helpers import TEST_DEVICE, run_sm90_compile
 
 # (registered on first use; here, for the tests that call the ops themselves)
-pytestmark = pytest.mark.skipif(not GF._register_triton_ops(), reason="this torch has no torch.library.triton_op, or triton is not installed")
+pytestmark = pytest.mark.skipif(not TO._register_triton_ops(), reason="this torch has no torch.library.triton_op, or triton is not installed")
 
 _TRACE = r'''
 import json
@@ -39,17 +40,18 @@ class _Sm90Driver:
 
 triton.runtime.driver.set_active(_Sm90Driver())
 import gradops.nn.functional as GF
+from gradops.nn import _triton_ops as TO
 from gradops.kernels import norm_config
 from torch._functorch.aot_autograd import aot_function
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 # a fresh process: the first CUDA call that would take a Triton op registers them, also
 # where dynamo meets it (run at trace time, a constant of the graph, no graph break)
-assert not GF._TRITON_OPS
+assert not TO._TRITON_OPS
 out = {}
-assert torch.compile(lambda t: t + 1 if GF._triton_ops_usable() else t - 1, backend="eager",
+assert torch.compile(lambda t: t + 1 if TO._triton_ops_usable() else t - 1, backend="eager",
                      fullgraph=True)(torch.zeros(2)).tolist() == [1.0, 1.0]
-assert GF._TRITON_OPS
+assert TO._TRITON_OPS
 # the kernels each op launches are part of AOTAutograd's cache key
 for op, kernels in (("gradops::triton_layer_norm", ["_ln_fwd_fused_kernel", "_ln_fwd_wide_kernel"]),
                     ("gradops::triton_rms_norm", ["_rms_fwd_fused_kernel", "_rms_fwd_wide_kernel"])):
@@ -216,6 +218,7 @@ _RACE = r'''
 import threading
 import torch
 import gradops.nn.functional as GF
+from gradops.nn import _triton_ops as TO
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 start, errors = threading.Barrier(8), []
@@ -236,7 +239,7 @@ for t in threads:
     t.start()
 for t in threads:
     t.join()
-assert not errors and GF._TRITON_OPS, errors
+assert not errors and TO._TRITON_OPS, errors
 print("ok")
 '''
 
@@ -267,7 +270,7 @@ def test_the_constant_mark_is_torchs():
         return True
 
     torch.compiler.assume_constant_result(probe)
-    assert probe.__dict__ == {"_dynamo_marked_constant": True} == GF._triton_ops_usable.__dict__
+    assert probe.__dict__ == {"_dynamo_marked_constant": True} == TO._triton_ops_usable.__dict__
 
 
 @pytest.mark.parametrize("n", [48, 3000])  # whole rows, and (on a CPU, past 1024) the wide forward
@@ -322,24 +325,24 @@ def test_only_static_cuda_calls_take_the_triton_ops(monkeypatch):
         cuda = torch.empty(4, 8, device="cuda")
         cpu, meta = torch.empty(4, 8, device="cpu"), torch.empty(4, 8, device="meta")
     # under the interpreter (a CPU test run) no call does: its kernels cannot be traced
-    monkeypatch.setattr(GF, "triton_interpreter_on", lambda: True)
-    assert not GF._takes_triton_op(cuda, "auto")
-    monkeypatch.setattr(GF, "triton_interpreter_on", lambda: False)
-    assert GF._takes_triton_op(cuda, "auto") and GF._takes_triton_op(cuda, "triton")
-    assert not GF._takes_triton_op(cuda, "reference")
-    assert not GF._takes_triton_op(cpu, "triton")
-    assert not GF._takes_triton_op(meta, "auto")
+    monkeypatch.setattr(TO, "triton_interpreter_on", lambda: True)
+    assert not TO.takes_triton_op(cuda, "auto")
+    monkeypatch.setattr(TO, "triton_interpreter_on", lambda: False)
+    assert TO.takes_triton_op(cuda, "auto") and TO.takes_triton_op(cuda, "triton")
+    assert not TO.takes_triton_op(cuda, "reference")
+    assert not TO.takes_triton_op(cpu, "triton")
+    assert not TO.takes_triton_op(meta, "auto")
     # torch.export keeps the custom op: a program that loads wherever gradops imports
-    monkeypatch.setattr(GF, "_is_exporting", lambda: True)
-    assert not GF._takes_triton_op(cuda, "auto")
-    monkeypatch.setattr(GF, "_is_exporting", lambda: False)
+    monkeypatch.setattr(TO, "_is_exporting", lambda: True)
+    assert not TO.takes_triton_op(cuda, "auto")
+    monkeypatch.setattr(TO, "_is_exporting", lambda: False)
     # symbolic sizes (torch.compile(dynamic=True)) keep the custom op: the launch is planned from sizes
     from types import SimpleNamespace
 
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     rows = ShapeEnv().create_unbacked_symint()
-    assert not GF._takes_triton_op(SimpleNamespace(device=torch.device("cuda", 0), shape=(rows, 8)), "auto")
+    assert not TO.takes_triton_op(SimpleNamespace(device=torch.device("cuda", 0), shape=(rows, 8)), "auto")
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="Inductor compiles the Triton ops' kernels on a GPU only")

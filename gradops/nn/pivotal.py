@@ -45,7 +45,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
 from ..ops._checks import check_float_attr, dtype_name, require_tensor, short_repr
-from .functional import autocast_eligible, floyd_attention
+from ._custom_ops import autocast_eligible
+from ._floyd import floyd_attention
 
 __all__ = ["pivotal_attention", "TILE_ELEMENTS", "FUSED_MIN_INF"]
 

@@ -1,0 +1,455 @@
+"""LayerNorm and RMSNorm as differentiable functionals (with their fused residual adds): the
+custom ops, their fakes, autograd and autocast rules, and the eager path that runs a
+remembered plan without the ops' dispatch (see ``_custom_ops``)."""
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .._backend import requested
+from ..aclnn import renamed_errors
+from ..errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, AclnnError
+from ..ops import layer_norm as _ln_ops
+from ..ops import _plans
+from ..ops import rms_norm as _rms_ops
+from ..ops._checks import check_companion, check_float_attr, require_tensor, short_repr, stat_dtype
+from ..ops._shapes import as_int_tuple, check_trailing
+from ._custom_ops import (NOT_COMPUTED, autocast_off, backend_arg, double_backward_error, empty_like_spec, fresh,
+                          no_autocast, register_autocast, takes_eager_path)
+from ._triton_ops import takes_triton_op
+
+# ops-layer parameter name -> the norm functionals' (torch's)
+_NORM_NAMES = {"x": "input", "gamma": "weight"}
+
+
+def _norm_op(family: str, residual) -> str:
+    """The functional a norm op call serves, which its errors name."""
+    return family if residual is None else f"fused_add_{family}"
+
+
+def _checked_norm(op: str, input, residual, normalized_shape, weight, bias, eps, backend, *, fused: bool,
+                  shape_status: int, eps_optional: bool):
+    """The norm functionals' arguments: returns (normalized_shape as a tuple, eps, backend).
+    ``fused``: the residual is required; ``eps_optional``: None stays None (torch's default).
+    The callers remember what they conclude per call signature (``gradops.ops._plans``)."""
+    require_tensor(op, "input", input)
+    if fused:
+        check_companion(op, "residual", residual, "input", input, status=shape_status)
+    shape = _normalized_shape(op, normalized_shape)
+    check_trailing(op, "normalized_shape", input, "input", tuple(shape), status=shape_status)
+    require_tensor(op, "weight", weight, optional=True)
+    require_tensor(op, "bias", bias, optional=True)
+    if eps is not None or not eps_optional:
+        eps = check_float_attr(op, "eps", eps)
+    return tuple(shape), eps, backend_arg(op, backend)
+
+
+# --------------------------------------------------------------------------------------------
+# LayerNorm
+# --------------------------------------------------------------------------------------------
+# One op serves each norm with and without the fused residual add: ``residual`` is None or
+# the tensor added to the input first, and the op returns h = input + residual last. Custom
+# ops cannot return None, so without a residual h is an empty tensor.
+
+def _with_h(outputs: tuple, n: int, like: Tensor) -> tuple:
+    """The first ``n`` results, then h (results[n]) or, without a residual, an empty tensor."""
+    h = outputs[n] if len(outputs) > n else like.new_empty(NOT_COMPUTED)
+    return tuple(outputs[:n]) + (h,)
+
+
+def _prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend):
+    with renamed_errors(_NORM_NAMES):
+        return _ln_ops.prepare_layer_norm(x, normalized_shape, weight, bias, eps, residual=residual,
+                                          backend=backend, op=_norm_op("layer_norm", residual))
+
+
+def _layer_norm_plan(x, residual, normalized_shape, weight, bias, eps, backend):
+    with renamed_errors(_NORM_NAMES):
+        return _ln_ops.plan_layer_norm(x, normalized_shape, weight, bias, eps, residual=residual, backend=backend,
+                                       op=_norm_op("layer_norm", residual))
+
+
+def _run_layer_norm_op(p, x) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    with no_autocast(x.device.type):
+        out = p.run()
+    return _with_h(tuple(fresh(t) for t in out), 3, x)
+
+
+@torch.library.custom_op("gradops::layer_norm", mutates_args=())
+def _layer_norm_op(x: Tensor, residual: Optional[Tensor], normalized_shape: List[int],
+                   weight: Optional[Tensor], bias: Optional[Tensor], eps: float, backend: Optional[str]
+                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _run_layer_norm_op(_prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend), x)
+
+
+@_layer_norm_op.register_fake
+def _layer_norm_fake(x, residual, normalized_shape, weight, bias, eps, backend):
+    p = _prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
+    return _with_h(tuple(empty_like_spec(s, x) for s in p.outputs), 3, x)
+
+
+@torch.library.custom_op("gradops::layer_norm_backward", mutates_args=())
+def _layer_norm_backward_op(dy: Tensor, dresidual: Optional[Tensor], x: Tensor, normalized_shape: List[int],
+                            mean: Tensor, rstd: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                            output_mask: List[bool], backend: Optional[str]
+                            ) -> Tuple[Tensor, Tensor, Tensor]:
+    with no_autocast(x.device.type):
+        grads = _ln_ops.prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight, bias,
+                                                    output_mask, dresidual=dresidual, backend=backend).run()
+    return tuple(x.new_empty(NOT_COMPUTED) if g is None else fresh(g) for g in grads)
+
+
+@_layer_norm_backward_op.register_fake
+def _(dy, dresidual, x, normalized_shape, mean, rstd, weight, bias, output_mask, backend):
+    p = _ln_ops.prepare_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight, bias,
+                                            output_mask, dresidual=dresidual, backend=backend)
+    return tuple(x.new_empty(NOT_COMPUTED) if s is None else empty_like_spec(s, x) for s in p.outputs)
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, residual, normalized_shape, weight, bias, eps, backend = inputs
+    _, mean, rstd, h = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.has_residual = residual is not None
+    if not ctx.has_residual:
+        ctx.mark_non_differentiable(h)
+    # the backward needs what was normalised: h with a residual, else x
+    ctx.save_for_backward(h if ctx.has_residual else x, weight, bias, mean, rstd)
+    ctx.normalized_shape = normalized_shape
+    ctx.backend = backend
+
+
+def _layer_norm_grads(ctx, dy, dh, need_x, need_res, need_w, need_b, impl=None):
+    """(dx, dresidual, dweight, dbias) for both LayerNorm paths, None where not needed.
+    ``dh``: h's gradient from its other uses (None: unused, or no residual). ``impl``: the
+    eager path's backend module, run directly (the forward validated every input, and
+    autograd gives dy and dh its outputs' metadata); else, and always with create_graph, the
+    backward op runs, whose autograd node refuses a second backward."""
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    need_input = bool(need_x or (ctx.has_residual and need_res))
+    mask = [need_input, bool(need_w and weight is not None), bool(need_b and bias is not None)]
+    if not any(mask):
+        return None, None, None, None
+    if dy is None:
+        dy = torch.zeros_like(x)
+    if impl is not None and not torch.is_grad_enabled():
+        with autocast_off(x.device.type):
+            dx, dw, db = _ln_ops.run_layer_norm_backward(impl, dy, x, ctx.normalized_shape, mean, rstd, weight,
+                                                         mask, dresidual=dh)
+    else:
+        lead = x.shape[: x.dim() - len(ctx.normalized_shape)]  # (the eager path keeps them flat)
+        dx, dw, db = torch.ops.gradops.layer_norm_backward(dy, dh, x, ctx.normalized_shape, mean.reshape(lead),
+                                                           rstd.reshape(lead), weight, bias, mask, ctx.backend)
+    dx = dx if mask[0] else None
+    # bias is accepted by the backward operator only for its shape check; db = sum(dy) needs no bias
+    return dx, dx if ctx.has_residual else None, dw if mask[1] else None, db if mask[2] else None
+
+
+def _layer_norm_backward(ctx, dy, _dmean, _drstd, dh):
+    need_x, need_res, _, need_w, need_b = ctx.needs_input_grad[:5]
+    dx, dres, dw, db = _layer_norm_grads(ctx, dy, dh if ctx.has_residual else None, need_x, need_res, need_w, need_b)
+    return dx, dres, None, dw, db, None, None
+
+
+torch.library.register_autograd("gradops::layer_norm", _layer_norm_backward, setup_context=_layer_norm_setup)
+torch.library.register_autograd("gradops::layer_norm_backward",
+                                double_backward_error("layer_norm", "torch.nn.functional.layer_norm"))
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    """The eager path of ``gradops::layer_norm`` (see ``_eager``): the same plan, backend and
+    backward operator, from a plan the call's signature already holds. Returns y, and h as
+    well with a residual."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, plan, backend):
+        with autocast_off(x.device.type):
+            y, mean, rstd, h = _ln_ops.run_layer_norm(plan, x, weight, bias, residual)
+        ctx.has_residual = h is not None
+        ctx.save_for_backward(h if ctx.has_residual else x, weight, bias, mean, rstd)
+        ctx.normalized_shape = plan.normalized_shape
+        ctx.backend = backend
+        ctx.impl = plan.impl
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros to add)
+        return (fresh(y), fresh(h)) if ctx.has_residual else fresh(y)
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        need_x, need_res, need_w, need_b = ctx.needs_input_grad[:4]
+        return _layer_norm_grads(ctx, dy, dh, need_x, need_res, need_w, need_b, ctx.impl) + (None, None)
+
+
+def _normalized_shape(op: str, normalized_shape) -> List[int]:
+    return list(as_int_tuple(op, "normalized_shape", normalized_shape))
+
+
+def _eager_plan(key, plan: tuple, make):
+    """The ops-layer plan of an eager call: the last item of its signature's ``plan``, else
+    ``make()``, remembered beside the rest (a call first traced, then run eagerly, makes it then)."""
+    if plan[-1] is None:
+        plan = _plans.remember(key, plan[:-1] + (make(),))
+    return plan[-1]
+
+
+def _layer_norm(op: str, input, residual, normalized_shape, weight, bias, eps, backend):
+    """layer_norm and fused_add_layer_norm: (y, h), h None without a residual. One key per call
+    signature holds what the checks concluded and, once the call runs eagerly, the ops
+    layer's plan: a training step's calls skip both."""
+    key = _plans.signature("gradops.nn.functional." + op, requested(backend), (input, residual, weight, bias),
+                           (normalized_shape, eps))
+    plan = _plans.lookup(key)
+    if plan is None:
+        shape, eps, backend = _checked_norm(op, input, residual, normalized_shape, weight, bias, eps, backend,
+                                            fused=op != "layer_norm", shape_status=ACLNN_ERR_PARAM_INVALID,
+                                            eps_optional=False)
+        plan = _plans.remember(key, (shape, eps, backend, None))
+    shape, eps, backend = plan[:3]
+    if takes_eager_path(input):
+        ln_plan = _eager_plan(key, plan, lambda: _layer_norm_plan(input, residual, shape, weight, bias, eps, backend))
+        out = _LayerNormFunction.apply(input, residual, weight, bias, ln_plan, backend)
+        return out if residual is not None else (out, None)
+    op = torch.ops.gradops.triton_layer_norm if takes_triton_op(input, backend) else torch.ops.gradops.layer_norm
+    out = op(input, residual, list(shape), weight, bias, eps, backend)
+    return out[0], (out[-1] if residual is not None else None)
+
+
+def layer_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
+               weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5, *,
+               backend: Optional[str] = None) -> Tensor:
+    """``torch.nn.functional.layer_norm`` with gradops' forward and backward operators.
+
+    Same arguments and defaults as torch's; ``backend`` (keyword only) picks the gradops
+    backend (None/"auto", "reference", "triton"). Half-precision inputs compute in float32.
+    A float32 weight/bias beside bf16/fp16 input is accepted (master weights); their
+    gradients come back in their own dtype.
+    """
+    return _layer_norm("layer_norm", input, None, normalized_shape, weight, bias, eps, backend)[0]
+
+
+def fused_add_layer_norm(input: Tensor, residual: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
+                         weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5, *,
+                         backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """The residual add of a pre-norm block fused into ``layer_norm``: returns
+    ``(layer_norm(h, ...), h)`` with ``h = input + residual`` (in input's dtype, as torch
+    adds), computed in one pass over memory, forward and backward. ``residual`` has input's
+    shape and dtype."""
+    return _layer_norm("fused_add_layer_norm", input, residual, normalized_shape, weight, bias, eps, backend)
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm
+# --------------------------------------------------------------------------------------------
+
+def _prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend):
+    with renamed_errors(_NORM_NAMES):
+        return _rms_ops.prepare_rms_norm(x, gamma, eps, offset=offset, casting_mode=casting_mode,
+                                         residual=residual, backend=backend, op=_norm_op("rms_norm", residual))
+
+
+def _rms_norm_plan(x, residual, gamma, eps, offset, casting_mode, backend):
+    with renamed_errors(_NORM_NAMES):
+        return _rms_ops.plan_rms_norm(x, gamma, eps, offset=offset, casting_mode=casting_mode, residual=residual,
+                                      backend=backend, op=_norm_op("rms_norm", residual))
+
+
+def _run_rms_norm_op(p, x) -> Tuple[Tensor, Tensor, Tensor]:
+    with no_autocast(x.device.type):
+        out = p.run()
+    return _with_h(tuple(fresh(t) for t in out), 2, x)
+
+
+@torch.library.custom_op("gradops::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, residual: Optional[Tensor], gamma: Tensor, eps: float, offset: float,
+                 casting_mode: str, backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
+    return _run_rms_norm_op(_prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend), x)
+
+
+@_rms_norm_op.register_fake
+def _rms_norm_fake(x, residual, gamma, eps, offset, casting_mode, backend):
+    p = _prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)
+    return _with_h(tuple(empty_like_spec(s, x) for s in p.outputs), 2, x)
+
+
+@torch.library.custom_op("gradops::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(dy: Tensor, dresidual: Optional[Tensor], x: Tensor, rstd: Tensor, gamma: Tensor,
+                          offset: float, casting_mode: str, backend: Optional[str]) -> Tuple[Tensor, Tensor]:
+    with no_autocast(x.device.type):
+        dx, dgamma = _rms_ops.prepare_rms_norm_grad(dy, x, rstd, gamma, offset=offset, casting_mode=casting_mode,
+                                                    dresidual=dresidual, backend=backend).run()
+    return fresh(dx), fresh(dgamma)
+
+
+@_rms_norm_backward_op.register_fake
+def _(dy, dresidual, x, rstd, gamma, offset, casting_mode, backend):
+    p = _rms_ops.prepare_rms_norm_grad(dy, x, rstd, gamma, offset=offset, casting_mode=casting_mode,
+                                       dresidual=dresidual, backend=backend)
+    return tuple(empty_like_spec(s, x) for s in p.outputs)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, residual, gamma, eps, offset, casting_mode, backend = inputs
+    _, rstd, h = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.has_residual = residual is not None
+    if not ctx.has_residual:
+        ctx.mark_non_differentiable(h)
+    ctx.save_for_backward(h if ctx.has_residual else x, gamma, rstd)
+    ctx.offset = offset
+    ctx.casting_mode = casting_mode
+    ctx.backend = backend
+
+
+def _rms_norm_grads(ctx, dy, dh, need_x, need_res, need_gamma, impl=None):
+    """(dx, dresidual, dgamma) for both RMSNorm paths, None where not needed; ``dh`` and
+    ``impl`` as in ``_layer_norm_grads``."""
+    x, gamma, rstd = ctx.saved_tensors
+    if not (need_x or need_gamma or (ctx.has_residual and need_res)):
+        return None, None, None
+    if dy is None:
+        dy = torch.zeros_like(x)
+    if impl is not None and not torch.is_grad_enabled():
+        with autocast_off(x.device.type):
+            dx, dgamma = _rms_ops.run_rms_norm_grad(
+                impl, dy, x, rstd, gamma, offset=ctx.offset,
+                round_xhat=ctx.casting_mode == "llama", dresidual=dh,  # (the forward validated it)
+                grad_dtype=gamma.dtype)
+    else:
+        lead = x.shape[: x.dim() - gamma.dim()]  # (the eager path keeps rstd flat)
+        dx, dgamma = torch.ops.gradops.rms_norm_backward(dy, dh, x, rstd.reshape(lead), gamma, ctx.offset,
+                                                         ctx.casting_mode, ctx.backend)
+    # the operator accumulates dgamma in float32; the parameter's gradient has its own dtype
+    return dx, dx if ctx.has_residual else None, dgamma.to(gamma.dtype)
+
+
+def _rms_norm_backward(ctx, dy, _drstd, dh):
+    need_x, need_res, need_gamma = ctx.needs_input_grad[:3]
+    return _rms_norm_grads(ctx, dy, dh if ctx.has_residual else None, need_x, need_res, need_gamma) + (None,) * 4
+
+
+torch.library.register_autograd("gradops::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
+torch.library.register_autograd("gradops::rms_norm_backward",
+                                double_backward_error("rms_norm", "torch.nn.functional.rms_norm"))
+
+
+class _RmsNormFunction(torch.autograd.Function):
+    """The eager path of ``gradops::rms_norm`` (see ``_eager``), from a plan the call's
+    signature already holds. Returns y, and h as well with a residual."""
+
+    @staticmethod
+    def forward(ctx, x, residual, gamma, plan, casting_mode, backend):
+        with autocast_off(x.device.type):
+            y, rstd, h = _rms_ops.run_rms_norm(plan, x, gamma, residual)
+        ctx.has_residual = h is not None
+        ctx.save_for_backward(h if ctx.has_residual else x, gamma, rstd)
+        ctx.offset, ctx.casting_mode, ctx.backend = plan.offset, casting_mode, backend
+        ctx.impl = plan.impl
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros to add)
+        return (fresh(y), fresh(h)) if ctx.has_residual else fresh(y)
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        need_x, need_res, need_gamma = ctx.needs_input_grad[:3]
+        return _rms_norm_grads(ctx, dy, dh, need_x, need_res, need_gamma, ctx.impl) + (None,) * 3
+
+
+def _rms_norm_call(key, plan, input, residual, weight, casting_mode, backend):
+    """(y, h) of an RMSNorm whose signature's ``plan`` ((eps, offset, the ops layer's plan or
+    None)) holds what the checks concluded: the eager path or, traced, the custom op."""
+    eps, offset = plan[:2]
+    if takes_eager_path(input):
+        rms_plan = _eager_plan(key, plan, lambda: _rms_norm_plan(input, residual, weight, eps, offset, casting_mode,
+                                                                 backend))
+        out = _RmsNormFunction.apply(input, residual, weight, rms_plan, casting_mode, backend)
+        return out if residual is not None else (out, None)
+    op = torch.ops.gradops.triton_rms_norm if takes_triton_op(input, backend) else torch.ops.gradops.rms_norm
+    out = op(input, residual, weight, eps, offset, casting_mode, backend)
+    return out[0], (out[-1] if residual is not None else None)
+
+
+def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, casting_mode, backend):
+    """rms_norm and fused_add_rms_norm: (y, h), h None without a residual."""
+    # A signature seen before whose weight went to the operator as it is (the common case)
+    # skips the checks and the dtype rules below: they concluded (eps, offset) for it.
+    key = _plans.signature("gradops.nn.functional." + op, requested(backend), (input, residual, weight),
+                           (normalized_shape, eps, offset, casting_mode))
+    plan = _plans.lookup(key)
+    if plan is not None:
+        return _rms_norm_call(key, plan, input, residual, weight, casting_mode, requested(backend))
+    # RMSNorm's shape rules are tiling rules (561002)
+    shape, eps, backend = _checked_norm(op, input, residual, normalized_shape, weight, None, eps, backend,
+                                        fused=op != "rms_norm", shape_status=ACLNN_ERR_INNER_TILING_ERROR,
+                                        eps_optional=True)
+    shape = tuple(shape)
+    weight_given = weight
+    offset = check_float_attr(op, "offset", offset)
+    _rms_ops.check_casting_mode(op, casting_mode)
+    if eps is None:
+        # torch takes the machine eps of the dtype it computes in, float32 for half inputs
+        # (not bf16's 2**-7, which would visibly shift small-magnitude rows)
+        eps = torch.finfo(stat_dtype(input.dtype)).eps if input.is_floating_point() else 0.0
+    if weight is None:
+        if offset != 0:
+            raise AclnnError(ACLNN_ERR_PARAM_INVALID,
+                             f"{op}: offset is {short_repr(offset)} but weight is None, expected a weight for the offset "
+                             f"to shift (offset + weight scales the row)")
+        # float32 gamma beside half input is in CANN's dtype table; float32/float64 input keep their own
+        gamma_dtype = stat_dtype(input.dtype) if input.is_floating_point() else torch.float32
+        weight = torch.ones(shape, dtype=gamma_dtype, device=input.device)
+    elif tuple(weight.shape) != shape:
+        raise AclnnError(ACLNN_ERR_INNER_TILING_ERROR,
+                         f"{op}: weight has shape {tuple(weight.shape)}, expected normalized_shape == {shape}")
+    elif weight.is_floating_point() and input.is_floating_point() and weight.dtype != input.dtype:
+        if input.dtype in (torch.float32, torch.float64) and weight.dtype.itemsize < input.dtype.itemsize:
+            # torch (and HF's norms) compute a float32/float64 input with a half weight in
+            # the input's precision; CANN's table has no such pair, so widen the weight
+            # (exactly; its gradient flows back through the cast)
+            weight = weight.to(input.dtype)
+        elif casting_mode == "llama":
+            # Llama multiplies the rounded half x-hat by a weight of another dtype (a float32
+            # master weight, or the other half type) in their promoted dtype and returns that:
+            # the operator returns the rounded x-hat, torch scales it
+            y, h = _rms_norm(op, input, residual, shape, None, eps, 0.0, casting_mode, backend)
+            return (weight + offset if offset else weight) * y, h
+        elif weight.dtype in (torch.float16, torch.bfloat16):
+            # the other half type (fp16 beside bf16): "gemma" computes in float32 anyway, so
+            # the exactly widened weight gives the same result in CANN's dtype table
+            weight = weight.float()
+    if weight is not weight_given:
+        key = None  # a weight made or converted here is this call's own: the call is not remembered
+    return _rms_norm_call(key, _plans.remember(key, (float(eps), offset, None)), input, residual, weight,
+                          casting_mode, backend)
+
+
+def rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
+             weight: Optional[Tensor] = None, eps: Optional[float] = None, *, offset: float = 0.0,
+             casting_mode: str = "gemma", backend: Optional[str] = None) -> Tensor:
+    """``torch.nn.functional.rms_norm`` with gradops' forward and backward operators.
+
+    ``eps=None`` means the machine eps of the dtype torch computes in, as in torch:
+    ``torch.finfo(torch.float32).eps`` for float16/bfloat16/float32 input, float64's for float64. ``weight=None``
+    normalises without a scale (a constant ones gamma, which receives no gradient).
+
+    The variants of real models (keyword only): ``offset`` scales by ``offset + weight``
+    (Gemma: ``offset=1.0``); ``casting_mode="gemma"`` (the default) computes everything in
+    float32 and rounds once at the end, as torch's own rms_norm and Gemma do;
+    ``casting_mode="llama"`` rounds the normalised row to input's dtype before the weight,
+    as HF Llama, Mistral, Qwen and Phi-3 do (``weight * hidden.to(input_dtype)``; a float32
+    weight beside half input then gives a float32 result, as there).
+    """
+    return _rms_norm("rms_norm", input, None, normalized_shape, weight, eps, offset, casting_mode, backend)[0]
+
+
+def fused_add_rms_norm(input: Tensor, residual: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],
+                       weight: Optional[Tensor] = None, eps: Optional[float] = None, *, offset: float = 0.0,
+                       casting_mode: str = "gemma", backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """The residual add of a pre-norm block fused into :func:`rms_norm`: returns
+    ``(rms_norm(h, ...), h)`` with ``h = input + residual`` (in input's dtype, as torch
+    adds), computed in one pass over memory, forward and backward. ``residual`` has input's
+    shape and dtype; the other arguments are :func:`rms_norm`'s."""
+    return _rms_norm("fused_add_rms_norm", input, residual, normalized_shape, weight, eps, offset, casting_mode,
+                     backend)
+
+
+for _name in ("layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward"):
+    register_autocast(_name, False)  # the norms run in the dtype their input arrives in
+del _name
