@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,6 +39,7 @@ from .errors import (
     AclnnError,
 )
 from .ops._checks import (
+    renamed_errors,
     INT64_MAX,
     check_int_attr,
     check_no_shared_outputs,
@@ -171,29 +171,6 @@ def check_written(op: str, named: Sequence[Tuple[str, Optional[torch.Tensor]]], 
 def _signature(t: torch.Tensor):
     """What phase two re-checks of an output phase one accepted (cheap: no data read)."""
     return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.untyped_storage().data_ptr())
-
-
-_STATUS_SUFFIX = re.compile(r" \[[A-Z_]+ \d+\]$")
-
-
-class renamed_errors:
-    """Errors of the shared validator name the Python API's parameters (``x``, ``block_size``);
-    re-raise them naming the caller's (CANN's ``input``, ``compressBlockSize``), same status.
-    (A class, not a generator context manager: gradops.nn enters it on every norm call.)"""
-
-    def __init__(self, names: Dict[str, str]):
-        self.names = names
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, tb):
-        if kind is None or not issubclass(kind, AclnnError):
-            return False
-        message = _STATUS_SUFFIX.sub("", str(e))
-        for py_name, cann_name in self.names.items():
-            message = re.sub(rf"(?<![\w.]){re.escape(py_name)}(?!\w)", cann_name, message)
-        raise type(e)(e.status, message) from None  # an AclnnTypeError stays one
 
 
 def _placeholder(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,47 +1,24 @@
 """LayerNorm and RMSNorm as differentiable functionals (with their fused residual adds): the
-custom ops, their fakes, autograd and autocast rules, and the eager path that runs a
-remembered plan without the ops' dispatch (see ``_custom_ops``)."""
+custom ops, their fakes, autograd and autocast rules, and the eager path, which asks the ops
+layer for the call's remembered plan (``gradops.ops.norm_functional``) and launches it
+without the ops' dispatch (see ``_custom_ops.takes_eager_path``)."""
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from .._backend import requested
-from ..aclnn import renamed_errors
-from ..errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, AclnnError
 from ..ops import layer_norm as _ln_ops
-from ..ops import _plans
 from ..ops import rms_norm as _rms_ops
-from ..ops._checks import check_companion, check_float_attr, require_tensor, short_repr, stat_dtype
-from ..ops._shapes import as_int_tuple, check_trailing
-from ._custom_ops import (NOT_COMPUTED, autocast_off, backend_arg, double_backward_error, empty_like_spec, fresh,
-                          no_autocast, register_autocast, takes_eager_path)
+from ..ops._checks import renamed_errors
+from ..ops.norm_functional import NORM_NAMES, layer_norm_call, rms_norm_call
+from ._custom_ops import (NOT_COMPUTED, autocast_off, double_backward_error, empty_like_spec, fresh, no_autocast,
+                          register_autocast, takes_eager_path)
 from ._triton_ops import takes_triton_op
-
-# ops-layer parameter name -> the norm functionals' (torch's)
-_NORM_NAMES = {"x": "input", "gamma": "weight"}
 
 
 def _norm_op(family: str, residual) -> str:
     """The functional a norm op call serves, which its errors name."""
     return family if residual is None else f"fused_add_{family}"
-
-
-def _checked_norm(op: str, input, residual, normalized_shape, weight, bias, eps, backend, *, fused: bool,
-                  shape_status: int, eps_optional: bool):
-    """The norm functionals' arguments: returns (normalized_shape as a tuple, eps, backend).
-    ``fused``: the residual is required; ``eps_optional``: None stays None (torch's default).
-    The callers remember what they conclude per call signature (``gradops.ops._plans``)."""
-    require_tensor(op, "input", input)
-    if fused:
-        check_companion(op, "residual", residual, "input", input, status=shape_status)
-    shape = _normalized_shape(op, normalized_shape)
-    check_trailing(op, "normalized_shape", input, "input", tuple(shape), status=shape_status)
-    require_tensor(op, "weight", weight, optional=True)
-    require_tensor(op, "bias", bias, optional=True)
-    if eps is not None or not eps_optional:
-        eps = check_float_attr(op, "eps", eps)
-    return tuple(shape), eps, backend_arg(op, backend)
 
 
 # --------------------------------------------------------------------------------------------
@@ -58,15 +35,9 @@ def _with_h(outputs: tuple, n: int, like: Tensor) -> tuple:
 
 
 def _prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend):
-    with renamed_errors(_NORM_NAMES):
+    with renamed_errors(NORM_NAMES):
         return _ln_ops.prepare_layer_norm(x, normalized_shape, weight, bias, eps, residual=residual,
                                           backend=backend, op=_norm_op("layer_norm", residual))
-
-
-def _layer_norm_plan(x, residual, normalized_shape, weight, bias, eps, backend):
-    with renamed_errors(_NORM_NAMES):
-        return _ln_ops.plan_layer_norm(x, normalized_shape, weight, bias, eps, residual=residual, backend=backend,
-                                       op=_norm_op("layer_norm", residual))
 
 
 def _run_layer_norm_op(p, x) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -157,59 +128,36 @@ torch.library.register_autograd("gradops::layer_norm_backward",
 
 
 class _LayerNormFunction(torch.autograd.Function):
-    """The eager path of ``gradops::layer_norm`` (see ``_eager``): the same plan, backend and
-    backward operator, from a plan the call's signature already holds. Returns y, and h as
-    well with a residual."""
+    """The eager path of ``gradops::layer_norm`` (see ``takes_eager_path``): the operator's plan
+    from the call's remembered plan, the same backend and backward operator. Returns y, and h
+    as well with a residual."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, plan, backend):
+    def forward(ctx, x, residual, weight, bias, call):
+        plan = call.plan
         with autocast_off(x.device.type):
             y, mean, rstd, h = _ln_ops.run_layer_norm(plan, x, weight, bias, residual)
         ctx.has_residual = h is not None
         ctx.save_for_backward(h if ctx.has_residual else x, weight, bias, mean, rstd)
-        ctx.normalized_shape = plan.normalized_shape
-        ctx.backend = backend
-        ctx.impl = plan.impl
+        ctx.normalized_shape, ctx.backend, ctx.impl = plan.normalized_shape, call.backend, plan.impl
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros to add)
         return (fresh(y), fresh(h)) if ctx.has_residual else fresh(y)
 
     @staticmethod
     def backward(ctx, dy, dh=None):
         need_x, need_res, need_w, need_b = ctx.needs_input_grad[:4]
-        return _layer_norm_grads(ctx, dy, dh, need_x, need_res, need_w, need_b, ctx.impl) + (None, None)
-
-
-def _normalized_shape(op: str, normalized_shape) -> List[int]:
-    return list(as_int_tuple(op, "normalized_shape", normalized_shape))
-
-
-def _eager_plan(key, plan: tuple, make):
-    """The ops-layer plan of an eager call: the last item of its signature's ``plan``, else
-    ``make()``, remembered beside the rest (a call first traced, then run eagerly, makes it then)."""
-    if plan[-1] is None:
-        plan = _plans.remember(key, plan[:-1] + (make(),))
-    return plan[-1]
+        return _layer_norm_grads(ctx, dy, dh, need_x, need_res, need_w, need_b, ctx.impl) + (None,)
 
 
 def _layer_norm(op: str, input, residual, normalized_shape, weight, bias, eps, backend):
-    """layer_norm and fused_add_layer_norm: (y, h), h None without a residual. One key per call
-    signature holds what the checks concluded and, once the call runs eagerly, the ops
-    layer's plan: a training step's calls skip both."""
-    key = _plans.signature("gradops.nn.functional." + op, requested(backend), (input, residual, weight, bias),
-                           (normalized_shape, eps))
-    plan = _plans.lookup(key)
-    if plan is None:
-        shape, eps, backend = _checked_norm(op, input, residual, normalized_shape, weight, bias, eps, backend,
-                                            fused=op != "layer_norm", shape_status=ACLNN_ERR_PARAM_INVALID,
-                                            eps_optional=False)
-        plan = _plans.remember(key, (shape, eps, backend, None))
-    shape, eps, backend = plan[:3]
-    if takes_eager_path(input):
-        ln_plan = _eager_plan(key, plan, lambda: _layer_norm_plan(input, residual, shape, weight, bias, eps, backend))
-        out = _LayerNormFunction.apply(input, residual, weight, bias, ln_plan, backend)
+    """layer_norm and fused_add_layer_norm: (y, h), h None without a residual."""
+    eager = takes_eager_path(input)
+    call = layer_norm_call(op, input, residual, normalized_shape, weight, bias, eps, backend, eager=eager)
+    if eager:
+        out = _LayerNormFunction.apply(input, residual, weight, bias, call)
         return out if residual is not None else (out, None)
-    op = torch.ops.gradops.triton_layer_norm if takes_triton_op(input, backend) else torch.ops.gradops.layer_norm
-    out = op(input, residual, list(shape), weight, bias, eps, backend)
+    traced = torch.ops.gradops.triton_layer_norm if takes_triton_op(input, call.backend) else torch.ops.gradops.layer_norm
+    out = traced(input, residual, list(call.normalized_shape), weight, bias, call.eps, call.backend)
     return out[0], (out[-1] if residual is not None else None)
 
 
@@ -241,15 +189,9 @@ def fused_add_layer_norm(input: Tensor, residual: Tensor, normalized_shape: Unio
 # --------------------------------------------------------------------------------------------
 
 def _prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend):
-    with renamed_errors(_NORM_NAMES):
+    with renamed_errors(NORM_NAMES):
         return _rms_ops.prepare_rms_norm(x, gamma, eps, offset=offset, casting_mode=casting_mode,
                                          residual=residual, backend=backend, op=_norm_op("rms_norm", residual))
-
-
-def _rms_norm_plan(x, residual, gamma, eps, offset, casting_mode, backend):
-    with renamed_errors(_NORM_NAMES):
-        return _rms_ops.plan_rms_norm(x, gamma, eps, offset=offset, casting_mode=casting_mode, residual=residual,
-                                      backend=backend, op=_norm_op("rms_norm", residual))
 
 
 def _run_rms_norm_op(p, x) -> Tuple[Tensor, Tensor, Tensor]:
@@ -332,92 +274,42 @@ torch.library.register_autograd("gradops::rms_norm_backward",
 
 
 class _RmsNormFunction(torch.autograd.Function):
-    """The eager path of ``gradops::rms_norm`` (see ``_eager``), from a plan the call's
-    signature already holds. Returns y, and h as well with a residual."""
+    """The eager path of ``gradops::rms_norm`` (see ``takes_eager_path``), as LayerNorm's.
+    Returns y, and h as well with a residual."""
 
     @staticmethod
-    def forward(ctx, x, residual, gamma, plan, casting_mode, backend):
+    def forward(ctx, x, residual, gamma, call):
+        plan = call.plan
         with autocast_off(x.device.type):
             y, rstd, h = _rms_ops.run_rms_norm(plan, x, gamma, residual)
         ctx.has_residual = h is not None
         ctx.save_for_backward(h if ctx.has_residual else x, gamma, rstd)
-        ctx.offset, ctx.casting_mode, ctx.backend = plan.offset, casting_mode, backend
-        ctx.impl = plan.impl
+        ctx.offset, ctx.casting_mode, ctx.backend, ctx.impl = plan.offset, call.casting_mode, call.backend, plan.impl
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros to add)
         return (fresh(y), fresh(h)) if ctx.has_residual else fresh(y)
 
     @staticmethod
     def backward(ctx, dy, dh=None):
         need_x, need_res, need_gamma = ctx.needs_input_grad[:3]
-        return _rms_norm_grads(ctx, dy, dh, need_x, need_res, need_gamma, ctx.impl) + (None,) * 3
-
-
-def _rms_norm_call(key, plan, input, residual, weight, casting_mode, backend):
-    """(y, h) of an RMSNorm whose signature's ``plan`` ((eps, offset, the ops layer's plan or
-    None)) holds what the checks concluded: the eager path or, traced, the custom op."""
-    eps, offset = plan[:2]
-    if takes_eager_path(input):
-        rms_plan = _eager_plan(key, plan, lambda: _rms_norm_plan(input, residual, weight, eps, offset, casting_mode,
-                                                                 backend))
-        out = _RmsNormFunction.apply(input, residual, weight, rms_plan, casting_mode, backend)
-        return out if residual is not None else (out, None)
-    op = torch.ops.gradops.triton_rms_norm if takes_triton_op(input, backend) else torch.ops.gradops.rms_norm
-    out = op(input, residual, weight, eps, offset, casting_mode, backend)
-    return out[0], (out[-1] if residual is not None else None)
+        return _rms_norm_grads(ctx, dy, dh, need_x, need_res, need_gamma, ctx.impl) + (None,)
 
 
 def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, casting_mode, backend):
     """rms_norm and fused_add_rms_norm: (y, h), h None without a residual."""
-    # A signature seen before whose weight went to the operator as it is (the common case)
-    # skips the checks and the dtype rules below: they concluded (eps, offset) for it.
-    key = _plans.signature("gradops.nn.functional." + op, requested(backend), (input, residual, weight),
-                           (normalized_shape, eps, offset, casting_mode))
-    plan = _plans.lookup(key)
-    if plan is not None:
-        return _rms_norm_call(key, plan, input, residual, weight, casting_mode, requested(backend))
-    # RMSNorm's shape rules are tiling rules (561002)
-    shape, eps, backend = _checked_norm(op, input, residual, normalized_shape, weight, None, eps, backend,
-                                        fused=op != "rms_norm", shape_status=ACLNN_ERR_INNER_TILING_ERROR,
-                                        eps_optional=True)
-    shape = tuple(shape)
-    weight_given = weight
-    offset = check_float_attr(op, "offset", offset)
-    _rms_ops.check_casting_mode(op, casting_mode)
-    if eps is None:
-        # torch takes the machine eps of the dtype it computes in, float32 for half inputs
-        # (not bf16's 2**-7, which would visibly shift small-magnitude rows)
-        eps = torch.finfo(stat_dtype(input.dtype)).eps if input.is_floating_point() else 0.0
-    if weight is None:
-        if offset != 0:
-            raise AclnnError(ACLNN_ERR_PARAM_INVALID,
-                             f"{op}: offset is {short_repr(offset)} but weight is None, expected a weight for the offset "
-                             f"to shift (offset + weight scales the row)")
-        # float32 gamma beside half input is in CANN's dtype table; float32/float64 input keep their own
-        gamma_dtype = stat_dtype(input.dtype) if input.is_floating_point() else torch.float32
-        weight = torch.ones(shape, dtype=gamma_dtype, device=input.device)
-    elif tuple(weight.shape) != shape:
-        raise AclnnError(ACLNN_ERR_INNER_TILING_ERROR,
-                         f"{op}: weight has shape {tuple(weight.shape)}, expected normalized_shape == {shape}")
-    elif weight.is_floating_point() and input.is_floating_point() and weight.dtype != input.dtype:
-        if input.dtype in (torch.float32, torch.float64) and weight.dtype.itemsize < input.dtype.itemsize:
-            # torch (and HF's norms) compute a float32/float64 input with a half weight in
-            # the input's precision; CANN's table has no such pair, so widen the weight
-            # (exactly; its gradient flows back through the cast)
-            weight = weight.to(input.dtype)
-        elif casting_mode == "llama":
-            # Llama multiplies the rounded half x-hat by a weight of another dtype (a float32
-            # master weight, or the other half type) in their promoted dtype and returns that:
-            # the operator returns the rounded x-hat, torch scales it
-            y, h = _rms_norm(op, input, residual, shape, None, eps, 0.0, casting_mode, backend)
-            return (weight + offset if offset else weight) * y, h
-        elif weight.dtype in (torch.float16, torch.bfloat16):
-            # the other half type (fp16 beside bf16): "gemma" computes in float32 anyway, so
-            # the exactly widened weight gives the same result in CANN's dtype table
-            weight = weight.float()
-    if weight is not weight_given:
-        key = None  # a weight made or converted here is this call's own: the call is not remembered
-    return _rms_norm_call(key, _plans.remember(key, (float(eps), offset, None)), input, residual, weight,
-                          casting_mode, backend)
+    eager = takes_eager_path(input)
+    call = rms_norm_call(op, input, residual, normalized_shape, weight, eps, offset, casting_mode, backend,
+                         eager=eager)
+    gamma = weight if call.gamma is None else call.gamma
+    if eager:
+        out = _RmsNormFunction.apply(input, residual, gamma, call)
+        y, h = out if residual is not None else (out, None)
+    else:
+        traced = torch.ops.gradops.triton_rms_norm if takes_triton_op(input, call.backend) else torch.ops.gradops.rms_norm
+        out = traced(input, residual, gamma, call.eps, call.offset, casting_mode, call.backend)
+        y, h = out[0], (out[-1] if residual is not None else None)
+    if call.scale_offset is not None:  # the operator returned Llama's rounded x-hat (see RmsNormCall)
+        y = (weight + call.scale_offset if call.scale_offset else weight) * y
+    return y, h
 
 
 def rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int], torch.Size],

@@ -7,7 +7,8 @@ and the rule are always named.
 from __future__ import annotations
 
 import numbers
-from typing import Iterable, Optional, Sequence
+import re
+from typing import Dict, Iterable, Optional, Sequence
 
 import torch
 
@@ -311,3 +312,26 @@ def check_companion(op: str, name: str, t, ref_name: str, ref: torch.Tensor,
     check_same_dtype(op, name, t, ref_name, ref)
     check_shape(op, name, t, ref.shape, f"{ref_name}.shape", status=status)
     return t
+
+
+_STATUS_SUFFIX = re.compile(r" \[[A-Z_]+ \d+\]$")
+
+
+class renamed_errors:
+    """Errors of the shared validator name the Python API's parameters (``x``, ``block_size``);
+    re-raise them naming the caller's (CANN's ``input``, ``compressBlockSize``), same status.
+    (A class, not a generator context manager: it is entered on a norm functional's first call.)"""
+
+    def __init__(self, names: Dict[str, str]):
+        self.names = names
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if kind is None or not issubclass(kind, AclnnError):
+            return False
+        message = _STATUS_SUFFIX.sub("", str(e))
+        for py_name, cann_name in self.names.items():
+            message = re.sub(rf"(?<![\w.]){re.escape(py_name)}(?!\w)", cann_name, message)
+        raise type(e)(e.status, message) from None  # an AclnnTypeError stays one

@@ -29,3 +29,9 @@ def row_block(x: torch.Tensor) -> int:
     if x.device.type != "cpu" or m * n <= limit:
         return max(m, 1)
     return max(1, limit // n)
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, without the call when ``t`` has that dtype already (a small call
+    notices each call it makes)."""
+    return t if t.dtype == dtype else t.to(dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..ops._checks import stat_dtype
-from ._rows import row_block
+from ._rows import as_dtype, row_block
 
 
 def _aten_statistics(device: torch.device) -> bool:
@@ -25,6 +25,23 @@ def _aten_statistics(device: torch.device) -> bool:
     1234.57 got rstd 1.7e4 instead of 1e6 at eps = 1e-12 on an H100), so everywhere else the
     reference, being the golden, computes them itself."""
     return device.type == "cpu"
+
+
+_ATEN_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
+_UNIT_STATISTICS: dict = {}
+
+
+def _unit_statistics(rows, dtype, device):
+    """A mean of 0 and an rstd of 1 for ``rows`` rows, as ATen's backward takes them; made once
+    per size (ATen only reads them), at most 64 sizes kept."""
+    key = (rows, dtype, device)
+    stats = _UNIT_STATISTICS.get(key)
+    if stats is None:
+        if len(_UNIT_STATISTICS) >= 64:
+            _UNIT_STATISTICS.clear()
+        stats = _UNIT_STATISTICS[key] = (torch.zeros(rows, dtype=dtype, device=device),
+                                         torch.ones(rows, dtype=dtype, device=device))
+    return stats
 
 
 def _statistics(x, eps):
@@ -50,8 +67,8 @@ def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
         x = torch.add(x, residual, out=h_out)
     acc = stat_dtype(x.dtype)
     m, n = x.shape
-    w = None if weight is None else weight.to(acc)
-    b = None if bias is None else bias.to(acc)
+    w = None if weight is None else as_dtype(weight, acc)
+    b = None if bias is None else as_dtype(bias, acc)
     if not _aten_statistics(x.device):
         mean, rstd, y = _statistics(x.to(acc), eps)
         y = y * rstd  # (x - mean) * rstd * w + b, y rounded once
@@ -67,8 +84,8 @@ def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
     # rstd into one multiply-add, which leaves constant rows off zero.
     rows = row_block(x)
     if x.dtype == acc or rows >= m:
-        y, mean, rstd = torch.native_layer_norm(x.to(acc), [n], w, b, eps)
-        return y.to(x.dtype), mean.view(m), rstd.view(m)
+        y, mean, rstd = torch.native_layer_norm(as_dtype(x, acc), [n], w, b, eps)
+        return as_dtype(y, x.dtype), mean.view(m), rstd.view(m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     mean = torch.empty((m, 1), dtype=acc, device=x.device)
     rstd = torch.empty_like(mean)
@@ -85,7 +102,7 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
     acc = stat_dtype(x.dtype)
     m, n = x.shape
     want_dx, want_dw, want_db = output_mask
-    w = None if weight is None else weight.to(acc)
+    w = None if weight is None else as_dtype(weight, acc)
     if w is None and want_dw:  # ATen shapes dweight like the weight
         w = torch.ones(n, dtype=acc, device=x.device)
     # and dbias like the bias, which its math never reads: any [N] tensor will do
@@ -102,9 +119,9 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
     # block, not with M.
     rows = row_block(x)
     if rows >= m:  # one block: fresh results, no buffers to set up (the cost of a small call)
-        dx, dw, db = _grad_rows(dy.to(acc), x, mean[:, None], rstd[:, None], w, b, output_mask, dres, dx_out)
+        dx, dw, db = _grad_rows(as_dtype(dy, acc), x, mean[:, None], rstd[:, None], w, b, output_mask, dres, dx_out)
         if want_dx and dx_out is None:
-            dx = dx.to(x.dtype)
+            dx = as_dtype(dx, x.dtype)
     else:
         starts = range(0, m, rows)
         dx = None
@@ -127,8 +144,8 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
         dw = None if dws is None else dws.sum(dim=0)
         db = None if dbs is None else dbs.sum(dim=0)
     if grad_dtype is not None:
-        dw = None if dw is None else dw.to(grad_dtype)
-        db = None if db is None else db.to(grad_dtype)
+        dw = None if dw is None else as_dtype(dw, grad_dtype)
+        db = None if db is None else as_dtype(db, grad_dtype)
     return dx, dw, db
 
 
@@ -138,9 +155,8 @@ def _grad_rows(dyb, xb, mean, r, w, b, output_mask, dres=None, dx_out=None, xhat
     when given, else returned in acc. x-hat goes into ``xhat_out`` when given (the blocked
     path's reused buffer)."""
     xh = torch.sub(xb, mean, out=xhat_out).mul_(r)
-    k = xh.shape[0]
-    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-        dyb, xh, [xh.shape[1]], xh.new_zeros(k), xh.new_ones(k), w, b, output_mask)
+    zeros, ones = _unit_statistics(xh.shape[0], xh.dtype, xh.device)
+    dx, dw, db = _ATEN_BACKWARD(dyb, xh, [xh.shape[1]], zeros, ones, w, b, output_mask)
     if dx is not None:  # the rstd scale (and dres) in the pass that writes dx
         dx = torch.mul(dx, r, out=dx_out) if dres is None else torch.addcmul(dres, dx, r, out=dx_out)
     return dx, dw, db

@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 
 from ..ops._checks import stat_dtype
-from ._rows import row_block
+from ._rows import as_dtype, row_block
 
 
 def _scale(gamma, offset, acc):
     if gamma is None:
         return None
-    g = gamma.to(acc)
+    g = as_dtype(gamma, acc)
     return g + offset if offset else g
 
 
@@ -61,8 +61,8 @@ def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=N
     round_dtype = x.dtype if round_xhat and x.dtype != acc else None
     rows = row_block(x)
     if rows >= m:  # one block: fresh results, no buffers to set up (the cost of a small call)
-        y, rstd = _forward_rows(x.to(acc), g, eps, round_dtype)
-        return y.to(x.dtype), rstd
+        y, rstd = _forward_rows(as_dtype(x, acc), g, eps, round_dtype)
+        return as_dtype(y, x.dtype), rstd
     # Row blocks whose float32 buffers stay in cache, reused from block to block (see _rows)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     rstd = torch.empty(m, dtype=acc, device=x.device)
@@ -78,7 +78,7 @@ def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=N
 def rms_norm_grad(dy, x, rstd, gamma, dx_out=None, offset=0.0, round_xhat=False, dres=None, grad_dtype=None):
     # grad_dtype: the dtype of dgamma (acc when None)
     dx, dgamma = _rms_norm_grad(dy, x, rstd, gamma, dx_out, offset, round_xhat, dres)
-    return dx, dgamma if grad_dtype is None else dgamma.to(grad_dtype)
+    return dx, dgamma if grad_dtype is None else as_dtype(dgamma, grad_dtype)
 
 
 def _rms_norm_grad(dy, x, rstd, gamma, dx_out, offset, round_xhat, dres):
@@ -88,8 +88,9 @@ def _rms_norm_grad(dy, x, rstd, gamma, dx_out, offset, round_xhat, dres):
     round_dtype = x.dtype if round_xhat and x.dtype != acc else None
     rows = row_block(x)
     if rows >= m:  # one block: fresh results (dgamma before dx lands in dy's memory, in_place)
-        dx, dgamma = _grad_rows(dy.to(acc), x.to(acc), rstd.to(acc)[:, None], g, round_dtype, dres, dx_out)
-        return (dx if dx_out is not None else dx.to(x.dtype)), dgamma
+        dx, dgamma = _grad_rows(as_dtype(dy, acc), as_dtype(x, acc), as_dtype(rstd, acc)[:, None], g, round_dtype,
+                                dres, dx_out)
+        return (dx if dx_out is not None else as_dtype(dx, x.dtype)), dgamma
     # Row blocks, as in rms_norm; dgamma's per-block sums are summed in one cascade, and dx
     # lands in dx_out (dy's memory, in_place) only after the block's dgamma was taken
     dx = dx_out if dx_out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
