@@ -22,6 +22,7 @@ triton = pytest.importorskip("triton")
 
 import gradops  # noqa: E402
 from gradops import oracles  # noqa: E402
+from gradops.kernels import _norm_common  # noqa: E402
 from gradops.kernels import layer_norm as KLN  # noqa: E402
 from gradops.kernels import norm_config  # noqa: E402
 from gradops.kernels import rms_norm as KRN  # noqa: E402
@@ -184,9 +185,9 @@ def fresh_configs():
     """Configurations are cached per signature: a test that changes norm_config's constants
     starts and leaves without any decided under other constants (request it before
     monkeypatch, so that the constants are back before the caches are cleared)."""
-    norm_config.clear_caches()
+    _norm_common.clear_caches()
     yield
-    norm_config.clear_caches()
+    _norm_common.clear_caches()
 
 
 def test_wide_layer_norm_forward_mean_is_as_accurate_as_torch(fresh_configs, device, force_split, monkeypatch):

@@ -47,6 +47,14 @@ def _fused_launch(kernel, m: int, n: int, dtype: torch.dtype, device: torch.devi
     return kernel[(cfg.grid,)], cfg, kw
 
 
+def clear_caches() -> None:
+    """Forget every launch and configuration decided so far (they are cached per signature):
+    for tests that change ``norm_config``'s constants. (Here, not in norm_config: this module
+    imports norm_config and owns the launch cache, so neither imports the other back.)"""
+    for cached in (norm_config.fused_config, norm_config.split_config, norm_config.reduce_config, _fused_launch):
+        cached.cache_clear()
+
+
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dim is contiguous (any row stride is passed to the
     kernel), else a contiguous copy: the kernels vectorise along a row."""

@@ -241,15 +241,6 @@ class ReduceConfig:
         return self._launch
 
 
-def clear_caches() -> None:
-    """Forget every configuration decided so far (they are cached per signature): for tests
-    that change this module's constants."""
-    from ._norm_common import _fused_launch
-
-    for cached in (fused_config, split_config, reduce_config, _fused_launch):
-        cached.cache_clear()
-
-
 def is_fused(n: int, device, kind: str = "bwd") -> bool:
     return n <= max_fused_n(device, kind)
 
