@@ -14,7 +14,8 @@ backward op), so that
   (which validates and plans without reading tensor data), so shapes, dtypes and errors
   are decided in one place for eager and compiled code alike;
 - torch.func transforms (``grad``, ``vjp``, ``jacrev``, ``vmap``) go through autograd.Functions
-  with ``setup_context`` and the ops' batching rules (``transformable``, ``register_rows_vmap``);
+  with ``setup_context`` and the ops' batching rules (``_transforms``: ``transformable``,
+  ``register_rows_vmap``, ``register_folded_vmap``);
 - double backward (gradients of gradients) raises a clear error instead of silently
   differentiating the wrong thing: the backward operators have no derivative of their own.
 

@@ -39,8 +39,9 @@ _STATE = threading.local()
 
 def transformed(op):
     """``op`` (a ``torch.ops.gradops`` packet) itself, or under a torch.func transform the
-    autograd.Function that gives it an autograd functorch accepts."""
-    if not torch._C._are_functorch_transforms_active():
+    autograd.Function that gives it an autograd functorch accepts. Not while dynamo traces:
+    it turns transforms into higher-order ops of its own and cannot trace this Function."""
+    if not torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
         return op
     return _FUNCTIONS[op._qualified_op_name]
 
