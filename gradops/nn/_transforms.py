@@ -113,9 +113,9 @@ def _batched_at(t: Tensor, bdim: Optional[int], size: int, at: int) -> Tensor:
 
 
 def _not_computed(t: Tensor) -> bool:
-    # An output an op skipped is an empty 1-D tensor; every computed one carries the batch
-    # (its rank is at least 2), so the shape tells them apart. Skipped, it is the same for
-    # every example: unbatched.
+    # An output an op skipped is an empty 1-D tensor, the same for every example: unbatched.
+    # A computed output of that shape (a norm of empty rows) is empty for every example too,
+    # so treating it alike gives the same result.
     return tuple(t.shape) == NOT_COMPUTED
 
 
@@ -217,18 +217,19 @@ def register_folded_vmap(op_name: str, at: int, *, unbatchable: Sequence[str] = 
 
     def rule(info, in_dims, *args):
         size = info.batch_size
-        folded = []
+        folded, extent = [], None
         for name, a, d in zip(names, args, in_dims):
             if name in unbatchable:
                 if isinstance(a, Tensor) and d is not None:
                     raise _batched_error(family, name)
             elif isinstance(a, Tensor):
-                a = _batched_at(a, d, size, at).flatten(at, at + 1)
+                a = _batched_at(a, d, size, at)
+                extent = a.shape[at + 1]  # (the same in every tensor: the op checks it)
+                a = a.flatten(at, at + 1)
             folded.append(a)
         out = op(*folded)
         outs = (out,) if isinstance(out, Tensor) else out
-        # (an empty batch leaves the per-example size unknown from the output; any will do)
-        outs = tuple(t.unflatten(at, (size, t.shape[at] // size if size else 0)) for t in outs)
+        outs = tuple(t.unflatten(at, (size, extent)) for t in outs)
         return (outs[0], at) if isinstance(out, Tensor) else (outs, (at,) * len(outs))
 
     torch.library.register_vmap(f"gradops::{op_name}", rule)
