@@ -14,7 +14,8 @@ backward op), so that
   (which validates and plans without reading tensor data), so shapes, dtypes and errors
   are decided in one place for eager and compiled code alike;
 - torch.func transforms (``grad``, ``vjp``, ``jacrev``, ``vmap``) go through autograd.Functions
-  with ``setup_context`` and the ops' batching rules (``transformable``, ``register_rows_vmap``);
+  with ``setup_context`` and the ops' batching rules (``_transforms``: ``transformable``,
+  ``register_rows_vmap``, ``register_folded_vmap``);
 - double backward (gradients of gradients) raises a clear error instead of silently
   differentiating the wrong thing: the backward operators have no derivative of their own.
 
@@ -106,8 +107,9 @@ def register_autocast(op_name: str, cast_to_autocast_dtype: bool):
 
     With ``cast_to_autocast_dtype`` the floating tensor arguments are cast to the active
     autocast dtype (bf16 or fp16, whichever the user chose) before the op runs, float64
-    excepted (torch's autocast leaves float64 alone too); without it they pass unchanged. Either way the op itself then runs with autocast excluded, so the
-    backend's internal float32 math is not lowered by autocast.
+    excepted (torch's autocast leaves float64 alone too); without it they pass unchanged.
+    Either way the op itself then runs with autocast excluded, so the backend's internal
+    float32 math is not lowered by autocast.
     """
     op = getattr(torch.ops.gradops, op_name).default
     for device_type in ("cpu", "cuda"):

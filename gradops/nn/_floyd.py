@@ -9,6 +9,7 @@ from torch import Tensor
 from ..ops import floyd_attention as _floyd_ops
 from ..ops._checks import check_float_attr, require_tensor
 from ._custom_ops import backend_arg, double_backward_error, empty_like_spec, fresh, no_autocast, register_autocast
+from ._transforms import register_folded_vmap, transformable, transformed
 
 @torch.library.custom_op("gradops::floyd_attention", mutates_args=())
 def _floyd_op(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, mask: Optional[Tensor],
@@ -58,8 +59,8 @@ def _floyd_backward(ctx, dy, _dmax, _dsum):
         return (None,) * 8
     if dy is None:
         dy = torch.zeros_like(out)
-    grads = torch.ops.gradops.floyd_attention_backward(dy, q, k1, v1, k2, v2, out, smax, ssum, mask,
-                                                       ctx.scale, ctx.backend)
+    backward_op = transformed(torch.ops.gradops.floyd_attention_backward)
+    grads = backward_op(dy, q, k1, v1, k2, v2, out, smax, ssum, mask, ctx.scale, ctx.backend)
     return tuple(g if need else None for g, need in zip(grads, needs)) + (None, None, None)
 
 
@@ -67,6 +68,12 @@ torch.library.register_autograd("gradops::floyd_attention", _floyd_backward, set
 torch.library.register_autograd("gradops::floyd_attention_backward",
                                 double_backward_error("floyd_attention",
                                                        "a plain PyTorch einsum formulation"))
+# torch.func transforms (see _transforms): a vmapped dim is more of the batch B
+transformable("floyd_attention", _floyd_setup, _floyd_backward)
+transformable("floyd_attention_backward", None,
+              double_backward_error("floyd_attention", "a plain PyTorch einsum formulation"))
+register_folded_vmap("floyd_attention", 0)
+register_folded_vmap("floyd_attention_backward", 0)
 
 
 def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, mask: Optional[Tensor] = None,
@@ -88,7 +95,8 @@ def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, m
         from ..distributed import dtensor
 
         dtensor.register()
-    out, _, _ = torch.ops.gradops.floyd_attention(q, k1, v1, k2, v2, mask, scale, backend_arg(op, backend))
+    out, _, _ = transformed(torch.ops.gradops.floyd_attention)(q, k1, v1, k2, v2, mask, scale,
+                                                               backend_arg(op, backend))
     return out
 
 

@@ -13,6 +13,7 @@ from ..ops._checks import renamed_errors
 from ..ops.norm_functional import NORM_NAMES, layer_norm_call, rms_norm_call
 from ._custom_ops import (NOT_COMPUTED, autocast_off, double_backward_error, empty_like_spec, fresh, no_autocast,
                           register_autocast, takes_eager_path)
+from ._transforms import register_rows_vmap, transformable, transformed
 from ._triton_ops import takes_triton_op
 
 
@@ -109,8 +110,9 @@ def _layer_norm_grads(ctx, dy, dh, need_x, need_res, need_w, need_b, impl=None):
                                                          mask, dresidual=dh)
     else:
         lead = x.shape[: x.dim() - len(ctx.normalized_shape)]  # (the eager path keeps them flat)
-        dx, dw, db = torch.ops.gradops.layer_norm_backward(dy, dh, x, ctx.normalized_shape, mean.reshape(lead),
-                                                           rstd.reshape(lead), weight, bias, mask, ctx.backend)
+        backward_op = transformed(torch.ops.gradops.layer_norm_backward)
+        dx, dw, db = backward_op(dy, dh, x, ctx.normalized_shape, mean.reshape(lead), rstd.reshape(lead), weight,
+                                 bias, mask, ctx.backend)
     dx = dx if mask[0] else None
     # bias is accepted by the backward operator only for its shape check; db = sum(dy) needs no bias
     return dx, dx if ctx.has_residual else None, dw if mask[1] else None, db if mask[2] else None
@@ -125,6 +127,12 @@ def _layer_norm_backward(ctx, dy, _dmean, _drstd, dh):
 torch.library.register_autograd("gradops::layer_norm", _layer_norm_backward, setup_context=_layer_norm_setup)
 torch.library.register_autograd("gradops::layer_norm_backward",
                                 double_backward_error("layer_norm", "torch.nn.functional.layer_norm"))
+# torch.func transforms (see _transforms); a Triton op's call under one takes the custom op
+transformable("layer_norm", _layer_norm_setup, _layer_norm_backward, aliases=("triton_layer_norm",))
+transformable("layer_norm_backward", None, double_backward_error("layer_norm", "torch.nn.functional.layer_norm"))
+register_rows_vmap("layer_norm", ("weight", "bias"))
+register_rows_vmap("layer_norm_backward", ("weight", "bias"),
+                   param_grads_wanted=lambda a: a["output_mask"][1] or a["output_mask"][2])
 
 
 class _LayerNormFunction(torch.autograd.Function):
@@ -156,8 +164,9 @@ def _layer_norm(op: str, input, residual, normalized_shape, weight, bias, eps, b
     if eager:
         out = _LayerNormFunction.apply(input, residual, weight, bias, call)
         return out if residual is not None else (out, None)
-    traced = torch.ops.gradops.triton_layer_norm if takes_triton_op(input, call.backend) else torch.ops.gradops.layer_norm
-    out = traced(input, residual, list(call.normalized_shape), weight, bias, call.eps, call.backend)
+    traced = (torch.ops.gradops.triton_layer_norm if takes_triton_op(input, call.backend)
+              else torch.ops.gradops.layer_norm)
+    out = transformed(traced)(input, residual, list(call.normalized_shape), weight, bias, call.eps, call.backend)
     return out[0], (out[-1] if residual is not None else None)
 
 
@@ -257,8 +266,8 @@ def _rms_norm_grads(ctx, dy, dh, need_x, need_res, need_gamma, impl=None):
                 grad_dtype=gamma.dtype)
     else:
         lead = x.shape[: x.dim() - gamma.dim()]  # (the eager path keeps rstd flat)
-        dx, dgamma = torch.ops.gradops.rms_norm_backward(dy, dh, x, rstd.reshape(lead), gamma, ctx.offset,
-                                                         ctx.casting_mode, ctx.backend)
+        backward_op = transformed(torch.ops.gradops.rms_norm_backward)
+        dx, dgamma = backward_op(dy, dh, x, rstd.reshape(lead), gamma, ctx.offset, ctx.casting_mode, ctx.backend)
     # the operator accumulates dgamma in float32; the parameter's gradient has its own dtype
     return dx, dx if ctx.has_residual else None, dgamma.to(gamma.dtype)
 
@@ -271,6 +280,11 @@ def _rms_norm_backward(ctx, dy, _drstd, dh):
 torch.library.register_autograd("gradops::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
 torch.library.register_autograd("gradops::rms_norm_backward",
                                 double_backward_error("rms_norm", "torch.nn.functional.rms_norm"))
+# the backward op returns dgamma always: whether it is used only the autograd node knows
+transformable("rms_norm", _rms_norm_setup, _rms_norm_backward, aliases=("triton_rms_norm",), param_grads=(2,))
+transformable("rms_norm_backward", None, double_backward_error("rms_norm", "torch.nn.functional.rms_norm"))
+register_rows_vmap("rms_norm", ("gamma",))
+register_rows_vmap("rms_norm_backward", ("gamma",), param_grad_outputs=(1,))
 
 
 class _RmsNormFunction(torch.autograd.Function):
@@ -304,8 +318,9 @@ def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, c
         out = _RmsNormFunction.apply(input, residual, gamma, call)
         y, h = out if residual is not None else (out, None)
     else:
-        traced = torch.ops.gradops.triton_rms_norm if takes_triton_op(input, call.backend) else torch.ops.gradops.rms_norm
-        out = traced(input, residual, gamma, call.eps, call.offset, casting_mode, call.backend)
+        traced = (torch.ops.gradops.triton_rms_norm if takes_triton_op(input, call.backend)
+                  else torch.ops.gradops.rms_norm)
+        out = transformed(traced)(input, residual, gamma, call.eps, call.offset, casting_mode, call.backend)
         y, h = out[0], (out[-1] if residual is not None else None)
     if call.scale_offset is not None:  # the operator returned Llama's rounded x-hat (see RmsNormCall)
         y = (weight + call.scale_offset if call.scale_offset else weight) * y

@@ -11,6 +11,7 @@ from ..ops import nsa_compress as _nsa_ops
 from ..ops._checks import check_int_attr, require_tensor
 from ._custom_ops import (backend_arg, double_backward_error, empty_like_spec, fresh, no_autocast, register_autocast,
                           takes_eager_path)
+from ._transforms import refuse_batched, register_folded_vmap, transformable, transformed
 
 def _nsa_forward(x, weight, block_size, stride, seq_lens, seq_lens_type, backend):
     with no_autocast(x.device.type):
@@ -121,7 +122,7 @@ def _nsa_backward(ctx, dout):
     need_x, need_w = ctx.needs_input_grad[:2]
     if not (need_x or need_w):
         return (None,) * 7
-    dx, dw = grad_op(dout, x, weight, block_size, stride, seq_lens, seq_lens_type, backend)
+    dx, dw = transformed(grad_op)(dout, x, weight, block_size, stride, seq_lens, seq_lens_type, backend)
     return dx if need_x else None, dw if need_w else None, None, None, None, None, None
 
 
@@ -154,6 +155,11 @@ for _name in ("nsa_compress", "nsa_compress_seqlens_tensor"):
     torch.library.register_autograd(f"gradops::{_name}", _nsa_backward, setup_context=_nsa_setup)
     torch.library.register_autograd(f"gradops::{_name}_backward",
                                     double_backward_error("nsa_compress", "a plain PyTorch formulation"))
+    # torch.func transforms (see _transforms): heads are independent, so a vmapped dim is more heads
+    transformable(_name, _nsa_setup, _nsa_backward)
+    transformable(f"{_name}_backward", None, double_backward_error("nsa_compress", "a plain PyTorch formulation"))
+    register_folded_vmap(_name, 1, unbatchable=("seq_lens",))
+    register_folded_vmap(f"{_name}_backward", 1, unbatchable=("seq_lens",))
 
 
 def nsa_compress(x: Tensor, weight: Tensor, block_size: int, stride: int,
@@ -182,12 +188,13 @@ def nsa_compress(x: Tensor, weight: Tensor, block_size: int, stride: int,
     backend = backend_arg(op, backend)
     if isinstance(seq_lens, Tensor) and torch.compiler.is_compiling():
         require_tensor(op, "seq_lens", seq_lens)
-        return torch.ops.gradops.nsa_compress_seqlens_tensor(x, weight, block_size, stride, seq_lens,
-                                                             type_name, backend)
+        return transformed(torch.ops.gradops.nsa_compress_seqlens_tensor)(x, weight, block_size, stride, seq_lens,
+                                                                          type_name, backend)
+    refuse_batched(op, "seq_lens", seq_lens)
     seq_lens = _nsa_ops.seq_lens_to_list(op, seq_lens)
     if takes_eager_path(x) and not torch.is_autocast_enabled(x.device.type):  # (autocast casts through the op)
         return _NsaCompressFunction.apply(x, weight, block_size, stride, seq_lens, type_name, backend)
-    return torch.ops.gradops.nsa_compress(x, weight, block_size, stride, seq_lens, type_name, backend)
+    return transformed(torch.ops.gradops.nsa_compress)(x, weight, block_size, stride, seq_lens, type_name, backend)
 
 
 # matmul-like: the forwards take the autocast dtype, the backwards what autograd hands them

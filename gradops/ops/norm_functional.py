@@ -105,8 +105,8 @@ def _rms_gamma(op, input, shape, weight, offset, casting_mode):
     if weight is None:
         if offset != 0:
             raise AclnnError(ACLNN_ERR_PARAM_INVALID,
-                             f"{op}: offset is {short_repr(offset)} but weight is None, expected a weight for the offset "
-                             f"to shift (offset + weight scales the row)")
+                             f"{op}: offset is {short_repr(offset)} but weight is None, expected a weight for the "
+                             f"offset to shift (offset + weight scales the row)")
         return _ones(input, shape), None
     if tuple(weight.shape) != shape:
         raise AclnnError(ACLNN_ERR_INNER_TILING_ERROR,
