@@ -28,20 +28,6 @@ def _aten_statistics(device: torch.device) -> bool:
 
 
 _ATEN_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
-_UNIT_STATISTICS: dict = {}
-
-
-def _unit_statistics(rows, dtype, device):
-    """A mean of 0 and an rstd of 1 for ``rows`` rows, as ATen's backward takes them; made once
-    per size (ATen only reads them), at most 64 sizes kept."""
-    key = (rows, dtype, device)
-    stats = _UNIT_STATISTICS.get(key)
-    if stats is None:
-        if len(_UNIT_STATISTICS) >= 64:
-            _UNIT_STATISTICS.clear()
-        stats = _UNIT_STATISTICS[key] = (torch.zeros(rows, dtype=dtype, device=device),
-                                         torch.ones(rows, dtype=dtype, device=device))
-    return stats
 
 
 def _statistics(x, eps):
@@ -109,17 +95,17 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
     b = (w if w is not None else torch.empty(n, dtype=acc, device=x.device)) if want_db else None
     # ATen's kernel computes dx = a * dy * w + b * x + c, which cancels on rows whose mean is
     # large beside their deviation (a row of mean 1e3 and deviation 0.1 loses 1e-4 of dx in
-    # float32, a row of width 1 gets dx != 0). Given x-hat, a mean of 0 and an rstd of 1 it
-    # computes this module's formula, dx / rstd = g - mean_n(g) - xhat * mean_n(g * xhat), up
-    # to rounding (exactly 0 at width 1), and dx is scaled by rstd after. Half dy goes in as
-    # float32 too: ATen's half kernel sums dweight/dbias in half precision (5-11 % off at 8192
-    # rows). In row blocks (see _rows); dres is added in float32, dx rounded once, and with
-    # in_place dx lands in dx_out (dy's memory) after ATen has read the block's dy. The
-    # blocks' dweight/dbias are summed in one cascade, so their rounding grows with the
-    # block, not with M.
+    # float32, a row of width 1 gets dx != 0). Given the centred rows x - mean and a mean of 0
+    # it computes this module's formula, dx = rstd * (g - mean_n(g) - xhat * mean_n(g * xhat)),
+    # up to rounding, with nothing to cancel; a row of width 1 gets dx = 0 here, exactly (its
+    # x-hat is 0 whatever x is). Half dy goes in as float32 too: ATen's half kernel sums
+    # dweight/dbias in half precision (5-11 % off at 8192 rows). In row blocks (see _rows);
+    # dres is added in float32, dx rounded once, and with in_place dx lands in dx_out (dy's
+    # memory) after ATen has read the block's dy. The blocks' dweight/dbias are summed in one
+    # cascade, so their rounding grows with the block, not with M.
     rows = row_block(x)
     if rows >= m:  # one block: fresh results, no buffers to set up (the cost of a small call)
-        dx, dw, db = _grad_rows(as_dtype(dy, acc), x, mean[:, None], rstd[:, None], w, b, output_mask, dres, dx_out)
+        dx, dw, db = _grad_rows(as_dtype(dy, acc), x, mean, rstd, w, b, output_mask, dres, dx_out)
         if want_dx and dx_out is None:
             dx = as_dtype(dx, x.dtype)
     else:
@@ -129,14 +115,14 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
             dx = dx_out if dx_out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
         dws = torch.empty((len(starts), n), dtype=acc, device=x.device) if want_dw else None
         dbs = torch.empty((len(starts), n), dtype=acc, device=x.device) if want_db else None
-        xhat = torch.empty((rows, n), dtype=acc, device=x.device)
+        centred = torch.empty((rows, n), dtype=acc, device=x.device)
         dyf = torch.empty((rows, n), dtype=acc, device=x.device) if dy.dtype != acc else None
         for i, s in enumerate(starts):
             e = min(s + rows, m)
             dyb = dy[s:e] if dyf is None else dyf[: e - s].copy_(dy[s:e])
-            _, dwb, dbb = _grad_rows(dyb, x[s:e], mean[s:e, None], rstd[s:e, None], w, b, output_mask,
+            _, dwb, dbb = _grad_rows(dyb, x[s:e], mean[s:e], rstd[s:e], w, b, output_mask,
                                      None if dres is None else dres[s:e], None if dx is None else dx[s:e],
-                                     xhat[: e - s])
+                                     centred[: e - s])
             if want_dw:
                 dws[i] = dwb
             if want_db:
@@ -149,16 +135,23 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
     return dx, dw, db
 
 
-def _grad_rows(dyb, xb, mean, r, w, b, output_mask, dres=None, dx_out=None, xhat_out=None):
+def _grad_rows(dyb, xb, mean, r, w, b, output_mask, dres=None, dx_out=None, centred_out=None):
     """dx (+ dres), dweight and dbias of the rows ``xb`` with statistics ``mean``, ``r``
-    ``[rows, 1]``; dy ``dyb`` in acc. dx is computed in acc and rounded once: into ``dx_out``
-    when given, else returned in acc. x-hat goes into ``xhat_out`` when given (the blocked
-    path's reused buffer)."""
-    xh = torch.sub(xb, mean, out=xhat_out).mul_(r)
-    zeros, ones = _unit_statistics(xh.shape[0], xh.dtype, xh.device)
-    dx, dw, db = _ATEN_BACKWARD(dyb, xh, [xh.shape[1]], zeros, ones, w, b, output_mask)
-    if dx is not None:  # the rstd scale (and dres) in the pass that writes dx
-        dx = torch.mul(dx, r, out=dx_out) if dres is None else torch.addcmul(dres, dx, r, out=dx_out)
+    ``[rows]``; dy ``dyb`` in acc. dx is computed in acc and rounded once: into ``dx_out``
+    when given, else returned in acc. The centred rows go into ``centred_out`` when given (the
+    blocked path's reused buffer)."""
+    centred = torch.sub(xb, mean[:, None], out=centred_out)
+    k, n = centred.shape
+    # (ATen reads rstd as one value per row in memory order: a strided rstd goes in contiguous)
+    dx, dw, db = _ATEN_BACKWARD(dyb, centred, [n], centred.new_zeros(k), r.contiguous(), w, b,
+                                output_mask)
+    if dx is not None:
+        if n == 1:  # exactly 0 (NaN where rstd is not finite: 0 * rstd, as the formula gives it)
+            dx.zero_().mul_(r[:, None])
+        if dres is not None:
+            dx = torch.add(dx, dres, out=dx_out)
+        elif dx_out is not None:
+            dx = dx_out.copy_(dx)
     return dx, dw, db
 
 
