@@ -2,7 +2,7 @@
 
     gradops                 same as ``gradops selftest``
     gradops selftest        every operator, every available backend, against float64 oracles
-    gradops info            versions, devices, backends
+    gradops info            versions (and the tested range), devices, backends
     gradops bench FAMILY    benchmarks (norm, nsa, floyd, model, overhead): see ``gradops bench FAMILY --help``
     gradops bench all       every family at its GPU shapes, one folder of results and a summary
 
