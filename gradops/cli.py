@@ -2,7 +2,7 @@
 
     gradops                 same as ``gradops selftest``
     gradops selftest        every operator, every available backend, against float64 oracles
-    gradops info            versions, devices, backends
+    gradops info            versions (and the tested range), devices, backends
     gradops bench FAMILY    benchmarks (norm, nsa, floyd, model, overhead): see ``gradops bench FAMILY --help``
     gradops bench all       every family at its GPU shapes, one folder of results and a summary
 
@@ -61,7 +61,7 @@ def cmd_selftest(args) -> int:
 def cmd_info(args) -> int:
     import platform
 
-    from . import __version__, selftest
+    from . import __version__, _versions, selftest
 
     # The same rule as `gradops selftest --device cpu`, so that both list the same backends.
     user_interpret = os.environ.get("TRITON_INTERPRET")
@@ -87,6 +87,15 @@ def cmd_info(args) -> int:
                 print(f"  Triton interpreter: {_interpreter.APPLIED}")
     else:
         print(f"triton not installed ({selftest.TRITON_INSTALL_HINT})")
+    print(f"tested: torch {_versions.tested_range('torch')}, triton {_versions.tested_range('triton')} "
+          f"(CI runs the oldest pair and the newest)")
+    installed = {"torch": torch.__version__}
+    if triton_available():
+        installed["triton"] = triton.__version__
+    for package, version in installed.items():
+        why = _versions.outside_tested(package, version)
+        if why:
+            print(f"  untested: {package} {version} is {why}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for dev in devices:
         name = torch.cuda.get_device_name(0) if dev == "cuda" else platform.processor() or "cpu"

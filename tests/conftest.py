@@ -18,6 +18,10 @@ on the host and raises where a GPU run would (a CPU generator drawing onto the t
 two devices in one call, a host tensor passed beside test-device ones); tensors inside
 ``parametrize`` arguments (made at collection, on the CPU whatever the test device) fail the
 test on every device. ``GRADOPS_DEVICE_GUARD=0`` turns the guard off.
+
+``GRADOPS_NO_SKIPS=1`` (.ci/run's oldest-version step) makes every skip a failure: there a
+skip would hide what broke (an import, a torch feature a test checks for), so the selection
+(.ci/oldest.txt) holds only tests that run on the CPU.
 """
 import contextlib
 import os
@@ -147,3 +151,25 @@ def _device_guard(request):
         return
     with device_guard.guarding():
         yield
+
+
+NO_SKIPS = os.environ.get("GRADOPS_NO_SKIPS") == "1"
+
+
+def _fail_a_skip(report):
+    if NO_SKIPS and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped, and GRADOPS_NO_SKIPS=1 makes a skip a failure: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_a_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_a_skip(outcome.get_result())

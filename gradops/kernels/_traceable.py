@@ -24,6 +24,8 @@ from typing import Iterator, Tuple
 
 import torch
 
+from .._backend import triton_interpreter_on
+
 _state = threading.local()
 
 # Launch options Inductor's compile of a user kernel does not take.
@@ -52,6 +54,8 @@ def traced(kernel, grid: tuple, options: dict) -> Tuple[object, dict]:
             f"gradops: {kernel.fn.__name__} runs without floating-point contraction, which a launch traced for "
             f"Inductor cannot ask for (Inductor compiles it with its own options): it must stay in an opaque op")
     kept = {k: v for k, v in options.items() if k not in NOT_TRACED_OPTIONS}
+    if triton_interpreter_on():  # nothing traces the interpreter's kernels (torch 2.11's wrap_triton refuses them)
+        return kernel[grid], kept
     return torch.library.wrap_triton(kernel)[grid], kept
 
 
