@@ -155,13 +155,13 @@ def test_nn_backward_runs_on_the_forwards_backend(monkeypatch):
     from gradops.nn import functional as F
     from gradops.ops import rms_norm as rms_ops
     seen = []
-    real = rms_ops.run_rms_norm_grad
+    real = rms_ops.run_planned_rms_norm_grad
 
-    def spy(impl, *args, **kwargs):
-        seen.append(impl.__name__)
-        return real(impl, *args, **kwargs)
+    def spy(plan, *args, **kwargs):
+        seen.append(plan.impl.__name__)
+        return real(plan, *args, **kwargs)
 
-    monkeypatch.setattr(rms_ops, "run_rms_norm_grad", spy)
+    monkeypatch.setattr(rms_ops, "run_planned_rms_norm_grad", spy)
     x = torch.randn(3, 8, requires_grad=True)
     with gradops.use_backend("reference"):
         y = F.rms_norm(x, [8], torch.ones(8, requires_grad=True))

@@ -65,10 +65,16 @@ def no_autocast(device_type: str):
     return torch.autocast(device_type=device_type, enabled=False)
 
 
-def autocast_off(device_type: str):
-    """``_no_autocast`` where autocast is on, else nothing (entering the context costs a few
-    microseconds, which a tiny eager call notices)."""
-    return no_autocast(device_type) if torch.is_autocast_enabled(device_type) else contextlib.nullcontext()
+_NOTHING = contextlib.nullcontext()
+
+
+def autocast_off(t: Tensor):
+    """``no_autocast`` for ``t``'s device where autocast is on, else nothing (entering a context,
+    even reading a tensor's device, costs a tiny eager call time it notices)."""
+    if not torch._C._is_any_autocast_enabled():
+        return _NOTHING
+    device_type = t.device.type
+    return no_autocast(device_type) if torch.is_autocast_enabled(device_type) else _NOTHING
 
 
 def takes_eager_path(x: Tensor) -> bool:
@@ -80,7 +86,7 @@ def takes_eager_path(x: Tensor) -> bool:
     autograd, autocast and dynamo wrappers of ``torch.library``) costs several times what a
     small norm computes. Both paths validate with the same ``prepare_*`` and run the same
     backend code."""
-    return (type(x) in (Tensor, torch.nn.Parameter) and x.device.type in ("cpu", "cuda")
+    return (type(x) in (Tensor, torch.nn.Parameter) and (x.is_cpu or x.is_cuda)
             and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
             and not torch._C._are_functorch_transforms_active())
 

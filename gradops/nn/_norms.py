@@ -91,10 +91,10 @@ def _layer_norm_setup(ctx, inputs, output):
     ctx.backend = backend
 
 
-def _layer_norm_grads(ctx, dy, dh, need_x, need_res, need_w, need_b, impl=None):
+def _layer_norm_grads(ctx, dy, dh, need_x, need_res, need_w, need_b, plan=None):
     """(dx, dresidual, dweight, dbias) for both LayerNorm paths, None where not needed.
-    ``dh``: h's gradient from its other uses (None: unused, or no residual). ``impl``: the
-    eager path's backend module, run directly (the forward validated every input, and
+    ``dh``: h's gradient from its other uses (None: unused, or no residual). ``plan``: the
+    eager path's operator plan, run directly (the forward validated every input, and
     autograd gives dy and dh its outputs' metadata); else, and always with create_graph, the
     backward op runs, whose autograd node refuses a second backward."""
     x, weight, bias, mean, rstd = ctx.saved_tensors
@@ -104,10 +104,9 @@ def _layer_norm_grads(ctx, dy, dh, need_x, need_res, need_w, need_b, impl=None):
         return None, None, None, None
     if dy is None:
         dy = torch.zeros_like(x)
-    if impl is not None and not torch.is_grad_enabled():
-        with autocast_off(x.device.type):
-            dx, dw, db = _ln_ops.run_layer_norm_backward(impl, dy, x, ctx.normalized_shape, mean, rstd, weight,
-                                                         mask, dresidual=dh)
+    if plan is not None and not torch.is_grad_enabled():
+        with autocast_off(x):
+            dx, dw, db = _ln_ops.run_planned_layer_norm_backward(plan, dy, x, mean, rstd, weight, mask, dh)
     else:
         lead = x.shape[: x.dim() - len(ctx.normalized_shape)]  # (the eager path keeps them flat)
         backward_op = transformed(torch.ops.gradops.layer_norm_backward)
@@ -143,18 +142,20 @@ class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, call):
         plan = call.plan
-        with autocast_off(x.device.type):
+        with autocast_off(x):
             y, mean, rstd, h = _ln_ops.run_layer_norm(plan, x, weight, bias, residual)
         ctx.has_residual = h is not None
         ctx.save_for_backward(h if ctx.has_residual else x, weight, bias, mean, rstd)
-        ctx.normalized_shape, ctx.backend, ctx.impl = plan.normalized_shape, call.backend, plan.impl
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros to add)
-        return (fresh(y), fresh(h)) if ctx.has_residual else fresh(y)
+        ctx.normalized_shape, ctx.backend, ctx.plan = plan.normalized_shape, call.backend, plan
+        if ctx.has_residual:
+            ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros to add)
+            return fresh(y), fresh(h)
+        return fresh(y)
 
     @staticmethod
     def backward(ctx, dy, dh=None):
         need_x, need_res, need_w, need_b = ctx.needs_input_grad[:4]
-        return _layer_norm_grads(ctx, dy, dh, need_x, need_res, need_w, need_b, ctx.impl) + (None,)
+        return _layer_norm_grads(ctx, dy, dh, need_x, need_res, need_w, need_b, ctx.plan) + (None,)
 
 
 def _layer_norm(op: str, input, residual, normalized_shape, weight, bias, eps, backend):
@@ -250,26 +251,23 @@ def _rms_norm_setup(ctx, inputs, output):
     ctx.backend = backend
 
 
-def _rms_norm_grads(ctx, dy, dh, need_x, need_res, need_gamma, impl=None):
+def _rms_norm_grads(ctx, dy, dh, need_x, need_res, need_gamma, plan=None):
     """(dx, dresidual, dgamma) for both RMSNorm paths, None where not needed; ``dh`` and
-    ``impl`` as in ``_layer_norm_grads``."""
+    ``plan`` as in ``_layer_norm_grads``."""
     x, gamma, rstd = ctx.saved_tensors
     if not (need_x or need_gamma or (ctx.has_residual and need_res)):
         return None, None, None
     if dy is None:
         dy = torch.zeros_like(x)
-    if impl is not None and not torch.is_grad_enabled():
-        with autocast_off(x.device.type):
-            dx, dgamma = _rms_ops.run_rms_norm_grad(
-                impl, dy, x, rstd, gamma, offset=ctx.offset,
-                round_xhat=ctx.casting_mode == "llama", dresidual=dh,  # (the forward validated it)
-                grad_dtype=gamma.dtype)
+    if plan is not None and not torch.is_grad_enabled():
+        with autocast_off(x):
+            dx, dgamma = _rms_ops.run_planned_rms_norm_grad(plan, dy, x, rstd, gamma, dh, gamma.dtype)
     else:
         lead = x.shape[: x.dim() - gamma.dim()]  # (the eager path keeps rstd flat)
         backward_op = transformed(torch.ops.gradops.rms_norm_backward)
         dx, dgamma = backward_op(dy, dh, x, rstd.reshape(lead), gamma, ctx.offset, ctx.casting_mode, ctx.backend)
     # the operator accumulates dgamma in float32; the parameter's gradient has its own dtype
-    return dx, dx if ctx.has_residual else None, dgamma.to(gamma.dtype)
+    return dx, dx if ctx.has_residual else None, dgamma if dgamma.dtype == gamma.dtype else dgamma.to(gamma.dtype)
 
 
 def _rms_norm_backward(ctx, dy, _drstd, dh):
@@ -294,18 +292,20 @@ class _RmsNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, gamma, call):
         plan = call.plan
-        with autocast_off(x.device.type):
+        with autocast_off(x):
             y, rstd, h = _rms_ops.run_rms_norm(plan, x, gamma, residual)
         ctx.has_residual = h is not None
         ctx.save_for_backward(h if ctx.has_residual else x, gamma, rstd)
-        ctx.offset, ctx.casting_mode, ctx.backend, ctx.impl = plan.offset, call.casting_mode, call.backend, plan.impl
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros to add)
-        return (fresh(y), fresh(h)) if ctx.has_residual else fresh(y)
+        ctx.offset, ctx.casting_mode, ctx.backend, ctx.plan = plan.offset, call.casting_mode, call.backend, plan
+        if ctx.has_residual:
+            ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros to add)
+            return fresh(y), fresh(h)
+        return fresh(y)
 
     @staticmethod
     def backward(ctx, dy, dh=None):
         need_x, need_res, need_gamma = ctx.needs_input_grad[:3]
-        return _rms_norm_grads(ctx, dy, dh, need_x, need_res, need_gamma, ctx.impl) + (None,)
+        return _rms_norm_grads(ctx, dy, dh, need_x, need_res, need_gamma, ctx.plan) + (None,)
 
 
 def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, casting_mode, backend):

@@ -128,6 +128,21 @@ def run_layer_norm(plan: LayerNormPlan, x, weight, bias, residual):
     return as_shape(y, x.shape), mean, rstd, None if h is None else as_shape(h, x.shape)
 
 
+def run_planned_layer_norm_backward(plan: LayerNormPlan, dy, x, mean, rstd, weight, output_mask, dresidual):
+    """(dx, dweight, dbias) of a planned call's backward (gradops.nn's eager path), None where
+    ``output_mask`` says so: autograd hands it dy (and dresidual) with the metadata of the
+    outputs whose inputs the plan checked, and mean/rstd as :func:`run_layer_norm` returned
+    them."""
+    rows_cols = (plan.rows, plan.cols)
+    dx, dw, db = plan.impl.layer_norm_backward(
+        as_shape(dy, rows_cols), as_shape(x, rows_cols), mean, rstd,
+        None if weight is None else as_shape(weight, (plan.cols,)), output_mask, None,
+        None if dresidual is None else as_shape(dresidual, rows_cols), grad_dtype=_grad_dtype(weight, x))
+    shape = plan.normalized_shape
+    return (None if dx is None else as_shape(dx, x.shape), None if dw is None else as_shape(dw, shape),
+            None if db is None else as_shape(db, shape))
+
+
 def prepare_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, residual=None,
                        backend=None, op="layer_norm") -> Prepared:
     """``run()`` returns (y, mean, rstd), and h = x + residual fourth when ``residual`` is given."""
@@ -207,9 +222,7 @@ def _check_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight, bias
 
 def run_layer_norm_backward(impl, dy, x, normalized_shape, mean, rstd, weight, output_mask, *,
                             in_place=False, dresidual=None):
-    """What a validated ``layer_norm_backward`` call computes, on backend module ``impl``.
-    gradops.nn's eager backward calls it directly: autograd hands it a dy (and dresidual) of
-    the shape, dtype and device of the outputs whose inputs the forward validated."""
+    """What a validated ``layer_norm_backward`` call computes, on backend module ``impl``."""
     rows, cols = rows_cols(x, len(normalized_shape))
     acc = stat_dtype(x.dtype)
     dy2 = as_shape(dy, (rows, cols))

@@ -127,6 +127,17 @@ def run_rms_norm(plan: RmsNormPlan, x, gamma, residual):
     return as_shape(y, x.shape), rstd, None if h is None else as_shape(h, x.shape)
 
 
+def run_planned_rms_norm_grad(plan: RmsNormPlan, dy, x, rstd, gamma, dresidual, grad_dtype):
+    """(dx, dgamma) of a planned call's backward (gradops.nn's eager path): autograd hands it
+    dy (and dresidual) with the metadata of the outputs whose inputs the plan checked, and
+    ``rstd`` as :func:`run_rms_norm` returned it; dgamma in ``grad_dtype``."""
+    rows_cols = (plan.rows, plan.cols)
+    dx, dgamma = plan.impl.rms_norm_grad(as_shape(dy, rows_cols), as_shape(x, rows_cols), rstd,
+                                         as_shape(gamma, (plan.cols,)), None, plan.offset, plan.round_xhat,
+                                         None if dresidual is None else as_shape(dresidual, rows_cols), grad_dtype)
+    return as_shape(dx, x.shape), as_shape(dgamma, gamma.shape)
+
+
 def prepare_rms_norm(x, gamma, eps=1e-6, *, offset=0.0, casting_mode="gemma", residual=None,
                      backend=None, op="rms_norm") -> Prepared:
     """``run()`` returns (y, rstd), and h = x + residual third when ``residual`` is given."""
@@ -188,16 +199,13 @@ def _check_rms_norm_grad(dy, x, rstd, gamma, in_place, offset, casting_mode, dre
     return impl, in_place, offset, round_xhat, outputs
 
 
-def run_rms_norm_grad(impl, dy, x, rstd, gamma, *, in_place=False, offset=0.0, round_xhat=False, dresidual=None,
-                      grad_dtype=None):
-    """What a validated ``rms_norm_grad`` call computes, on backend module ``impl``.
-    gradops.nn's eager backward calls it directly: autograd hands it a dy (and dresidual) of
-    the shape, dtype and device of the outputs whose inputs the forward validated; it asks
-    for dgamma in the parameter's dtype (``grad_dtype``; the operator's is float32)."""
+def run_rms_norm_grad(impl, dy, x, rstd, gamma, *, in_place=False, offset=0.0, round_xhat=False, dresidual=None):
+    """What a validated ``rms_norm_grad`` call computes, on backend module ``impl`` (dgamma in
+    float32, the operator's)."""
     rows, cols = rows_cols(x, gamma.dim())
     dy2 = as_shape(dy, (rows, cols))
     dx_out = in_place_rows(dy, dy2, in_place)
     dx, dgamma = impl.rms_norm_grad(dy2, as_shape(x, (rows, cols)), as_shape(rstd, (rows,)), as_shape(gamma, (cols,)),
                                     dx_out, offset, round_xhat,
-                                    None if dresidual is None else as_shape(dresidual, (rows, cols)), grad_dtype)
+                                    None if dresidual is None else as_shape(dresidual, (rows, cols)))
     return finish_dx(dx, dy, dx_out, in_place, x.shape), as_shape(dgamma, gamma.shape)

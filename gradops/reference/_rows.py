@@ -25,10 +25,10 @@ BLOCK_ELEMENTS: Optional[int] = None
 def row_block(x: torch.Tensor) -> int:
     """Rows per block of ``x [M, N]``: all of them off the CPU (CUDA, meta), or when they fit."""
     m, n = x.shape
-    limit = BLOCK_ELEMENTS or ELEMENTS_PER_THREAD * torch.get_num_threads()
-    if x.device.type != "cpu" or m * n <= limit:
+    if m * n <= (BLOCK_ELEMENTS or ELEMENTS_PER_THREAD) or not x.is_cpu:  # (a small call asks nothing more)
         return max(m, 1)
-    return max(1, limit // n)
+    limit = BLOCK_ELEMENTS or ELEMENTS_PER_THREAD * torch.get_num_threads()
+    return max(m, 1) if m * n <= limit else max(1, limit // n)
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
