@@ -55,8 +55,8 @@ def layer_norm_call(op: str, input, residual, normalized_shape, weight, bias, ep
     backend = requested(backend)
     key = _plans.signature("gradops.nn.functional." + op, backend, (input, residual, weight, bias),
                            (normalized_shape, eps))
-    call = _plans.lookup(key)
-    if call is not None and (call.plan is not None or not eager):
+    call = _remembered(key, eager)
+    if call is not None:
         return call
     shape, eps = _check_args(op, input, residual, normalized_shape, weight, bias, eps,
                              status=ACLNN_ERR_PARAM_INVALID, eps_optional=False)
@@ -74,8 +74,8 @@ def rms_norm_call(op: str, input, residual, normalized_shape, weight, eps, offse
     backend = requested(backend)
     key = _plans.signature("gradops.nn.functional." + op, backend, (input, residual, weight),
                            (normalized_shape, eps, offset, casting_mode))
-    call = _plans.lookup(key)
-    if call is not None and (call.plan is not None or not eager):
+    call = _remembered(key, eager)
+    if call is not None:
         return call
     # RMSNorm's shape rules are tiling rules (561002)
     shape, eps = _check_args(op, input, residual, normalized_shape, weight, None, eps,
@@ -98,6 +98,13 @@ def rms_norm_call(op: str, input, residual, normalized_shape, weight, eps, offse
     call = RmsNormCall(float(eps), offset, casting_mode, backend, plan, None if gamma is weight else gamma,
                        scale_offset)
     return call if call.gamma is not None else _plans.remember(key, call)
+
+
+def _remembered(key, eager: bool):
+    """The call remembered under ``key``, unless it runs eagerly and the plan lacks the
+    operator's (a call first traced, then run eagerly, makes it then)."""
+    call = _plans.lookup(key)
+    return call if call is not None and (call.plan is not None or not eager) else None
 
 
 def _rms_gamma(op, input, shape, weight, offset, casting_mode):
