@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import api
-from .aclnn import renamed_errors
+from .ops._checks import renamed_errors
 
 __all__ = [
     "npu_rms_norm",

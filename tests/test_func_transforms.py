@@ -285,3 +285,18 @@ def test_compiled_vmap_traces_the_batching_rules(backend, device):
     f = vmap(lambda x, r: GF.fused_add_layer_norm(x, r, (8,), w, b))
     torch._dynamo.reset()
     assert_all_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x, r), f(x, r), f64, "compiled vmap")
+
+
+def test_the_norm_triton_ops_have_the_batching_rules(device):
+    # A compiled vmap on a GPU traces the Triton ops themselves (static CUDA calls take them):
+    # they carry the custom ops' rule, so a vmapped call is one call of more rows. Called
+    # eagerly here (under the interpreter on a CPU their bodies run the kernels directly).
+    from gradops.nn import _triton_ops
+
+    if not _triton_ops._register_triton_ops():
+        pytest.skip("this torch has no torch.library.triton_op, or triton is not installed")
+    x, w, b, r = norm_inputs(device, torch.float32, 3, 2)
+    ln = vmap(lambda x: torch.ops.gradops.triton_layer_norm(x, None, [8], w, b, 1e-5, "triton")[0])
+    rms = vmap(lambda x: torch.ops.gradops.triton_rms_norm(x, None, w, 1e-6, 0.0, "gemma", "triton")[0])
+    assert_all_close(ln(x), torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5), torch.float32, "layer_norm")
+    assert_all_close(rms(x), torch.nn.functional.rms_norm(x, (8,), w, 1e-6), torch.float32, "rms_norm")

@@ -51,6 +51,18 @@ def test_width_one_normalises_to_zero_exactly(backend):
     assert torch.allclose(db, dy.sum(0))
 
 
+def test_width_one_dx_is_nan_where_dy_is_not_finite(backend):
+    """dx = rstd * (g - mean(g)) with g = dy * w: at width 1 exactly 0 where g is finite, NaN
+    where it is not (inf - inf), on both backends alike."""
+    x, w = rand((4, 1)), rand((1,))
+    dy = torch.tensor([[float("nan")], [float("inf")], [1.0], [float("-inf")]], device="cpu").to(x.device)
+    _, mean, rstd = gradops.layer_norm(x, [1], w, None)
+    dx, _, _ = gradops.layer_norm_backward(dy, x, [1], mean, rstd, w, output_mask=(True, False, False))
+    g = dy.double() * w.double()
+    expected = rstd.reshape(4, 1).double() * (g - g)  # the formula in float64
+    assert torch.equal(dx.isnan(), expected.isnan()) and torch.equal(dx[~dx.isnan()], torch.zeros(1, device=x.device))
+
+
 @pytest.mark.usefixtures("statistics")
 def test_float64_is_exact_to_1e_10_on_random_shapes(backend):
     gen = torch.Generator().manual_seed(3)

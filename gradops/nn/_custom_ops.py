@@ -5,10 +5,10 @@ norm forwards Inductor compiles).
 Each functional is a ``torch.library`` custom op in the ``gradops`` namespace (forward op +
 backward op), so that
 
-- autograd calls the library's backward operator (``layer_norm_backward``, ``rms_norm_grad``,
-  ``nsa_compress_grad``, ``floyd_attention_grad``), fed with the statistics the forward op
-  saved (mean/rstd, softmax max/sum): gradients are the library's, not PyTorch's
-  re-derivation;
+- autograd calls the library's backward operator (the ``gradops::<name>_backward`` ops run
+  ``layer_norm_backward``, ``rms_norm_grad``, ``nsa_compress_grad``, ``floyd_attention_grad``),
+  fed with the statistics the forward op saved (mean/rstd, softmax max/sum): gradients are the
+  library's, not PyTorch's re-derivation;
 - ``torch.compile(fullgraph=True)`` traces them without graph breaks: every op has a fake
   (meta) implementation, and that implementation is the ops layer's own ``prepare_*``
   (which validates and plans without reading tensor data), so shapes, dtypes and errors
@@ -84,8 +84,8 @@ def takes_eager_path(x: Tensor) -> bool:
     meta device: they need the op's fake implementation, not the backend's code), vmap and
     the other torch.func transforms. Run eagerly on real tensors, the ops' dispatch (the
     autograd, autocast and dynamo wrappers of ``torch.library``) costs several times what a
-    small norm computes. Both paths validate with the same ``prepare_*`` and run the same
-    backend code."""
+    small norm computes. Both paths validate with the same checks (the eager norms through
+    ``gradops.ops.norm_functional``'s remembered plan) and run the same backend code."""
     return (type(x) in (Tensor, torch.nn.Parameter) and (x.is_cpu or x.is_cuda)
             and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
             and not torch._C._are_functorch_transforms_active())

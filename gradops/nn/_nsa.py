@@ -127,7 +127,7 @@ def _nsa_backward(ctx, dout):
 
 
 class _NsaCompressFunction(torch.autograd.Function):
-    """The eager path of ``gradops::nsa_compress`` (as the norms', see ``_eager``): the same
+    """The eager path of ``gradops::nsa_compress`` (as the norms', see ``takes_eager_path``): the same
     validation and backend code without the custom op's dispatch layers, which cost a small
     call more host time than its kernels take on a GPU."""
 

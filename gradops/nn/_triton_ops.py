@@ -64,6 +64,7 @@ def _define_triton_ops() -> None:
         _TRITON_OPS = False
         return
     from ..kernels._traceable import traced_launches
+    from ._transforms import register_rows_vmap
     from ._norms import (_layer_norm_backward, _layer_norm_fake, _layer_norm_setup, _prepare_layer_norm,
                          _prepare_rms_norm, _rms_norm_backward, _rms_norm_fake, _rms_norm_setup, _run_layer_norm_op,
                          _run_rms_norm_op)
@@ -96,6 +97,9 @@ def _define_triton_ops() -> None:
     torch.library.register_autograd("gradops::triton_rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
     register_autocast("triton_layer_norm", False)
     register_autocast("triton_rms_norm", False)
+    # a compiled vmap traces the op itself (see _transforms.transformed): the custom ops' rule
+    register_rows_vmap("triton_layer_norm", ("weight", "bias"))
+    register_rows_vmap("triton_rms_norm", ("gamma",))
     # The kernels each op launches, for AOTAutograd's cache key (torch finds them by reading
     # the op's source, which cannot follow a launch made through the plan)
     kernels_of = getattr(torch._library.triton, "triton_ops_to_kernels", None)

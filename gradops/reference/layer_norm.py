@@ -146,8 +146,9 @@ def _grad_rows(dyb, xb, mean, r, w, b, output_mask, dres=None, dx_out=None, cent
     dx, dw, db = _ATEN_BACKWARD(dyb, centred, [n], centred.new_zeros(k), r.contiguous(), w, b,
                                 output_mask)
     if dx is not None:
-        if n == 1:  # exactly 0 (NaN where rstd is not finite: 0 * rstd, as the formula gives it)
-            dx.zero_().mul_(r[:, None])
+        if n == 1:  # the formula's rstd * (g - mean(g)): exactly 0, NaN where g or rstd is not finite
+            g = dyb if w is None else dyb * w
+            dx.copy_((g - g).mul_(r[:, None]))
         if dres is not None:
             dx = torch.add(dx, dres, out=dx_out)
         elif dx_out is not None:
