@@ -24,7 +24,6 @@ from .. import _backend
 
 MAX_PLANS = 4096  # a model has a handful of norm signatures; this only bounds a pathological caller
 _plans: dict = {}
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors keyed by their metadata: exactly these types
 
 
 def signature(op: str, backend, tensors: Sequence[Optional[torch.Tensor]], attrs: Sequence[object], *,
@@ -39,11 +38,11 @@ def signature(op: str, backend, tensors: Sequence[Optional[torch.Tensor]], attrs
         return None
     key = [op, backend]
     if placement:
-        key += (_backend._default_backend, _backend.triton_interpreter_on())
+        key += (_backend.default_backend(), _backend.triton_interpreter_on())
     for t in tensors:
         if t is None:
             key.append(None)
-        elif type(t) in _PLAIN:
+        elif type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
             key += (t.shape, t.stride(), t.dtype, t.device)
         else:
             return None
@@ -67,7 +66,7 @@ def _attr_key(a):
     tensor or an array (its values may change after the call, and a key would keep it alive)."""
     kind = type(a)
     if kind in (list, tuple, torch.Size):
-        items = tuple([_attr_key(v) for v in a])
+        items = tuple(_attr_key(v) for v in a)
         return None if None in items else (kind, items)
     if kind is float:
         return kind, a, math.copysign(1.0, a)

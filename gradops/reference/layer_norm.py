@@ -97,12 +97,13 @@ def layer_norm_backward(dy, x, mean, rstd, weight, output_mask, dx_out=None, dre
     # large beside their deviation (a row of mean 1e3 and deviation 0.1 loses 1e-4 of dx in
     # float32, a row of width 1 gets dx != 0). Given the centred rows x - mean and a mean of 0
     # it computes this module's formula, dx = rstd * (g - mean_n(g) - xhat * mean_n(g * xhat)),
-    # up to rounding, with nothing to cancel; a row of width 1 gets dx = 0 here, exactly (its
-    # x-hat is 0 whatever x is). Half dy goes in as float32 too: ATen's half kernel sums
-    # dweight/dbias in half precision (5-11 % off at 8192 rows). In row blocks (see _rows);
-    # dres is added in float32, dx rounded once, and with in_place dx lands in dx_out (dy's
-    # memory) after ATen has read the block's dy. The blocks' dweight/dbias are summed in one
-    # cascade, so their rounding grows with the block, not with M.
+    # up to rounding, with nothing to cancel; a row of width 1 gets rstd * (g - g) here (see
+    # _grad_rows): exactly 0, NaN where g is not finite. Half dy goes in as float32 too:
+    # ATen's half kernel sums dweight/dbias in half precision (5-11 % off at 8192 rows). In
+    # row blocks (see _rows); dres is added in float32, dx rounded once, and with in_place dx
+    # lands in dx_out (dy's memory) after ATen has read the block's dy. The blocks'
+    # dweight/dbias are summed in one cascade, so their rounding grows with the block, not
+    # with M.
     rows = row_block(x)
     if rows >= m:  # one block: fresh results, no buffers to set up (the cost of a small call)
         dx, dw, db = _grad_rows(as_dtype(dy, acc), x, mean, rstd, w, b, output_mask, dres, dx_out)
