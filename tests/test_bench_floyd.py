@@ -30,7 +30,7 @@ def _goal(metric: str, text: str = "") -> Goal:
 # ---------------------------------------------------------------------------------------------
 @cpu_suite_only
 def test_interpreted_quick_run_measures_both_strategies_and_names_the_rules_choice(tmp_path, capsys):
-    from gradops.kernels import floyd_config
+    from gradops.kernels import floyd_config, floyd_strategy
 
     shapes = [(1, 2, 8, 8, 8, 8), (1, 1, 4, 5, 6, 32)]  # float32: the rule picks fused, then hybrid
     argv = [*FAST, "--interpret", "--dtype", "float32", "--out", str(tmp_path), "--tag", "t",
@@ -43,10 +43,10 @@ def test_interpreted_quick_run_measures_both_strategies_and_names_the_rules_choi
     data = json.loads((tmp_path / "t.json").read_text())
     assert data["meta"]["backend_ours"] == "triton" and data["meta"]["directions"] == list(floyd.DIRECTIONS)
     assert data["meta"]["strategy_override"] is None
-    rules = {shape: floyd_config.strategy(*shape, 4) for shape in shapes}
+    rules = {shape: floyd_strategy.strategy(*shape, 4) for shape in shapes}
     assert set(rules.values()) == {"fused", "hybrid"}
     for shape, rule in rules.items():
-        assert f"gradops ran {rule} (floyd_config's rule)" in out
+        assert f"gradops ran {rule} (floyd_strategy's rule)" in out
         case = dict(zip("BHNMKD", shape))
         for impl, strategy in ((OURS, rule), *floyd.FORCED.items()):
             for direction in floyd.DIRECTIONS:

@@ -24,6 +24,7 @@ kernels = pytest.importorskip("gradops.kernels.floyd_attention")
 
 from gradops.kernels import floyd_chunked as chunked
 from gradops.kernels import floyd_config as config
+from gradops.kernels import floyd_strategy
 from helpers import raises_status, record_launches
 from memory_harness import Allocations
 from test_floyd_memory_strategies import check_against_oracle
@@ -302,7 +303,7 @@ def test_head_dim_past_256_runs_chunked_on_the_triton_backend(rule, dtype, devic
     """D = 300: no fused tile fits, the rule gives it to the chunked strategy, and
     backend="triton" takes it (it used to refuse D > 256)."""
     b, h, n, m, k, d = 1, 2, 3, 4, 5, 300
-    assert config.strategy(b, h, n, m, k, d, dtype.itemsize) == "chunked"
+    assert floyd_strategy.strategy(b, h, n, m, k, d, dtype.itemsize) == "chunked"
     inputs, dy, mask = make_inputs(b, h, n, m, k, d, dtype, device, "full_rows")
     assert kernels.unsupported(inputs[0]) is None
     out, mx, sm = gradops.floyd_attention(*inputs, mask, SCALE, backend="triton")

@@ -22,6 +22,7 @@ triton = pytest.importorskip("triton")
 kernels = pytest.importorskip("gradops.kernels.floyd_attention")
 
 from gradops.kernels import floyd_config as config
+from gradops.kernels import floyd_strategy
 from gradops.kernels import floyd_gemm
 from gradops.kernels import floyd_hybrid as hybrid
 from helpers import record_launches
@@ -94,7 +95,7 @@ def test_head_dim_past_the_widest_runs_chunked(spy, dtype, device):
     """D = 300: the row kernels hold a whole head and stop at HYBRID_MAX_HEAD_DIM, so even a
     forced hybrid strategy gives the call to the chunked one."""
     b, h, n, m, k, d = 1, 2, 3, 4, 5, 300
-    assert config.strategy(b, h, n, m, k, d, dtype.itemsize) == "chunked"
+    assert floyd_strategy.strategy(b, h, n, m, k, d, dtype.itemsize) == "chunked"
     inputs, dy, mask = make_inputs(b, h, n, m, k, d, dtype, device, "full_rows")
     result = run_kernels(inputs, dy, mask, SCALE)
     assert spy.launches == ["chunked forward", "chunked backward"]

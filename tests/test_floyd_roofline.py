@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from gradops.kernels import floyd_config as config
+from gradops.kernels import floyd_strategy
 from gradops.kernels import floyd_roofline as roofline
 
 ON_CPU = os.environ.get("GRADOPS_TEST_DEVICE", "cpu") == "cpu"
@@ -98,7 +99,7 @@ def test_the_strategy_the_rule_picks_at_l512_d128_moves_at_most_58_bytes_per_sco
     moves <= 58 distinct bytes per score (the chunked strategy of issue 25: 87.2)."""
     from gradops.bench import traffic
 
-    assert config.strategy(1, 8, 512, 512, 512, 128, 2) == "hybrid"
+    assert floyd_strategy.strategy(1, 8, 512, 512, 512, 128, 2) == "hybrid"
     counted = traffic.floyd_traffic(GOAL_SHAPE, torch.float16, "hybrid")
     assert counted["total"]["distinct_per_score"] <= 58.0, counted["total"]
     scores = counted["scores"]
@@ -114,12 +115,32 @@ def test_the_strategy_the_rule_picks_at_l512_d128_moves_at_most_58_bytes_per_sco
 GRID = [(b, 8, s, s, s, d) for d in (16, 32, 64, 128, 256) for s, b in ((64, 4), (128, 4), (256, 2), (512, 1), (1024, 1))]
 
 
+def once(name, shape, dtype):
+    """Whether ``name`` runs in one chunk at ``shape`` on the reference device: its launches, as
+    the roofline lists them, are one chunk's (fused 4, hybrid 7, chunked 16)."""
+    model = roofline.launches(name, shape, dtype, override=False)
+    return sum(len(x) for x in model.values()) == {"fused": 4, "hybrid": 7, "chunked": 16}[name]
+
+
 def test_rule_is_the_shortest_roofline_of_those_that_can_take_the_call(rule):
-    for shape in GRID + [(1, 1, 1, 1, 1, 8), (1, 1, 3, 1000, 7, 64), (2, 3, 200, 20, 2000, 96)]:
+    """Past a small grid, among every strategy that can take the call; on a small grid, among
+    those that run in one chunk where there is one."""
+    small = [(1, 6, s, s, s, 64) for s in (20, 64, 100, 128)] + [(64, 6, s, s, s, 64) for s in (50, 128)]
+    for shape in GRID + small + [(1, 1, 1, 1, 1, 8), (1, 1, 3, 1000, 7, 64), (2, 3, 200, 20, 2000, 96)]:
         for es, dtype in ((2, torch.bfloat16), (4, torch.float32)):
             candidates = config.runnable(shape[5], es)
+            if config.small_grid(*shape[2:5]):
+                candidates = [name for name in candidates if once(name, shape, dtype)] or candidates
             times = {name: roofline.roofline(name, shape, dtype, override=False).seconds for name in candidates}
-            assert config.strategy(*shape, es) == min(candidates, key=lambda name: times[name]), (shape, es, times)
+            assert floyd_strategy.strategy(*shape, es) == min(candidates, key=lambda name: times[name]), (shape, es, times)
+
+
+def test_launches_once_agrees_with_the_roofline_launches(rule):
+    for shape in [(1, 6, 100, 100, 100, 64), (64, 6, 128, 128, 128, 64), (1, 1, 128, 128, 128, 256),
+                  (512, 12, 128, 128, 128, 64), (1, 6, 129, 20, 20, 64)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            for name in config.runnable(shape[5], dtype.itemsize):
+                assert floyd_strategy.launches_once(name, shape, dtype, roofline.H100.memory) == once(name, shape, dtype)
 
 
 def test_rule_at_the_headline_shapes(rule):
@@ -127,13 +148,13 @@ def test_rule_at_the_headline_shapes(rule):
     D = 16 and wherever the launches dominate; the hybrid strategy at D >= 32 past that; the
     chunked strategy only past the hybrid row kernels' widest head (and float32, where the
     FMA units bind and it executes fewer FLOP)."""
-    assert config.strategy(1, 8, 512, 512, 512, 128, 2) == "hybrid"
-    assert config.strategy(1, 8, 512, 512, 512, 64, 2) == "hybrid"
-    assert config.strategy(1, 8, 512, 512, 512, 32, 2) == "hybrid"
-    assert config.strategy(1, 8, 512, 512, 512, 16, 2) == "fused"
-    assert config.strategy(1, 8, 256, 256, 256, 128, 2) == "hybrid"
-    assert config.strategy(1, 1, 16, 16, 16, 32, 2) == "fused"
-    assert config.strategy(1, 1, 2, 2, 2, 300, 2) == "chunked"
+    assert floyd_strategy.strategy(1, 8, 512, 512, 512, 128, 2) == "hybrid"
+    assert floyd_strategy.strategy(1, 8, 512, 512, 512, 64, 2) == "hybrid"
+    assert floyd_strategy.strategy(1, 8, 512, 512, 512, 32, 2) == "hybrid"
+    assert floyd_strategy.strategy(1, 8, 512, 512, 512, 16, 2) == "fused"
+    assert floyd_strategy.strategy(1, 8, 256, 256, 256, 128, 2) == "hybrid"
+    assert floyd_strategy.strategy(1, 1, 16, 16, 16, 32, 2) == "fused"
+    assert floyd_strategy.strategy(1, 1, 2, 2, 2, 300, 2) == "chunked"
 
 
 def test_hybrid_beats_chunked_wherever_both_take_a_16_bit_call_up_to_d128(rule):
@@ -160,13 +181,13 @@ def test_the_fused_roofline_is_under_its_measured_times(rule):
 
 def test_rule_float64_is_always_fused(monkeypatch, rule):
     for d in (8, 64, 129, 512):
-        assert config.strategy(64, 16, 256, 256, 256, d, 8) == "fused"
+        assert floyd_strategy.strategy(64, 16, 256, 256, 256, d, 8) == "fused"
     for forced in ("chunked", "hybrid", "fused"):
         monkeypatch.setattr(config, "STRATEGY", forced)
-        assert config.strategy(64, 16, 256, 256, 256, 300, 8) == "fused"
+        assert floyd_strategy.strategy(64, 16, 256, 256, 256, 300, 8) == "fused"
     monkeypatch.setattr(config, "STRATEGY", None)
     monkeypatch.setenv("GRADOPS_FLOYD_STRATEGY", "chunked")
-    assert config.strategy(1, 1, 2, 2, 2, 300, 8) == "fused"
+    assert floyd_strategy.strategy(1, 1, 2, 2, 2, 300, 8) == "fused"
 
 
 def test_runnable():
@@ -180,19 +201,19 @@ def test_runnable():
 
 def test_rule_overrides(monkeypatch, rule):
     big, small = (4, 8, 512, 512, 512, 128, 2), (1, 1, 2, 2, 2, 8, 2)
-    assert config.strategy(*big) == "hybrid" and config.strategy(*small) == "fused"
+    assert floyd_strategy.strategy(*big) == "hybrid" and floyd_strategy.strategy(*small) == "fused"
     monkeypatch.setenv("GRADOPS_FLOYD_STRATEGY", "chunked")
-    assert config.forced_strategy() == "chunked" and config.strategy(*small) == "chunked"
+    assert config.forced_strategy() == "chunked" and floyd_strategy.strategy(*small) == "chunked"
     monkeypatch.setenv("GRADOPS_FLOYD_STRATEGY", "fused")
-    assert config.strategy(*big) == "fused"
+    assert floyd_strategy.strategy(*big) == "fused"
     monkeypatch.setattr(config, "STRATEGY", "hybrid")  # the attribute wins over the environment
-    assert config.strategy(*small) == "hybrid"
-    assert config.strategy(1, 1, 2, 2, 2, 300, 2) == "chunked"  # past the hybrid kernels' widest head
+    assert floyd_strategy.strategy(*small) == "hybrid"
+    assert floyd_strategy.strategy(1, 1, 2, 2, 2, 300, 2) == "chunked"  # past the hybrid kernels' widest head
     monkeypatch.setattr(config, "STRATEGY", "fused")
-    assert config.strategy(1, 1, 1, 1, 1, 128, 2) == "fused"  # forced means forced
+    assert floyd_strategy.strategy(1, 1, 1, 1, 1, 128, 2) == "fused"  # forced means forced
     monkeypatch.setattr(config, "STRATEGY", None)
     monkeypatch.setenv("GRADOPS_FLOYD_STRATEGY", "")  # empty: not set
-    assert config.forced_strategy() is None and config.strategy(*small) == "fused"
+    assert config.forced_strategy() is None and floyd_strategy.strategy(*small) == "fused"
 
 
 @pytest.mark.parametrize("where", ["attribute", "environment"])
@@ -206,13 +227,13 @@ def test_rule_bad_override_raises(monkeypatch, rule, where, device):
     with pytest.raises(ValueError, match="unknown Floyd strategy"):
         config.forced_strategy()
     with pytest.raises(ValueError, match="unknown Floyd strategy"):
-        config.strategy(1, 1, 2, 2, 2, 8, 2)
+        floyd_strategy.strategy(1, 1, 2, 2, 2, 8, 2)
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(shape, generator=gen, device="cpu").to(torch.float16).to(device)
               for shape in [(1, 1, 2, 3, 8), (1, 1, 2, 4, 8), (1, 1, 2, 4, 8), (1, 1, 4, 3, 8), (1, 1, 4, 3, 8)]]
     with pytest.raises(ValueError, match="unknown Floyd strategy"):
         kernels.floyd_attention(*inputs, None, 1.0)
-    assert config.strategy(1, 1, 2, 2, 2, 8, 8) == "fused"  # float64 never asks
+    assert floyd_strategy.strategy(1, 1, 2, 2, 2, 8, 8) == "fused"  # float64 never asks
 
 
 def test_h100_plan_and_launches_at_the_headline_shape(rule):

@@ -4,7 +4,7 @@ Implementations measured side by side, same process, same inputs:
 
 - ``gradops``: our operators, ``gradops.floyd_attention`` and ``gradops.floyd_attention_grad``
   (backend="triton"; on CPU only with ``--interpret``, and then only to see that it runs:
-  interpreter timings mean nothing), with the strategy ``floyd_config.strategy`` chooses for
+  interpreter timings mean nothing), with the strategy ``floyd_strategy.strategy`` chooses for
   the case: what a user gets. Each of its records names that choice (``extra.strategy``);
 - ``gradops-fused``, ``gradops-hybrid`` and ``gradops-chunked``: the same calls with
   ``floyd_config.STRATEGY`` forcing one strategy, set around every timed call (and the forward a backward is fed
@@ -176,7 +176,8 @@ def chunk_budget(device: str, shape: Shape, element_size: int, strategy: Optiona
         pair = floyd_config.hybrid_pair_bytes(k, d, torch.float32 if element_size == 4 else torch.bfloat16)
     else:
         pair = floyd_config.pair_bytes(k, d, element_size)
-    return floyd_config.chunk_budget(floyd_config.total_memory(torch.device(device)), b * h * n * m * pair)
+    return floyd_config.chunk_budget(floyd_config.total_memory(torch.device(device)), b * h * n * m * pair,
+                                     floyd_config.small_grid(n, m, k))
 
 
 def memory_bound(op: str, shape: Shape, element_size: int, masked: bool = False,
@@ -414,12 +415,12 @@ def impl_names(args) -> List[str]:
 
 
 def rule_strategy(shape: Shape, element_size: int, forced: Optional[str] = None) -> str:
-    """The strategy our Triton backend runs a call of this shape with: floyd_config's rule
+    """The strategy our Triton backend runs a call of this shape with: floyd_strategy's rule
     (with any override of STRATEGY / GRADOPS_FLOYD_STRATEGY in force), or ``forced``'s."""
-    from ..kernels import floyd_config
+    from ..kernels import floyd_strategy
 
     with forced_strategy(forced):
-        return floyd_config.strategy(*shape, element_size)
+        return floyd_strategy.strategy(*shape, element_size)
 
 
 def run(args) -> Run:
@@ -508,7 +509,7 @@ def strategy_lines(bench: Run) -> List[str]:
             c = r.case
             where = f"{c['B']}x{c['H']}x{c['N']}x{c['M']}x{c['K']}x{c['D']} {c['dtype']}"
             chosen.setdefault(r.extra["strategy"], {})[where] = None
-    return [f"gradops ran {s} (floyd_config's rule) at B x H x N x M x K x D: {', '.join(where)}"
+    return [f"gradops ran {s} (floyd_strategy's rule) at B x H x N x M x K x D: {', '.join(where)}"
             for s, where in chosen.items()]
 
 
@@ -1078,7 +1079,7 @@ def _compile_check(args) -> int:
 def _roofline(args) -> int:
     """``--roofline``: per shape and strategy that can take it, the bytes per score (HBM:
     distinct; L2: issued), FLOP, launches and the roofline time on an H100, and the rule's pick."""
-    from ..kernels import floyd_config, floyd_roofline
+    from ..kernels import floyd_config, floyd_roofline, floyd_strategy
 
     dtypes = [DTYPES[d] for d in args.dtypes] if args.dtypes else [torch.bfloat16]
     shapes = args.shape or [(GRID_B[s], GRID_H, s, s, s, d) for d in GRID_D for s in sorted(GRID_B)]
@@ -1091,14 +1092,14 @@ def _roofline(args) -> int:
             continue
         for shape in shapes:
             scores = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
-            pick = floyd_config.strategy(*shape, dtype.itemsize)
+            pick = floyd_strategy.strategy(*shape, dtype.itemsize)
             for name in floyd_config.runnable(shape[5], dtype.itemsize):
                 e = floyd_roofline.roofline(name, tuple(shape), dtype, override=False)
                 print(f"{','.join(map(str, shape)):>22} {str(dtype).replace('torch.', ''):9} {name:8}"
                       f"{' *' if name == pick else '  '} HBM {e.hbm_bytes / scores:7.1f} B/score  "
                       f"L2 {e.l2_bytes / scores:7.1f} B/score  {e.launches:5} launches  "
                       f"{e.seconds * 1e3:9.3f} ms ({e.bound})")
-    print("* the rule's pick (floyd_config.strategy); a roofline bounds a time from below")
+    print("* the rule's pick (floyd_strategy.strategy); a roofline bounds a time from below")
     return 0
 
 

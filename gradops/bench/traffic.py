@@ -618,7 +618,7 @@ def floyd_traffic(shape: Shape, dtype, strategy: Optional[str], masked: bool = F
     in bytes and in bytes per score (scores = B*H*N*M*K), with ``total`` their sum and the
     seconds each count took (the interpreter's)."""
     import gradops
-    from ..kernels import floyd_config
+    from ..kernels import floyd_strategy
     from .floyd import forced_strategy
 
     b, h, n, m, k, d = shape
@@ -629,7 +629,7 @@ def floyd_traffic(shape: Shape, dtype, strategy: Optional[str], masked: bool = F
     result = {"shape": dict(zip("BHNMKD", shape)), "dtype": str(dtype).replace("torch.", ""), "masked": masked,
               "seed": seed, "scale": scale, "scores": scores, "strategy": strategy}
     with forced_strategy(strategy):
-        result["strategy_run"] = floyd_config.strategy(*shape, dtype.itemsize)
+        result["strategy_run"] = floyd_strategy.strategy(*shape, dtype.itemsize)
         start = time.perf_counter()
         (out, smax, ssum), fwd = count_traffic(
             lambda: gradops.floyd_attention(*inputs, mask, scale, backend="triton"))

@@ -2,7 +2,7 @@
 strategy's flash-style kernels, forward and backward.
 
 ``floyd_attention`` / ``floyd_attention_grad`` below run each call by the strategy
-``floyd_config.strategy`` chooses: these fused kernels, or the chunked GEMM path of
+``floyd_strategy.strategy`` chooses: these fused kernels, or the chunked GEMM path of
 ``floyd_chunked.py`` (docs/kernels-floyd.md, "Strategies").
 
 Shapes (OPERATORS.md section 5): Q ``[B,H,N,M,D]``, K1/V1 ``[B,H,N,K,D]``, K2/V2
@@ -64,7 +64,8 @@ import triton.language as tl
 from . import floyd_chunked, floyd_hybrid
 from ._floyd_common import (_ACC, _NEG_FLT_MAX, _TL, FLT_MAX, SCALE_ARGS, _mask_arg, _scale_bits, _unpack_scale,
                             dot_constexprs)
-from .floyd_config import FUSED_MAX_HEAD_DIM, floyd_config, forced_strategy, strategy
+from .floyd_config import FUSED_MAX_HEAD_DIM, floyd_config, forced_strategy, total_memory
+from .floyd_strategy import strategy
 
 
 
@@ -516,16 +517,16 @@ def unsupported(q) -> "str | None":
 
 
 def _strategy(q, k1):
-    """The module that runs this call by floyd_config's rule: floyd_hybrid, floyd_chunked, or
+    """The module that runs this call by floyd_strategy's rule: floyd_hybrid, floyd_chunked, or
     None for the fused kernels here."""
     B, H, N, M, D = q.shape
     return {"hybrid": floyd_hybrid, "chunked": floyd_chunked}.get(strategy(B, H, N, M, k1.shape[3], D,
-                                                                            q.element_size()))
+                                                                            q.element_size(), total_memory(q.device)))
 
 
 def floyd_attention(q, k1, v1, k2, v2, mask, scale):
     """Forward: ``(out [B,H,N,M,D] q.dtype, softmax_max, softmax_sum [B,H,N,M] acc)``, by the
-    strategy floyd_config.strategy chooses."""
+    strategy floyd_strategy.strategy chooses."""
     B, H, N, M, D = q.shape
     K = k1.shape[3]
     if B * H * N * M == 0 or K == 0:
@@ -543,7 +544,7 @@ def floyd_attention(q, k1, v1, k2, v2, mask, scale):
 
 def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask, scale, kv2_dtype=None):
     """Backward: ``(dq, dk1, dv1, dk2, dv2)`` in q.dtype, deterministic (no atomics), by the
-    strategy floyd_config.strategy chooses (the forward's, for the same shapes). ``kv2_dtype``:
+    strategy floyd_strategy.strategy chooses (the forward's, for the same shapes). ``kv2_dtype``:
     dK2/dV2's dtype instead (the accumulation dtype, for a caller that adds sums over other
     rows of n to them: gradops.distributed).
 

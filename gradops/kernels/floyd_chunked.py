@@ -44,7 +44,7 @@ import triton.language as tl
 from ._floyd_common import _NEG_FLT_MAX, SCALE_ARGS, _mask_arg, _scale_bits, _unpack_scale, tile_max
 from ._floyd_memory import Backward, chunks, flat, forward_outputs
 from .floyd_gemm import Product, by_m as _by_m, gemm
-from .floyd_config import chunk_budget, chunk_plan, pair_bytes, row_config, total_memory
+from .floyd_config import chunk_budget, chunk_plan, pair_bytes, row_config, small_grid, total_memory
 
 
 # Integer arguments of the row kernels the JIT must not specialise: those that change from chunk
@@ -212,7 +212,7 @@ def _plan(q, k):
         raise TypeError("the chunked Floyd strategy takes float16, bfloat16 and float32 inputs")
     bh, n, m, d = q.shape[0] * q.shape[1], q.shape[2], q.shape[3], q.shape[4]
     es = q.element_size()
-    budget = chunk_budget(total_memory(q.device), bh * n * m * pair_bytes(k, d, es))
+    budget = chunk_budget(total_memory(q.device), bh * n * m * pair_bytes(k, d, es), small_grid(n, m, k))
     return chunk_plan(bh, n, m, k, es, budget, head_dim=d)
 
 

@@ -1,12 +1,14 @@
-"""Launch parameters of the Floyd attention kernels, and which strategy runs a call: the one
-place that chooses them (docs/kernels-floyd.md, "Strategies").
+"""Launch parameters of the Floyd attention kernels: the one place that chooses them
+(docs/kernels-floyd.md, "Strategies"), and what the strategy rule (``floyd_strategy.py``)
+may choose from (:func:`runnable`, the strategy forced for benchmarks and tests).
 
-Two strategies implement the backend: ``"fused"`` (``floyd_attention.py``: flash-style
-kernels over 3-D tiles of the score cube, configured by :func:`floyd_config` below) and
+Three strategies implement the backend: ``"fused"`` (``floyd_attention.py``: flash-style
+kernels over 3-D tiles of the score cube, configured by :func:`floyd_config` below),
 ``"chunked"`` (``floyd_chunked.py``: the scores of a chunk of (n, m) rows built by batched
 tensor-core GEMMs, the softmax and dS in Triton row kernels, configured by
-:func:`chunk_budget`, :func:`chunk_plan`, :func:`gemm_config` and :func:`row_config`).
-:func:`strategy` is the rule.
+:func:`chunk_budget`, :func:`chunk_plan`, :func:`gemm_config` and :func:`row_config`) and
+``"hybrid"`` (``floyd_hybrid.py``: the n-side half of each score on chip, the m-side half
+through memory, configured by :func:`plan_rows` and :func:`hybrid_config`).
 
 The fused kernels' tiles:
 
@@ -35,7 +37,7 @@ memory (an H100 SM has 227 KiB):
 - the loop step is the contraction of the ``P @ V`` and ``dS @ K`` products, so >= 16;
   steps of 32 spilled wherever 16 did not gain a tile size, except the forward at width 16
   (16-bit D <= 16), where 32 removes the 3 spill pairs that 16 left;
-- where the rule (``strategy`` below) still gives a width to the fused kernels (16-bit
+- where the rule (``floyd_strategy.strategy``) still gives a width to the fused kernels (16-bit
   D <= 64, float32 D <= 16), the kept tile is one without spills: hence dK1/dV1 at width 64
   takes 8x8 (16x8 spilled 3 pairs), its mirror dK2/dV2 keeps 16x8 (no spills), and dQ
   grows from 8x8 to 16x8 (no spills, 160 KiB; the 16-row side fills the m16 MMA rows);
@@ -144,7 +146,7 @@ def floyd_config(kernel: str, head_dim: int, element_size: int = 2) -> FloydConf
 
 
 # ----------------------------------------------------------------------------------------------
-# The strategy rule
+# What the strategy rule (floyd_strategy.py) chooses from
 # ----------------------------------------------------------------------------------------------
 STRATEGIES = ("fused", "chunked", "hybrid")
 # Manual override for benchmarks and tests: "fused" or "chunked" forces that strategy for
@@ -193,35 +195,6 @@ def runnable(d: int, element_size: int) -> Tuple[str, ...]:
                                          ("chunked", True)) if fits)
 
 
-def strategy(b: int, h: int, n: int, m: int, k: int, d: int, element_size: int) -> str:
-    """"fused", "hybrid" or "chunked" for a call of this shape and element size (bytes per
-    input element): the one with the shortest roofline on an H100 among those that can take
-    it (``floyd_roofline.roofline``: HBM bytes, L2 bytes issued, FLOP at the tiles' shapes and
-    launches, each counted), or the one forced. Float64 (element size 8) is always "fused":
-    the other strategies' GEMMs and row kernels are for the 16-bit and float32 inputs tensor
-    cores serve. Every strategy is deterministic, so torch's determinism setting does not
-    enter; a forward and its backward get the same answer."""
-    if element_size == 8:
-        return "fused"
-    forced = forced_strategy()
-    if forced == "hybrid" and padded_head_dim(d) > HYBRID_MAX_HEAD_DIM:
-        return "chunked"  # the hybrid row kernels hold a whole head: past their widest, chunked
-    if forced is not None:
-        return forced
-    return _fastest(b, h, n, m, k, d, element_size, half_bits(torch.bfloat16))
-
-
-@functools.lru_cache(maxsize=4096)
-def _fastest(b, h, n, m, k, d, element_size, bits) -> str:
-    """The runnable strategy with the shortest roofline (``bits``: HALF_BITS, part of the key)."""
-    from .floyd_roofline import roofline
-
-    dtype = torch.bfloat16 if element_size == 2 else torch.float32
-    candidates = runnable(d, element_size)
-    times = [roofline(name, (b, h, n, m, k, d), dtype, override=False).seconds for name in candidates]
-    return candidates[times.index(min(times))]
-
-
 # ----------------------------------------------------------------------------------------------
 # The chunked strategy: the chunk budget, the chunks, the GEMM tiles and the row kernels' blocks
 # ----------------------------------------------------------------------------------------------
@@ -230,16 +203,29 @@ def _fastest(b, h, n, m, k, d, element_size, bits) -> str:
 # CHUNK_MEMORY_DIVISOR (1.3 GiB on an H100, 81559 MiB) and the whole problem's workspace /
 # CHUNK_PROBLEM_DIVISOR, and at least MIN_CHUNK_BUDGET_BYTES. Never the free memory at call
 # time: a forward and its backward must walk the same chunks (bitwise the same scores). The
-# two divisors trade memory for launches (14 per chunk, ~25 us of host time each): on an
-# H100, B = 1, H = 8, N = M = K = 512, D = 128 (bf16) takes 16 chunks of 384 or 128 rows of
-# n, a peak of about 4.5 GiB with Y and the gradients, half of torch.compile(FloydNet)'s
-# 9 GiB; N = M = K = 256 takes 4 chunks of 2 slices (1.2 GiB against its 1.75:
-# docs/kernels-floyd.md, "Roofline", says why not fewer bytes there).
+# two divisors trade memory for launches (7 or 14 per chunk, at about 124 us of host time each
+# on the H200 of 2026-11-28: floyd_roofline.LAUNCH_SECONDS): on an H100, B = 1, H = 8,
+# N = M = K = 512, D = 128 (bf16) takes 16 chunks of 384 or 128 rows of n, a peak of about
+# 4.5 GiB with Y and the gradients, half of torch.compile(FloydNet)'s 9 GiB; N = M = K = 256
+# takes 4 chunks of 2 slices (1.2 GiB against its 1.75: docs/kernels-floyd.md, "Roofline",
+# says why not fewer bytes there).
+#
+# A small grid (N, M and K at most SMALL_GRID: FloydNet's training grids of 20-100 nodes, its
+# graphs of tens to a hundred) is not divided: its workspace is small beside the memory a step
+# holds anyway, and at these sizes a call's launches cost the host more than its kernels cost
+# the GPU, so it takes one chunk wherever the device's share holds it (and the rule then
+# prefers a strategy that launches each kernel once: floyd_strategy.py).
 CHUNK_MEMORY_DIVISOR = 64
 CHUNK_PROBLEM_DIVISOR = 3
 MIN_CHUNK_BUDGET_BYTES = 64 << 20
+SMALL_GRID = 128
 # A budget that replaces the one above, for tests and benchmarks (bytes), or None.
 CHUNK_BUDGET_BYTES: Optional[int] = None
+
+
+def small_grid(n: int, m: int, k: int) -> bool:
+    """Whether a call of N = ``n``, M = ``m``, K = ``k`` is a small grid (see SMALL_GRID)."""
+    return max(n, m, k) <= SMALL_GRID
 
 
 def score_bytes(element_size: int) -> int:
@@ -253,8 +239,10 @@ def pair_bytes(k: int, d: int, element_size: int) -> int:
     return k * score_bytes(element_size) + 4 * d
 
 
+@functools.lru_cache(maxsize=64)
 def total_memory(device: torch.device) -> int:
-    """The device's total memory in bytes (a CPU's: the machine's physical memory)."""
+    """The device's total memory in bytes (a CPU's: the machine's physical memory); asked once
+    per device (every call plans with it)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     try:
@@ -263,22 +251,23 @@ def total_memory(device: torch.device) -> int:
         return 8 << 30
 
 
-def chunk_budget(device_total_bytes: int, problem_bytes: int) -> int:
+def chunk_budget(device_total_bytes: int, problem_bytes: int, small: bool) -> int:
     """Bytes of workspace a chunk may take, on a device with this much memory, for a problem
-    whose whole workspace (every (slice, n, m) row at ``pair_bytes``) is ``problem_bytes``:
-    CHUNK_BUDGET_BYTES when set, else the smaller of ``device_total_bytes /
-    CHUNK_MEMORY_DIVISOR`` and ``problem_bytes / CHUNK_PROBLEM_DIVISOR``, at least
-    MIN_CHUNK_BUDGET_BYTES."""
+    whose whole workspace (every (slice, n, m) row at ``pair_bytes``) is ``problem_bytes``
+    (``small``: a small grid, :func:`small_grid`): CHUNK_BUDGET_BYTES when set, else
+    :func:`device_budget`."""
     if CHUNK_BUDGET_BYTES is not None:
         return max(1, int(CHUNK_BUDGET_BYTES))
-    return device_budget(device_total_bytes, problem_bytes)
+    return device_budget(device_total_bytes, problem_bytes, small)
 
 
-def device_budget(device_total_bytes: int, problem_bytes: int) -> int:
+def device_budget(device_total_bytes: int, problem_bytes: int, small: bool) -> int:
     """:func:`chunk_budget` without the CHUNK_BUDGET_BYTES override: what a device of this much
-    memory plans with (the strategy rule's roofline plans with it on its reference device)."""
-    return max(MIN_CHUNK_BUDGET_BYTES, min(device_total_bytes // CHUNK_MEMORY_DIVISOR,
-                                           problem_bytes // CHUNK_PROBLEM_DIVISOR))
+    memory plans with (the strategy rule's roofline plans with it): the smaller of
+    ``device_total_bytes / CHUNK_MEMORY_DIVISOR`` and the problem's workspace (divided by
+    CHUNK_PROBLEM_DIVISOR unless ``small``), at least MIN_CHUNK_BUDGET_BYTES."""
+    share = problem_bytes if small else problem_bytes // CHUNK_PROBLEM_DIVISOR
+    return max(MIN_CHUNK_BUDGET_BYTES, min(device_total_bytes // CHUNK_MEMORY_DIVISOR, share))
 
 
 @dataclass(frozen=True)

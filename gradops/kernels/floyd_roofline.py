@@ -1,5 +1,5 @@
 """What each Floyd attention strategy moves, computes and launches at any shape: the roofline the
-strategy rule ranks them by (floyd_config.strategy; docs/kernels-floyd.md, "Roofline").
+strategy rule ranks them by (floyd_strategy.strategy; docs/kernels-floyd.md, "Roofline").
 
 For every launch a call makes, :func:`launches` gives the bytes it loads and stores, **distinct**
 (each byte once per launch: its least traffic between memory and the chip, the HBM traffic of
@@ -66,13 +66,31 @@ class Device:
     memory: int  # total bytes: the memory strategies' chunk budget derives from it
 
 
+# Host seconds a kernel launch costs, as the rule weighs it: the bare autograd.Function floors of
+# the H200 run of 2026-11-28 (benchmarks/results/nvidia-h200-2026-11-28/overhead.json: the least
+# a call with gradops' kernels costs the host, its allocations and autograd included), each
+# floor's median time over its launches, the median of the six floors: 104.6 (F.rms_norm, 3
+# launches), 137.6 (F.layer_norm, 3), 145.2 (nn.RMSNorm, 3), 204.0 (nn.LayerNorm, 3), 59.9
+# (gradops.rms_norm, 1) and 109.8 us (gradops.layer_norm, 1): 123.7 us. (The same run's Floyd
+# hybrid at L = 256, 28 launches in 7.06 ms against a roofline of 2.03, took about 250 us a
+# launch: host-bound.) tests/test_floyd_roofline.py recomputes it from the committed JSON.
+LAUNCH_SECONDS = 123.7e-6
+# What a launch would cost with the bound launcher (gradops.kernels._launch: a compiled
+# kernel launched without JITFunction.run's binder and cache lookup): LAUNCH_SECONDS less the
+# binder's share of a JIT launch. That share is 69 % (the H200 run's profile.txt, cProfile of
+# 600 launches: JITFunction.run 0.059 s cumulative, the compiled launcher within it 0.018 s) of
+# the 23.2 us a bare JIT launch took on the H100 machine of 2026-11-25
+# (shared/gpu/h100-2026-11-25, launch-and-gemm.txt): 16.0 us saved, 107.7 us left. An estimate
+# until a GPU run times the bound launcher (docs/gpu.md).
+BOUND_LAUNCH_SECONDS = LAUNCH_SECONDS - (1 - 0.018 / 0.059) * 23.2e-6
+
 # H100 SXM (80 GB HBM3): 3.35 TB/s HBM and 989 TFLOP/s dense 16-bit on wgmma, 67 TFLOP/s float32
 # (NVIDIA's specification); about 5.5 TB/s from L2 (microbenchmarks, e.g. Chips and Cheese's);
-# 23 us of host time per bare Triton launch, measured on the H100 machine of 2026-11-25
-# (shared/gpu/h100-2026-11-25, launch-and-gemm.txt). The fused kernels' batched dots lower to
-# mma.sync, whose rate is lower than wgmma's: the tensor-core term is not what binds them
-# (their L2 traffic is), so one rate serves.
-H100 = Device("H100 SXM", hbm=3.35e12, l2=5.5e12, mma=989e12, fma=67e12, launch=23e-6, memory=81559 << 20)
+# LAUNCH_SECONDS of host time a launch. The fused kernels' batched dots lower to mma.sync, whose
+# rate is lower than wgmma's: the tensor-core term is not what binds them (their L2 traffic
+# is), so one rate serves.
+H100 = Device("H100 SXM", hbm=3.35e12, l2=5.5e12, mma=989e12, fma=67e12, launch=LAUNCH_SECONDS,
+              memory=81559 << 20)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -305,8 +323,10 @@ def launches(strategy: str, shape: Shape, dtype: torch.dtype, masked: bool = Fal
     D) for inputs of ``dtype``, masked or not: {"forward": [...], "backward": [...]}. The
     memory strategies walk the chunks their launchers plan on a device of ``memory`` bytes,
     with ``floyd_config.CHUNK_BUDGET_BYTES`` in place of its budget when set and ``override``."""
+    small = config.small_grid(*shape[2:5])
+
     def budget(problem: int) -> int:
-        return (config.chunk_budget if override else config.device_budget)(memory, problem)
+        return (config.chunk_budget if override else config.device_budget)(memory, problem, small)
 
     return STRATEGIES[strategy](*shape, dtype, masked, budget)
 
