@@ -256,15 +256,9 @@ def test_int64_index_path(monkeypatch, device):
     wide = run_kernels(inputs, dy, mask, 0.4)
     for a, b_ in zip([*narrow[:3], *narrow[3]], [*wide[:3], *wide[3]]):
         assert torch.equal(a, b_)
-    class Big:  # the shape and strides of a view whose (b, h) slice spans 2^31 elements
-        shape = (1, 1, 2, 2, 2)
-
-        @staticmethod
-        def stride():
-            return (0, 0, 2**30, 1, 1)
-
-    assert index_dtype(Big()) is tl.int64
-    assert index_dtype(inputs[0], None) is tl.int32
+    big = ((1, 1, 2, 2, 2), (0, 0, 2**30, 1, 1))  # the (shape, strides) of a view whose (b, h) slice spans 2^31
+    assert index_dtype(big) is tl.int64
+    assert index_dtype(kernels._layout(inputs[0]), None) is tl.int32
 
 
 def test_no_cubic_allocation(monkeypatch, device):

@@ -10,7 +10,7 @@ import torch
 import gradops
 import gradops.nn.functional as GF
 from gradops.bench.overhead import kernels_launched, stubbed_launches
-from gradops.kernels import norm_config
+from gradops.kernels import floyd_config, norm_config
 from helpers import nsa_problem, rand
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
@@ -247,3 +247,74 @@ def test_a_remembered_signature_keys_its_attributes_by_type_and_value(device):
     # -0.0 == 0.0, but an offset of -0.0 leaves -0.0 weights' zeros negative
     assert _plans.signature("op", None, (), (0.0,)) != _plans.signature("op", None, (), (-0.0,))
     assert float64_bits(0.0) == (0, 0) and float64_bits(-0.0) == (-(2 ** 31), 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Floyd attention at FloydNet's shapes (issue 44): small grids in few launches
+# ---------------------------------------------------------------------------------------------
+SMALL_GRID_LAUNCHES = 7  # one chunk of the hybrid strategy (3 forward, 4 backward); the fused kernels launch 4
+
+
+def floyd_step(b, h, grid, d, masked, device, broadcast=False):
+    """``gradops.pivotal_attention`` forward and backward at FloydNet's shapes under bf16
+    autocast (B, H heads of D, an L x L grid, its padding pair mask [B,1,L,1,L]): (the
+    forward, the backward given the forward's output). ``broadcast``: zero-stride inputs (a
+    large B*H with nothing allocated; the launches are recorded, not run)."""
+    gen = torch.Generator().manual_seed(0)
+    if broadcast:
+        inputs = [torch.randn(1, 1, 1, 1, d, generator=gen).to(device=device, dtype=torch.bfloat16)
+                  .expand(b, h, grid, grid, d).requires_grad_() for _ in range(5)]
+    else:
+        inputs = [torch.randn(b, h, grid, grid, d, generator=gen).to(device=device, dtype=torch.bfloat16)
+                  .requires_grad_() for _ in range(5)]
+    mask = None
+    if masked:
+        pair = torch.ones(b, grid, grid, dtype=torch.bool)
+        pair[:, grid - grid // 10:, :] = pair[:, :, grid - grid // 10:] = False
+        mask = (~pair[:, None, :, None, :]).to(device)
+
+    def forward():
+        return gradops.pivotal_attention(*inputs, attn_mask=mask)
+
+    def backward(out):
+        dy = torch.ones(out.shape, dtype=out.dtype, device=out.device)
+        return lambda: torch.autograd.grad(out, inputs, dy)
+
+    return forward, backward
+
+
+def floyd_launches(forward, backward):
+    """(the forward's launches, the backward's), as kernels_launched counts them."""
+    fwd = kernels_launched(forward)
+    with stubbed_launches():  # the graph to differentiate, without running the kernels
+        out = forward()
+    return fwd, kernels_launched(backward(out))
+
+
+@pytest.mark.parametrize("grid", [20, 32, 64, 100, 128])
+@pytest.mark.parametrize("masked", [True, False], ids=["pair_mask", "no_mask"])
+def test_pivotal_attention_on_a_small_grid_runs_each_kernel_once(grid, masked, device):
+    """FloydNet's TSP block (B = 1, 6 heads of D = 64, bf16 under autocast): a forward and its
+    backward launch no kernel-launching torch op (the statistics' gradients are not zero-filled)
+    and at most one chunk's Triton kernels, whatever the grid up to 128 (chunking used to
+    double them at 128)."""
+    fwd, bwd = floyd_launches(*floyd_step(1, 6, grid, 64, masked, device))
+    torch_ops = [k for k in fwd + bwd if k.startswith("aten::")]
+    assert torch_ops == [], (fwd, bwd)
+    assert len(fwd) + len(bwd) <= SMALL_GRID_LAUNCHES, (fwd, bwd)
+
+
+@pytest.mark.parametrize("b, h, grid", [(16, 6, 128), (8, 12, 64)])
+def test_a_small_grid_runs_each_kernel_once_for_any_batch(b, h, grid, device):
+    """A batch of TSP grids at L = 128 (B*H = 96: the hybrid strategy's one chunk would pass the
+    device's share, the fused kernels take it) and of graph-count graphs (12 heads, L = 64), and
+    each strategy forced: one chunk's launches."""
+    forward, backward = floyd_step(b, h, grid, 64, True, device, broadcast=True)
+    fwd, bwd = floyd_launches(forward, backward)
+    assert not [k for k in fwd + bwd if k.startswith("aten::")] and len(fwd) + len(bwd) <= SMALL_GRID_LAUNCHES
+    forward, backward = floyd_step(1, 6, 128, 64, True, device)
+    for forced, count in (("fused", 4), ("hybrid", SMALL_GRID_LAUNCHES)):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(floyd_config, "STRATEGY", forced)
+            fwd, bwd = floyd_launches(forward, backward)
+        assert len(fwd) + len(bwd) == count and not [k for k in fwd + bwd if k.startswith("aten::")], (forced, fwd, bwd)

@@ -243,9 +243,10 @@ def optional_peers(device: str) -> Dict[str, Optional[str]]:
     return {"floydnet": floydnet, "compiled": None if device == "cuda" else "CUDA only (compile time dwarfs a CPU run)"}
 
 
-def floydnet_pivotal(q, k1, v1, k2, v2, mask, scale):
-    """FloydNet's own function, in our argument order (its order is q, k1, k2, v1, v2)."""
-    return _floydnet()(q, k1, k2, v1, v2, attn_mask=mask, scale=scale)
+def floydnet_pivotal(q, k1, v1, k2, v2, mask, scale, inf: float = 1e9):
+    """FloydNet's own function, in our argument order (its order is q, k1, k2, v1, v2); ``inf``:
+    the magnitude its boolean mask writes (its default 1e9 overflows float16: 1e4 there)."""
+    return _floydnet()(q, k1, k2, v1, v2, attn_mask=mask, scale=scale, inf=inf)
 
 
 def compiled_target() -> Tuple[Callable, str]:

@@ -62,15 +62,29 @@ def _dtype(dtype) -> torch.dtype:
     return resolve(dtype)
 
 
-def draw(shape: Shape, dtype, seed: int, dy_scale: float = 1.0, masked: bool = False, device="cpu"):
+def pair_mask(b: int, n: int, k: int) -> torch.Tensor:
+    """FloydNet's mask of a padded grid, ``[B,1,N,1,K]``: its models pass ``~pair_mask[:, None,
+    :, None, :]`` where ``pair_mask [B,N,N]`` is 0 on padding rows and columns; here the last
+    tenth of the nodes (at least one) pad, so those rows of n are masked entirely."""
+    pad = max(1, n // 10)
+    pair = torch.ones(b, n, k, dtype=torch.bool)
+    pair[:, n - pad:, :] = False
+    pair[:, :, k - min(pad, k - 1):] = False  # (a pivot stays for the rows that are not padding)
+    return ~pair[:, None, :, None, :]
+
+
+def draw(shape: Shape, dtype, seed: int, dy_scale: float = 1.0, masked=False, device="cpu"):
     """``(q, k1, v1, k2, v2), dy, mask`` on ``device``: ``traffic.floyd_inputs``' draws (the
     same stream: drawn in float32 from a CPU generator seeded with ``seed``), rounded to
     ``dtype``, dY multiplied by ``dy_scale`` in float32 first (scaled after rounding, a
-    float16 dY times 1e-4 would be rounded twice)."""
+    float16 dY times 1e-4 would be rounded twice). ``masked``: False, True (about 10% of the
+    pivots removed at random) or "pair" (:func:`pair_mask`)."""
     from .traffic import floyd_inputs
 
     dtype = _dtype(dtype)
-    inputs, dy, mask = floyd_inputs(shape, torch.float32, masked, seed)
+    inputs, dy, mask = floyd_inputs(shape, torch.float32, masked is True, seed)
+    if masked == "pair":
+        mask = pair_mask(shape[0], shape[2], shape[4])
     inputs = tuple(t.to(dtype).to(device) for t in inputs)
     dy = (dy * dy_scale).to(dtype).to(device)
     return inputs, dy, None if mask is None else mask.to(device)
@@ -98,10 +112,11 @@ def oracle(inputs, dy, mask, scale: float) -> List[torch.Tensor]:
     return out
 
 
-def run_impl(impl: str, inputs, dy, mask, scale: float) -> List[torch.Tensor]:
+def run_impl(impl: str, inputs, dy, mask, scale: float, inf: float = 1e9) -> List[torch.Tensor]:
     """Y and the five gradients of one forward and its backward by ``impl`` (``IMPLS``), in
     the inputs' dtype. The strategy and the halves' bits are whatever floyd_config holds
-    (:func:`errors` sets them)."""
+    (:func:`errors` sets them); ``inf``: FloydNet's masked magnitude (ours and the oracle
+    exclude a masked pivot exactly)."""
     import gradops
 
     if impl in ("gradops", "reference"):
@@ -115,7 +130,7 @@ def run_impl(impl: str, inputs, dy, mask, scale: float) -> List[torch.Tensor]:
             raise RuntimeError("floydnet is not importable: pip install floydnet")
         leaves = [t.detach().requires_grad_() for t in inputs]
         with torch.enable_grad():
-            y = floydnet_pivotal(*leaves, mask, scale)
+            y = floydnet_pivotal(*leaves, mask, scale, inf)
             return [y.detach(), *torch.autograd.grad(y, leaves, dy)]
     raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLS}")
 
@@ -174,7 +189,7 @@ def gpu_rounding():
 
 
 def _measure(impls: Sequence[str], shape: Shape, dtype, seed: int, scale: Optional[float], dy_scale: float,
-             strategy: Optional[str], masked: bool, device) -> Dict[str, dict]:
+             strategy: Optional[str], masked, device, inf: float = 1e9) -> Dict[str, dict]:
     """:func:`errors` of each of ``impls`` on one draw, against one oracle."""
     from .floyd import forced_strategy, rule_strategy
 
@@ -187,7 +202,7 @@ def _measure(impls: Sequence[str], shape: Shape, dtype, seed: int, scale: Option
         start = time.perf_counter()
         ours = impl == "gradops"
         with forced_strategy(strategy if ours else None), gpu_rounding() as rounding:
-            results = run_impl(impl, inputs, dy, mask, scale)
+            results = run_impl(impl, inputs, dy, mask, scale, inf)
             ran = rule_strategy(shape, dtype.itemsize) if ours else None
         seconds = time.perf_counter() - start
         rel = relative_errors(results, reference)
@@ -210,16 +225,17 @@ def errors(shape: Shape, dtype, impl: str, seed: int, scale: Optional[float] = N
 
 
 def compare(shape: Shape, dtype, seeds: Sequence[int], strategy: Optional[str] = None, dy_scale: float = 1.0,
-            half_bits: Optional[int] = None, *, scale: Optional[float] = None, masked: bool = False,
-            device="cpu") -> List[dict]:
+            half_bits: Optional[int] = None, *, scale: Optional[float] = None, masked=False,
+            device="cpu", inf: float = 1e9) -> List[dict]:
     """One row per seed: ours' and FloydNet eager's :func:`errors` on the same draw against the
     same oracle, and ``ratio`` = ours' max relative error / FloydNet's (the goal: <= 0.5).
     ``half_bits`` (16, 24 or 32; None: the default) sets ``floyd_config.HALF_BITS`` for the run
-    and restores it after."""
+    and restores it after; ``masked`` as :func:`draw`'s, ``inf`` FloydNet's masked magnitude."""
     rows = []
     with forced_half_bits(half_bits):
         for seed in seeds:
-            found = _measure(("gradops", "floydnet"), shape, dtype, seed, scale, dy_scale, strategy, masked, device)
+            found = _measure(("gradops", "floydnet"), shape, dtype, seed, scale, dy_scale, strategy, masked, device,
+                             inf)
             ours, peer = found["gradops"], found["floydnet"]
             rows.append({"shape": dict(zip("BHNMKD", shape)), "dtype": str(_dtype(dtype)).replace("torch.", ""),
                          "seed": seed, "dy_scale": dy_scale, "masked": masked, "strategy": strategy,

@@ -52,6 +52,27 @@ def stubbed_launches(mark: bool = False) -> Iterator[List[str]]:
             cls.run = real
 
 
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[List[tuple]]:
+    """As :func:`stubbed_launches`, keeping each launch as ``(kernel, grid, args, kwargs)``, so
+    that it can be replayed (the floor of a call whose launches are worked out elsewhere)."""
+    from triton.runtime import interpreter, jit
+
+    log: List[tuple] = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        log.append((self, grid, args, kwargs))
+
+    saved = [(cls, cls.run) for cls in (jit.JITFunction, interpreter.InterpretedFunction)]
+    for cls, _ in saved:
+        cls.run = run
+    try:
+        yield log
+    finally:
+        for cls, real in saved:
+            cls.run = real
+
+
 # ATen ops that launch no kernel: allocation, views, metadata, and the conversions that are
 # no-ops unless they contain a copy (then the copy inside them is what is counted).
 _NO_KERNEL = frozenset("""
@@ -96,6 +117,9 @@ FAMILY = "overhead"
 SHAPE = (8, 64)  # the goal's shape: a call whose kernels are negligible, so a call is its host cost
 CALLS_PER_REP = 200  # calls timed back to back in one repetition (one sync at its end on a GPU)
 PLOT = dict(x_key="N", metric="median_ms")
+FLOYD_SHAPE = dict(B=1, H=6, D=64)  # FloydNet's TSP model under bf16 autocast (width 384, 6 heads)
+FLOYD_GRIDS = (32, 100)  # FloydNet's TSP training grids are 20-100 nodes
+FLOYD_OPS = tuple(f"pivotal_attention fwd+bwd L={grid}" for grid in FLOYD_GRIDS)
 
 GOALS = (
     Goal("on a CPU, gradops' Python around a Triton launch within 2x the bare autograd.Function floor "
@@ -105,6 +129,9 @@ GOALS = (
     # until the H200 run of 2026-11-28 left it unevaluated)
     Goal("host time of an nn.functional rms_norm / layer_norm forward + backward at 8x64 within 1.5x torch's",
          ("F.rms_norm fwd+bwd", "F.layer_norm fwd+bwd"), "speedup:torch", 1 / 1.5, gpu=None),
+    Goal("on a CPU, the host cost of a pivotal_attention forward + backward at FloydNet's shapes (B = 1, H = 6, "
+         "D = 64, bf16, a pair mask, L = 32 and 100) within 1.5x the floor of its launches", FLOYD_OPS,
+         "speedup:floor", 1 / 1.5, device="cpu", gpu=None),
 )
 
 
@@ -198,6 +225,85 @@ class _FloorLayerNorm(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
+class _FloorReplay(torch.autograd.Function):
+    """The least a differentiable call can do around given launches: allocate outputs and
+    gradients of the given (shape, dtype) and launch the forward's and the backward's kernels
+    as one real call recorded them (:func:`recorded_launches`: the same kernels, grids and
+    arguments, nothing worked out)."""
+
+    @staticmethod
+    def forward(ctx, record, *inputs):
+        outputs = [torch.empty(shape, dtype=dtype, device=inputs[0].device) for shape, dtype in record.outputs]
+        for kernel, grid, args, kwargs in record.forward:
+            kernel[grid](*args, **kwargs)
+        ctx.save_for_backward(*inputs, *outputs)  # what a backward needs: the inputs, Y and its statistics
+        ctx.record = record
+        return outputs[0]
+
+    @staticmethod
+    def backward(ctx, dy):
+        record = ctx.record
+        ctx.saved_tensors
+        grads = [torch.empty(shape, dtype=dtype, device=dy.device) for shape, dtype in record.grads]
+        for kernel, grid, args, kwargs in record.backward:
+            kernel[grid](*args, **kwargs)
+        return (None, *grads)
+
+
+class _Recorded:
+    """One call's launches, forward and backward, and its outputs' and gradients' (shape, dtype)."""
+
+    def __init__(self, call: Callable[[], torch.Tensor], inputs, dy):
+        with recorded_launches() as self.forward:
+            out = call()
+        with recorded_launches() as self.backward:
+            grads = torch.autograd.grad(out, inputs, dy)
+        # the forward's outputs: Y and the two float32 statistics ([B,H,N,M]) of Floyd attention
+        stat = (tuple(out.shape[:4]), torch.float32)
+        self.outputs = [(tuple(out.shape), out.dtype), stat, stat]
+        self.grads = [(tuple(g.shape), g.dtype) for g in grads]
+
+
+
+def floyd_entry_points(device: str) -> Dict[str, tuple]:
+    """{op: (case, {impl: callable})}: ``gradops.pivotal_attention`` forward + backward at
+    FloydNet's shapes with its padding pair mask (ours), and the floor of the launches the call
+    makes; FloydNet's own ``pivotal_attention`` beside them on a GPU (on a CPU it would time the
+    CPU's einsums, not a host)."""
+    import gradops
+
+    b, h, d = FLOYD_SHAPE["B"], FLOYD_SHAPE["H"], FLOYD_SHAPE["D"]
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    found = {}
+    for grid in FLOYD_GRIDS:
+        inputs = [torch.randn(b, h, grid, grid, d, generator=gen).to(device=dev, dtype=torch.bfloat16)
+                  .requires_grad_() for _ in range(5)]
+        pair = torch.ones(b, grid, grid)
+        pair[:, grid - grid // 10:, :] = pair[:, :, grid - grid // 10:] = 0  # the last tenth padding
+        mask = (~(pair[:, None, :, None, :].bool())).to(dev)  # FloydNet's attn_mask, [B,1,N,1,N]
+        dy = torch.randn(b, h, grid, grid, d, generator=gen).to(device=dev, dtype=torch.bfloat16)
+
+        def ours(inputs=inputs, mask=mask):
+            return gradops.pivotal_attention(*inputs, attn_mask=mask)
+
+        record = _Recorded(ours, inputs, dy)
+        impls = {OURS: _fwd_bwd(ours, inputs, dy),
+                 "floor": _fwd_bwd(lambda record=record, inputs=inputs: _FloorReplay.apply(record, *inputs),
+                                   inputs, dy)}
+        if dev.type == "cuda":
+            try:
+                import floydnet
+            except ImportError:
+                pass
+            else:
+                impls["floydnet"] = _fwd_bwd(lambda inputs=inputs, mask=mask: floydnet.pivotal_attention(
+                    *inputs, attn_mask=mask), inputs, dy)
+        case = dict(B=b, H=h, L=grid, D=d, dtype="bfloat16", mask="pair")
+        found[FLOYD_OPS[FLOYD_GRIDS.index(grid)]] = (case, impls)
+    return found
+
+
 def _configs(m: int, n: int, device, dtype: torch.dtype):
     from ..kernels import norm_config as C
 
@@ -213,7 +319,7 @@ ENTRY_POINTS = ("F.rms_norm fwd+bwd", "F.layer_norm fwd+bwd", "nn.RMSNorm fwd+bw
 
 def cases(args) -> List[tuple]:
     """(entry point, dtype) of a run (``gradops bench all --dry-run`` counts them)."""
-    return [(op, dt) for dt in args.dtypes for op in ENTRY_POINTS]
+    return [(op, dt) for dt in args.dtypes for op in ENTRY_POINTS] + [(op, "bfloat16") for op in FLOYD_OPS]
 
 
 def impl_names(args) -> List[str]:
@@ -340,30 +446,32 @@ def run(args) -> Run:
     result.meta["shape"] = list(SHAPE)
     result.meta["calls_per_rep"] = CALLS_PER_REP
     with gradops.use_backend("triton"):
-        for dtype_name in args.dtypes:
-            dtype = harness.DTYPES[dtype_name]
-            case = {"M": SHAPE[0], "N": SHAPE[1], "dtype": dtype_name}
-            for op, impls in entry_points(args.device, dtype).items():
-                if result.out_of_time():
-                    for impl in impls:
-                        result.skip([op], case, impl)
-                    continue
-                working, failed = {}, {}
-                for name, fn in impls.items():  # one call each first: a peer's failure is the peer's record
-                    try:
-                        with stubbed_launches() if on_cpu else contextlib.nullcontext():
-                            fn()
-                        working[name] = fn
-                    except Exception as e:
-                        failed[name] = f"{type(e).__name__}: {e}"[:300]
-                with stubbed_launches() if on_cpu else contextlib.nullcontext():
-                    times = host_times(working, args)
-                for name in impls:
-                    if name in failed:
-                        result.add(Record(op, case, name, [], error=failed[name]))
-                    else:
-                        launches = kernels_launched(impls[name])
-                        result.add(Record(op, case, name, times[name], extra={"launches": launches}))
+        calls = [(op, {"M": SHAPE[0], "N": SHAPE[1], "dtype": dtype_name}, impls)
+                 for dtype_name in args.dtypes
+                 for op, impls in entry_points(args.device, harness.DTYPES[dtype_name]).items()]
+        with stubbed_launches() if on_cpu else contextlib.nullcontext():
+            calls += [(op, case, impls) for op, (case, impls) in floyd_entry_points(args.device).items()]
+        for op, case, impls in calls:
+            if result.out_of_time():
+                for impl in impls:
+                    result.skip([op], case, impl)
+                continue
+            working, failed = {}, {}
+            for name, fn in impls.items():  # one call each first: a peer's failure is the peer's record
+                try:
+                    with stubbed_launches() if on_cpu else contextlib.nullcontext():
+                        fn()
+                    working[name] = fn
+                except Exception as e:
+                    failed[name] = f"{type(e).__name__}: {e}"[:300]
+            with stubbed_launches() if on_cpu else contextlib.nullcontext():
+                times = host_times(working, args)
+            for name in impls:
+                if name in failed:
+                    result.add(Record(op, case, name, [], error=failed[name]))
+                else:
+                    launches = kernels_launched(impls[name])
+                    result.add(Record(op, case, name, times[name], extra={"launches": launches}))
     return result
 
 

@@ -65,7 +65,8 @@ from . import floyd_chunked, floyd_hybrid
 from ._floyd_common import (_ACC, _NEG_FLT_MAX, _TL, FLT_MAX, SCALE_ARGS, _mask_arg, _scale_bits, _unpack_scale,
                             dot_constexprs)
 from .floyd_config import FUSED_MAX_HEAD_DIM, floyd_config, forced_strategy, total_memory
-from .floyd_strategy import strategy
+from .floyd_config import settings as config_settings
+from .floyd_strategy import launch_seconds, strategy
 
 
 
@@ -459,22 +460,24 @@ def _bwd_dkv_kernel(
 # ----------------------------------------------------------------------------------------------
 # Launchers (the backend functions of docs/backends.md)
 # ----------------------------------------------------------------------------------------------
-def _launch_args(q: torch.Tensor, scale: float):
+def _launch_args(dtype: torch.dtype, device: torch.device, scale: float):
     """(accumulation dtype, constexprs shared by every kernel, scale as ``_scale_bits``)."""
-    acc = _ACC.get(q.dtype)
+    acc = _ACC.get(dtype)
     if acc is None:  # gradops.ops admits only float dtypes; reaching here is a bug
-        raise TypeError(f"Floyd attention kernels take float16, bfloat16, float32 or float64, got {q.dtype}")
-    consts = dict(ACC=_TL[acc], **dot_constexprs(q.dtype, q.device))
+        raise TypeError(f"Floyd attention kernels take float16, bfloat16, float32 or float64, got {dtype}")
+    consts = dict(ACC=_TL[acc], **dot_constexprs(dtype, device))
     return acc, consts, _scale_bits(scale)
 
 
-def _index_dtype(*tensors):
-    """tl.int64 when an element offset inside one (b, h) slice of some tensor (counting the
-    lanes of a tile that overhang an edge) can pass 2^31 - 1, else tl.int32."""
-    for t in tensors:
-        if t is None:
+def _index_dtype(*layouts):
+    """tl.int64 when an element offset inside one (b, h) slice of some tensor, given as its
+    (shape, strides) (counting the lanes of a tile that overhang an edge), can pass 2^31 - 1,
+    else tl.int32."""
+    for layout in layouts:
+        if layout is None:
             continue
-        span = sum((size + 256) * abs(stride) for size, stride in zip(t.shape[2:], t.stride()[2:]))
+        shape, strides = layout
+        span = sum((size + 256) * abs(stride) for size, stride in zip(shape[2:], strides[2:]))
         if span >= 2**31 - 1:
             return tl.int64
     return tl.int32
@@ -516,30 +519,36 @@ def unsupported(q) -> "str | None":
     return None
 
 
-def _strategy(q, k1):
-    """The module that runs this call by floyd_strategy's rule: floyd_hybrid, floyd_chunked, or
-    None for the fused kernels here."""
-    B, H, N, M, D = q.shape
-    return {"hybrid": floyd_hybrid, "chunked": floyd_chunked}.get(strategy(B, H, N, M, k1.shape[3], D,
-                                                                            q.element_size(), total_memory(q.device)))
+def _layout(t):
+    return tuple(t.shape), t.stride()
+
+
+def _contiguous(shape):
+    """The strides of a contiguous tensor of ``shape`` (the outputs the launchers allocate)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _swap_nm(strides):
+    """A [B, H, x, y, ...] tensor's strides seen as [B, H, y, x, ...] (a transposed view: the same
+    pointer, so the kernels take the tensor itself with these strides)."""
+    return strides[:2] + (strides[3], strides[2]) + strides[4:]
+
+
+def plan(q, k1, v1, k2, v2, mask, scale) -> "Launches":
+    """The launches of a forward and a backward of calls like this one: its tensors' shapes,
+    strides, dtype and device, the mask's layout and the scale (docs/backends.md, ``plan``).
+    gradops.nn's eager path keeps it per call signature and hands it each call's tensors."""
+    return Launches(q, k1, v1, k2, v2, mask, scale)
 
 
 def floyd_attention(q, k1, v1, k2, v2, mask, scale):
     """Forward: ``(out [B,H,N,M,D] q.dtype, softmax_max, softmax_sum [B,H,N,M] acc)``, by the
     strategy floyd_strategy.strategy chooses."""
-    B, H, N, M, D = q.shape
-    K = k1.shape[3]
-    if B * H * N * M == 0 or K == 0:
-        acc = _ACC[q.dtype]
-        out = torch.zeros((B, H, N, M, D), dtype=q.dtype, device=q.device)
-        # gradops.ops refuses K = 0; a softmax over no pivot attends to nothing
-        softmax_max = torch.full((B, H, N, M), -FLT_MAX, dtype=acc, device=q.device)
-        softmax_sum = torch.zeros((B, H, N, M), dtype=acc, device=q.device)
-        return out, softmax_max, softmax_sum
-    memory_strategy = _strategy(q, k1)
-    if memory_strategy is not None:
-        return memory_strategy.forward(q, k1, v1, k2, v2, mask, scale)
-    return _fused_forward(q, k1, v1, k2, v2, mask, scale)
+    return plan(q, k1, v1, k2, v2, mask, scale).forward(q, k1, v1, k2, v2, mask)
 
 
 def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask, scale, kv2_dtype=None):
@@ -550,92 +559,175 @@ def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, m
 
     ``out`` (Y) is not read: Dr = sum_k P dP is computed from the recomputed P and dP in
     the accumulation dtype (OPERATORS.md section 5, "Dr and precision")."""
-    B, H, N, M, D = q.shape
-    K = k1.shape[3]
-    kv2_dtype = q.dtype if kv2_dtype is None else kv2_dtype
-    if B * H * N * M * K == 0:  # every sum is over nothing
-        return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
-                torch.zeros((B, H, N, K, D), dtype=q.dtype, device=q.device),
-                torch.zeros((B, H, N, K, D), dtype=q.dtype, device=q.device),
-                torch.zeros((B, H, K, M, D), dtype=kv2_dtype, device=q.device),
-                torch.zeros((B, H, K, M, D), dtype=kv2_dtype, device=q.device))
-    memory_strategy = _strategy(q, k1)
-    if memory_strategy is not None:
-        return memory_strategy.backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale, kv2_dtype)
-    return _fused_backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale, kv2_dtype)
+    launches = plan(q, k1, v1, k2, v2, mask, scale)
+    return launches.backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, kv2_dtype)
 
 
-def _fused_forward(q, k1, v1, k2, v2, mask, scale):
-    """The fused forward kernel's launch (B*H*N*M*K > 0)."""
-    acc, consts, scale_bits = _launch_args(q, scale)
-    B, H, N, M, D = q.shape
-    K = k1.shape[3]
-    dev = q.device
-    out = torch.empty((B, H, N, M, D), dtype=q.dtype, device=dev)
-    softmax_max = torch.empty((B, H, N, M), dtype=acc, device=dev)
-    softmax_sum = torch.empty((B, H, N, M), dtype=acc, device=dev)
-    cfg = floyd_config("fwd", D, q.element_size())
-    mask_t, mask_strides, has_mask = _mask_arg(mask, q)
-    consts["IDX"] = _index_dtype(q, k1, v1, k2, v2, mask, out, softmax_max)
-    grid = (B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(M, cfg.block_m),)
-    _fwd_kernel[grid](
-        q, k1, v1, k2, v2, mask_t, out, softmax_max, softmax_sum,
-        *q.stride(), *k1.stride(), *v1.stride(), *k2.stride(), *v2.stride(), *mask_strides,
-        *out.stride(), *softmax_max.stride(),
-        H, N, M, K, D, *scale_bits, HAS_MASK=has_mask, **consts, **_meta(cfg),
-    )
-    return out, softmax_max, softmax_sum
+class Launches:
+    """What a call signature's forward and backward launch, by the strategy the rule gives it
+    (:func:`plan`). It holds the signature's metadata, never a tensor, and is remade when a
+    setting that the launches depend on changes (``floyd_config.settings``: a strategy forced,
+    the halves' bits, the chunk budget, the tiles; the launch cost the rule weighs)."""
+
+    def __init__(self, q, k1, v1, k2, v2, mask, scale):
+        self._layouts = tuple(_layout(t) for t in (q, k1, v1, k2, v2))
+        self._mask = None if mask is None else _layout(mask)
+        self._dtype, self._device, self._scale = q.dtype, q.device, scale
+        self._settings = self._run = None
+
+    def current(self):
+        """The launches of this signature under today's settings: an object with ``forward`` and
+        ``backward`` as this one's (a caller that keeps it runs a forward's backward with the
+        forward's launches whatever settings change in between)."""
+        settings = (config_settings(), launch_seconds())
+        if settings != self._settings:
+            self._run, self._settings = self._make(), settings
+        return self._run
+
+    def _make(self):
+        (b, h, n, m, d), (_, _, _, k, _) = self._layouts[0][0], self._layouts[1][0]
+        if b * h * n * m == 0 or k == 0:
+            return _Empty(self._layouts, self._dtype, self._device)
+        module = {"hybrid": floyd_hybrid, "chunked": floyd_chunked}.get(
+            strategy(b, h, n, m, k, d, self._dtype.itemsize, total_memory(self._device)))
+        if module is not None:
+            return _ThroughMemory(module, self._scale)
+        return _Fused(self._layouts, self._mask, self._dtype, self._device, self._scale)
+
+    def forward(self, q, k1, v1, k2, v2, mask):
+        return self.current().forward(q, k1, v1, k2, v2, mask)
+
+    def backward(self, dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, kv2_dtype=None):
+        return self.current().backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, kv2_dtype)
 
 
-def _fused_backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, scale, kv2_dtype):
-    """The fused backward kernels' launches (B*H*N*M*K > 0): dQ (and Dr), then dK1/dV1 and
-    dK2/dV2."""
-    acc, consts, scale_bits = _launch_args(q, scale)
-    B, H, N, M, D = q.shape
-    K = k1.shape[3]
-    dev = q.device
-    dq = torch.empty((B, H, N, M, D), dtype=q.dtype, device=dev)
-    dk1 = torch.empty((B, H, N, K, D), dtype=q.dtype, device=dev)
-    dv1 = torch.empty((B, H, N, K, D), dtype=q.dtype, device=dev)
-    dk2 = torch.empty((B, H, K, M, D), dtype=kv2_dtype, device=dev)  # the kernel's stores cast
-    dv2 = torch.empty((B, H, K, M, D), dtype=kv2_dtype, device=dev)
-    mask_t, mask_strides, has_mask = _mask_arg(mask, q)
-    dr = torch.empty((B, H, N, M), dtype=acc, device=dev)  # sum_k P dP, contiguous
-    consts["IDX"] = _index_dtype(q, k1, v1, k2, v2, mask, dy, softmax_max, softmax_sum, dq, dk1, dk2)
+class _Empty:
+    """A call with nothing to compute (B*H*N*M*K = 0): zeros, the statistics of no pivot."""
 
-    def strides(*tensors):
-        return [stride for t in tensors for stride in t.stride()]
+    def __init__(self, layouts, dtype, device):
+        self._shapes = [shape for shape, _ in layouts]
+        self._dtype, self._device = dtype, device
 
-    cfg = floyd_config("bwd_dq", D, q.element_size())  # first: it writes Dr, which the dK/dV launches read
-    grid = (B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(M, cfg.block_m),)
-    _bwd_dq_kernel[grid](
-        q, k1, v1, k2, v2, mask_t, dy, softmax_max, softmax_sum, dr, dq,
-        *strides(q, k1, v1, k2, v2), *mask_strides, *strides(dy, softmax_max, softmax_sum, dq),
-        H, N, M, K, D, *scale_bits, HAS_MASK=has_mask, **consts, **_meta(cfg),
-    )
-    # dK/dV one side per launch of the same kernel, in terms of the side's own axis (n for
-    # K1/V1, m for K2/V2) and the looped one: its own keys/values are indexed [own, k], the
-    # other side's [loop, k], Q, dY and the statistics [own, loop]. The K2/V2 side sees
-    # those tensors with n and m swapped: a transposed view, a change of strides only.
-    # K2/V2 are stored [k, m], so they are swapped on both sides.
-    def swap(t):
-        return t.transpose(2, 3)
+    def forward(self, q, k1, v1, k2, v2, mask):
+        acc = _ACC[self._dtype]
+        out = torch.zeros(self._shapes[0], dtype=self._dtype, device=self._device)
+        # gradops.ops refuses K = 0; a softmax over no pivot attends to nothing
+        stats = self._shapes[0][:4]
+        return (out, torch.full(stats, -FLT_MAX, dtype=acc, device=self._device),
+                torch.zeros(stats, dtype=acc, device=self._device))
 
-    def unchanged(t):
-        return t
+    def backward(self, dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, kv2_dtype=None):
+        # every sum is over nothing
+        kv2_dtype = self._dtype if kv2_dtype is None else kv2_dtype
+        return tuple(torch.zeros(shape, dtype=dtype, device=self._device)
+                     for shape, dtype in zip(self._shapes, [self._dtype] * 3 + [kv2_dtype] * 2))
 
-    for name, view, own_kv, other_kv, grads in (
-        ("bwd_dk1", unchanged, (k1, v1), (swap(k2), swap(v2)), (dk1, dv1)),
-        ("bwd_dk2", swap, (swap(k2), swap(v2)), (k1, v1), (swap(dk2), swap(dv2))),
-    ):
-        rows = [view(t) for t in (q, dy)]
-        stats = [view(t) for t in (softmax_max, softmax_sum, dr)]
-        own_len, loop_len = rows[0].shape[2:4]
-        meta = _dkv_meta(name, floyd_config(name, D, q.element_size()))
-        grid = (B * H * triton.cdiv(own_len, meta["BLOCK_OWN"]) * triton.cdiv(K, meta["BLOCK_K"]),)
-        _bwd_dkv_kernel[grid](
-            *rows, *own_kv, *other_kv, mask_t, *stats, *grads,
-            *strides(*rows, *own_kv, *other_kv), *mask_strides, *strides(*stats), *grads[0].stride(),
-            H, own_len, loop_len, K, D, *scale_bits, HAS_MASK=has_mask, **consts, **meta,
-        )
-    return dq, dk1, dv1, dk2, dv2
+
+class _ThroughMemory:
+    """The hybrid or the chunked strategy (``module``), whose launchers plan their chunks."""
+
+    def __init__(self, module, scale):
+        self._module, self._scale = module, scale
+
+    def forward(self, q, k1, v1, k2, v2, mask):
+        return self._module.forward(q, k1, v1, k2, v2, mask, self._scale)
+
+    def backward(self, dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, kv2_dtype=None):
+        return self._module.backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, self._scale,
+                                     q.dtype if kv2_dtype is None else kv2_dtype)
+
+
+class _Fused:
+    """The fused kernels' launches of one call signature: every grid, constexpr and integer
+    argument worked out once (the backward's per layout of dY and the statistics it is given
+    and dK2/dV2's dtype), so that a call allocates its outputs and launches."""
+
+    def __init__(self, layouts, mask, dtype, device, scale):
+        self._layouts, self._mask, self._dtype, self._device = layouts, mask, dtype, device
+        acc, self._consts, self._bits = _launch_args(dtype, device, scale)
+        self._acc = acc
+        (B, H, N, M, D), (_, _, _, K, _) = layouts[0][0], layouts[1][0]
+        self._dims = (B, H, N, M, K, D)
+        self._shapes = dict(q=(B, H, N, M, D), k1=(B, H, N, K, D), k2=(B, H, K, M, D), stat=(B, H, N, M))
+        self._has_mask = mask is not None
+        # the mask is read as bytes (_mask_arg), strides (b, n, k) of its [B, 1, N, 1, K]
+        self._mask_strides = (mask[1][0], mask[1][2], mask[1][4]) if mask is not None else (0, 0, 0)
+        out, stat = _contiguous(self._shapes["q"]), _contiguous(self._shapes["stat"])
+        cfg = floyd_config("fwd", D, dtype.itemsize)
+        consts = dict(self._consts, IDX=_index_dtype(*layouts, mask, (self._shapes["q"], out)))
+        self._forward = ((B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(M, cfg.block_m),),
+                         (*(x for _, strides in layouts for x in strides), *self._mask_strides, *out, *stat,
+                          H, N, M, K, D, *self._bits),
+                         dict(HAS_MASK=self._has_mask, **consts, **_meta(cfg)))
+        self._backward = {}
+
+    @staticmethod
+    def _mask_pointer(mask, like):
+        """The mask's bytes as the kernels read them (``_mask_arg``'s tensor: its strides are planned)."""
+        return like if mask is None else mask.view(torch.uint8)
+
+    def forward(self, q, k1, v1, k2, v2, mask):
+        dev = self._device
+        out = torch.empty(self._shapes["q"], dtype=self._dtype, device=dev)
+        softmax_max = torch.empty(self._shapes["stat"], dtype=self._acc, device=dev)
+        softmax_sum = torch.empty(self._shapes["stat"], dtype=self._acc, device=dev)
+        grid, ints, kw = self._forward
+        _fwd_kernel[grid](q, k1, v1, k2, v2, self._mask_pointer(mask, q), out, softmax_max, softmax_sum, *ints, **kw)
+        return out, softmax_max, softmax_sum
+
+    def _backward_launches(self, dy, softmax_max, softmax_sum, kv2_dtype):
+        """(dQ launch, dK1/dV1 launch, dK2/dV2 launch) as (grid, integer arguments, keywords) for
+        dY and statistics of these layouts."""
+        B, H, N, M, K, D = self._dims
+        (q, q_st), (_, k1_st), (_, v1_st), (_, k2_st), (_, v2_st) = self._layouts
+        dy_l, max_l, sum_l = _layout(dy), _layout(softmax_max), _layout(softmax_sum)
+        q_c, k1_c, k2_c, stat_c = (_contiguous(self._shapes[x]) for x in ("q", "k1", "k2", "stat"))
+        consts = dict(self._consts, HAS_MASK=self._has_mask,
+                      IDX=_index_dtype(*self._layouts, self._mask, dy_l, max_l, sum_l, (q, q_c),
+                                       (self._shapes["k1"], k1_c), (self._shapes["k2"], k2_c)))
+        es = self._dtype.itemsize
+        cfg = floyd_config("bwd_dq", D, es)  # first: it writes Dr, which the dK/dV launches read
+        dq = ((B * H * triton.cdiv(N, cfg.block_n) * triton.cdiv(M, cfg.block_m),),
+              (*q_st, *k1_st, *v1_st, *k2_st, *v2_st, *self._mask_strides, *dy_l[1], *max_l[1], *sum_l[1], *q_c,
+               H, N, M, K, D, *self._bits),
+              dict(consts, **_meta(cfg)))
+        # dK/dV one side per launch of the same kernel, in terms of the side's own axis (n for
+        # K1/V1, m for K2/V2) and the looped one: its own keys/values are indexed [own, k], the
+        # other side's [loop, k], Q, dY and the statistics [own, loop]. The K2/V2 side sees
+        # those tensors with n and m swapped (a transposed view: strides only); K2/V2 are stored
+        # [k, m], so they are swapped on both sides.
+        sides = []
+        for name, view, own, other, grad, own_len, loop_len in (
+                ("bwd_dk1", tuple, (k1_st, v1_st), (_swap_nm(k2_st), _swap_nm(v2_st)), k1_c, N, M),
+                ("bwd_dk2", _swap_nm, (_swap_nm(k2_st), _swap_nm(v2_st)), (k1_st, v1_st), _swap_nm(k2_c), M, N)):
+            meta = _dkv_meta(name, floyd_config(name, D, es))
+            rows = (*view(q_st), *view(dy_l[1]))
+            stats = (*view(max_l[1]), *view(sum_l[1]), *view(stat_c))
+            sides.append(((B * H * triton.cdiv(own_len, meta["BLOCK_OWN"]) * triton.cdiv(K, meta["BLOCK_K"]),),
+                          (*rows, *own[0], *own[1], *other[0], *other[1], *self._mask_strides, *stats, *grad,
+                           H, own_len, loop_len, K, D, *self._bits),
+                          dict(consts, **meta)))
+        return (dq, *sides)
+
+    def backward(self, dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, kv2_dtype=None):
+        kv2_dtype = self._dtype if kv2_dtype is None else kv2_dtype
+        key = (dy.stride(), softmax_max.stride(), softmax_sum.stride(), kv2_dtype)
+        launches = self._backward.get(key)
+        if launches is None:
+            launches = self._backward.setdefault(key, self._backward_launches(dy, softmax_max, softmax_sum, kv2_dtype))
+        (dq_grid, dq_ints, dq_kw), (dk1_grid, dk1_ints, dk1_kw), (dk2_grid, dk2_ints, dk2_kw) = launches
+        dev, dtype, shapes = self._device, self._dtype, self._shapes
+        dq = torch.empty(shapes["q"], dtype=dtype, device=dev)
+        dk1 = torch.empty(shapes["k1"], dtype=dtype, device=dev)
+        dv1 = torch.empty(shapes["k1"], dtype=dtype, device=dev)
+        dk2 = torch.empty(shapes["k2"], dtype=kv2_dtype, device=dev)  # the kernel's stores cast
+        dv2 = torch.empty(shapes["k2"], dtype=kv2_dtype, device=dev)
+        dr = torch.empty(shapes["stat"], dtype=self._acc, device=dev)  # sum_k P dP, contiguous
+        mask_t = self._mask_pointer(mask, q)
+        _bwd_dq_kernel[dq_grid](q, k1, v1, k2, v2, mask_t, dy, softmax_max, softmax_sum, dr, dq, *dq_ints, **dq_kw)
+        # (transposed sides: the tensors themselves, with the swapped strides of the launch)
+        _bwd_dkv_kernel[dk1_grid](q, dy, k1, v1, k2, v2, mask_t, softmax_max, softmax_sum, dr, dk1, dv1,
+                                  *dk1_ints, **dk1_kw)
+        _bwd_dkv_kernel[dk2_grid](q, dy, k2, v2, k1, v1, mask_t, softmax_max, softmax_sum, dr, dk2, dv2,
+                                  *dk2_ints, **dk2_kw)
+        return dq, dk1, dv1, dk2, dv2

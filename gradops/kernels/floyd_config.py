@@ -102,6 +102,16 @@ class FloydConfig:
     group: int
 
 
+def settings() -> tuple:
+    """Every setting of this module that a call's launches depend on beside its shapes: the
+    strategy forced, the halves' bits, the chunk budget, the tile overrides (each as set and as
+    read from the environment). A plan made under other settings is remade
+    (floyd_attention.Launches)."""
+    env = os.environ.get
+    return (STRATEGY, env("GRADOPS_FLOYD_STRATEGY"), HALF_BITS, env("GRADOPS_FLOYD_HALF_BITS"), CHUNK_BUDGET_BYTES,
+            env("GRADOPS_FLOYD_CONFIG"), repr(OVERRIDES) if OVERRIDES else None)
+
+
 def padded_head_dim(d: int) -> int:
     return max(16, triton.next_power_of_2(max(int(d), 1)))
 

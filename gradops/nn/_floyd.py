@@ -1,6 +1,8 @@
 """Floyd (pivotal) attention as a differentiable functional: its custom ops, their fakes,
-autograd and autocast rules (see ``_custom_ops``). DTensor inputs go to the row-sharded rule
-of ``gradops.distributed``."""
+autograd and autocast rules (see ``_custom_ops``), and the eager path, which runs the call's
+remembered plan (``gradops.ops.floyd_attention.plan_floyd_attention``) in an autograd.Function
+without the ops' dispatch. DTensor inputs go to the row-sharded rule of
+``gradops.distributed``."""
 from typing import Optional, Tuple
 
 import torch
@@ -8,7 +10,8 @@ from torch import Tensor
 
 from ..ops import floyd_attention as _floyd_ops
 from ..ops._checks import check_float_attr, require_tensor
-from ._custom_ops import backend_arg, double_backward_error, empty_like_spec, fresh, no_autocast, register_autocast
+from ._custom_ops import (autocast_eligible, autocast_off, backend_arg, double_backward_error, empty_like_spec, fresh,
+                          no_autocast, register_autocast, takes_eager_path)
 from ._transforms import register_folded_vmap, transformable, transformed
 
 @torch.library.custom_op("gradops::floyd_attention", mutates_args=())
@@ -47,6 +50,7 @@ def _floyd_setup(ctx, inputs, output):
     q, k1, v1, k2, v2, mask, scale, backend = inputs
     out, smax, ssum = output
     ctx.mark_non_differentiable(smax, ssum)
+    ctx.set_materialize_grads(False)  # the statistics' gradients stay None: no zeros to fill
     ctx.save_for_backward(q, k1, v1, k2, v2, out, smax, ssum, mask)
     ctx.scale = scale
     ctx.backend = backend
@@ -76,6 +80,62 @@ register_folded_vmap("floyd_attention", 0)
 register_folded_vmap("floyd_attention_backward", 0)
 
 
+class _FloydFunction(torch.autograd.Function):
+    """The eager path of ``gradops::floyd_attention`` (see ``takes_eager_path``): the call's plan,
+    remembered per signature, run directly; its backward runs the same plan's launches, or,
+    building a graph (create_graph), the backward op, whose autograd node refuses a second
+    backward."""
+
+    @staticmethod
+    def forward(ctx, q, k1, v1, k2, v2, mask, call):
+        plan, ctx.scale, ctx.backend = call
+        with autocast_off(q):
+            out, smax, ssum, ctx.launches = _floyd_ops.run_floyd_attention(plan, q, k1, v1, k2, v2, mask)
+        ctx.save_for_backward(q, k1, v1, k2, v2, out, smax, ssum, mask)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k1, v1, k2, v2, out, smax, ssum, mask = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:5]
+        if not any(needs):
+            return (None,) * 7
+        if torch.is_grad_enabled():
+            backward_op = transformed(torch.ops.gradops.floyd_attention_backward)
+            grads = backward_op(dy, q, k1, v1, k2, v2, out, smax, ssum, mask, ctx.scale, ctx.backend)
+        else:
+            with autocast_off(q):
+                grads = _floyd_ops.run_planned_floyd_attention_grad(ctx.launches, dy, q, k1, v1, k2, v2, smax, ssum,
+                                                                    mask)
+        return tuple(g if need else None for g, need in zip(grads, needs)) + (None, None)
+
+
+def autocast_inputs(tensors):
+    """The tensors as the op's autocast rule hands them on: cast to the autocast dtype of their
+    device where autocast is on there (the eager path does it before planning, since the call's
+    signature holds the dtypes)."""
+    if not torch._C._is_any_autocast_enabled():
+        return tensors
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if autocast_eligible(t, device_type) else t for t in tensors)
+
+
+def eager_call(q, k1, v1, k2, v2, mask, scale: float, backend: str):
+    """The remembered call of ``floyd_attention`` (plan, scale, backend) for tensors that take the
+    eager path, the autocast casts done (:func:`autocast_inputs`); checks and plans a call
+    signature met for the first time."""
+    plan = _floyd_ops.plan_floyd_attention(q, k1, v1, k2, v2, mask, scale, backend=backend)
+    return plan, plan.scale, backend
+
+
+def run_eager(q, k1, v1, k2, v2, mask, call):
+    """Floyd attention of an :func:`eager_call`: the output, differentiable."""
+    return _FloydFunction.apply(q, k1, v1, k2, v2, mask, call)
+
+
 def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, mask: Optional[Tensor] = None,
                     scale: float = 1.0, *, backend: Optional[str] = None) -> Tensor:
     """Floyd (pivotal) attention with gradops' forward and backward operators; returns the
@@ -87,6 +147,10 @@ def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, m
     :func:`gradops.pivotal_attention`.
     """
     op = "floyd_attention"
+    backend = backend_arg(op, backend)
+    if takes_eager_path(q):
+        q, k1, v1, k2, v2 = autocast_inputs((q, k1, v1, k2, v2))
+        return run_eager(q, k1, v1, k2, v2, mask, eager_call(q, k1, v1, k2, v2, mask, scale, backend))
     for name, t in (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2)):
         require_tensor(op, name, t)
     require_tensor(op, "mask", mask, optional=True)
@@ -95,8 +159,7 @@ def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, m
         from ..distributed import dtensor
 
         dtensor.register()
-    out, _, _ = transformed(torch.ops.gradops.floyd_attention)(q, k1, v1, k2, v2, mask, scale,
-                                                               backend_arg(op, backend))
+    out, _, _ = transformed(torch.ops.gradops.floyd_attention)(q, k1, v1, k2, v2, mask, scale, backend)
     return out
 
 

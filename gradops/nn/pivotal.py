@@ -43,10 +43,12 @@ import torch
 import torch.nn.functional as torch_F
 from torch.utils.checkpoint import checkpoint
 
+from .._backend import requested
 from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
+from ..ops import _plans
 from ..ops._checks import check_float_attr, dtype_name, require_tensor, short_repr
-from ._custom_ops import autocast_eligible
-from ._floyd import floyd_attention
+from ._custom_ops import autocast_eligible, takes_eager_path
+from ._floyd import autocast_inputs, eager_call, floyd_attention, run_eager
 
 __all__ = ["pivotal_attention", "TILE_ELEMENTS", "FUSED_MIN_INF"]
 
@@ -106,6 +108,15 @@ def _mask_5d(attn_mask, full_shape, device, op):
             _fail(f"attn_mask has shape {tuple(attn_mask.shape)}, expected a shape broadcastable to "
                   f"(B, H, L_i, L_k, L_j) == {tuple(full_shape)}", op=op)
     return mask
+
+
+def _operator_mask(attn_mask, b, li, lj):
+    """The operator's ``[B,1,L_i,1,L_j]`` mask of a boolean ``attn_mask`` constant over heads and
+    k: ``attn_mask`` itself when it is that already (contiguous), else expanded and copied."""
+    if tuple(attn_mask.shape) == (b, 1, li, 1, lj) and attn_mask.is_contiguous():
+        return attn_mask
+    mask = attn_mask.reshape((1,) * (5 - attn_mask.dim()) + tuple(attn_mask.shape))
+    return mask.expand(b, 1, li, 1, lj).contiguous()
 
 
 def _autocast_dtype(device_type: str):
@@ -191,7 +202,7 @@ def resolve(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf, softma
     fusable_mask = mask is None or (mask.dtype == torch.bool and mask.shape[1] == 1 and mask.shape[3] == 1
                                     and inf >= FUSED_MIN_INF)
     if dropout == 0.0 and not softmax_cap > 0 and fusable_mask:
-        fused_mask = None if mask is None else mask.expand(b, 1, li, 1, lj).contiguous()
+        fused_mask = None if mask is None else _operator_mask(attn_mask, b, li, lj)
         return PivotalCall(True, fused_mask, float(scale), float(inf), float(softmax_cap), float(dropout))
     return PivotalCall(False, mask, float(scale), float(inf), float(softmax_cap), float(dropout))
 
@@ -232,12 +243,50 @@ def pivotal_attention(
     shape broadcastable to ``(B,1,L_i,1,L_j)``), else a bounded-memory chunked path; see the
     module docstring.
     """
+    eager = takes_eager_path(q_ik)
+    if eager:
+        key = _plans.signature(_OP, None, (q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask),
+                               (dropout, scale, inf, softmax_cap, _autocast_dtype(q_ik.device.type)))
+        remembered = _plans.lookup(key)
+        if remembered is not None:
+            return remembered.run(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask)
     if type(q_ik).__name__ == "DTensor":  # row-sharded over its mesh, every path (docs/distributed.md)
         from ..distributed import dtensor
 
         return dtensor.pivotal_attention(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf, softmax_cap)
     call = resolve(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf, softmax_cap)
-    if call.fused:
-        # gradops' argument order is (q, k1, v1, k2, v2); FloydNet's is (q, k_ij, k_jk, v_ij, v_jk)
-        return floyd_attention(q_ik, k_ij, v_ij, k_jk, v_jk, mask=call.mask, scale=call.scale)
-    return chunked(call, q_ik, k_ij, k_jk, v_ij, v_jk)
+    if not call.fused:
+        return chunked(call, q_ik, k_ij, k_jk, v_ij, v_jk)
+    if not eager:
+        return _fused(q_ik, k_ij, k_jk, v_ij, v_jk, call.mask, call.scale)
+    cast = autocast_inputs((q_ik, k_ij, k_jk, v_ij, v_jk))
+    fused = _FusedCall(call.mask is attn_mask or attn_mask is None, q_ik.shape[0], q_ik.shape[2], k_ij.shape[3],
+                       eager_call(cast[0], cast[1], cast[3], cast[2], cast[4], call.mask, call.scale,
+                                  requested(None)))
+    return _plans.remember(key, fused).run(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask)
+
+
+def _fused(q_ik, k_ij, k_jk, v_ij, v_jk, mask, scale: float, eager=None):
+    """The fused path: gradops' Floyd attention operator, through its remembered ``eager`` call
+    where there is one (``eager_call``; the tensors then cast as autocast casts them)."""
+    # gradops' argument order is (q, k1, v1, k2, v2); FloydNet's is (q, k_ij, k_jk, v_ij, v_jk)
+    if eager is not None:
+        return run_eager(q_ik, k_ij, v_ij, k_jk, v_jk, mask, eager)
+    return floyd_attention(q_ik, k_ij, v_ij, k_jk, v_jk, mask=mask, scale=scale)
+
+
+class _FusedCall(NamedTuple):
+    """A call signature :func:`pivotal_attention` has seen take the fused path, remembered:
+    whether its ``attn_mask`` is the operator's mask as it is (or None), the sizes a broadcast
+    one is expanded to, and the operator's eager call."""
+
+    mask_as_is: bool
+    b: int
+    li: int
+    lj: int
+    floyd: tuple
+
+    def run(self, q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask):
+        q_ik, k_ij, k_jk, v_ij, v_jk = autocast_inputs((q_ik, k_ij, k_jk, v_ij, v_jk))
+        mask = attn_mask if self.mask_as_is else _operator_mask(attn_mask, self.b, self.li, self.lj)
+        return _fused(q_ik, k_ij, k_jk, v_ij, v_jk, mask, self.floyd[1], self.floyd)

@@ -65,6 +65,8 @@ def _attr_key(a):
     offset of -0.0 gives other zeros than 0.0). None for what cannot be keyed by value: a
     tensor or an array (its values may change after the call, and a key would keep it alive)."""
     kind = type(a)
+    if kind is int or kind is bool or kind is str or a is None:
+        return kind, a
     if kind in (list, tuple, torch.Size):
         items = tuple(_attr_key(v) for v in a)
         return None if None in items else (kind, items)

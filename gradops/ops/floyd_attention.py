@@ -4,9 +4,12 @@ CANN checks Floyd's shapes (the mask's and the statistics' included) at tiling: 
 dtypes (the mask's included) are 161002."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .._backend import implementation
+from . import _plans
 from ._checks import (
     FLOAT_DTYPES,
     TILING,
@@ -87,8 +90,24 @@ def _as_bool_mask(mask):
     return None if mask is None else (mask if mask.dtype == torch.bool else mask != 0)
 
 
-def prepare_floyd_attention(q, k1, v1, k2, v2, mask=None, scale=1.0, *, backend=None,
-                            op="floyd_attention") -> Prepared:
+class FloydPlan(NamedTuple):
+    """What the checks of a ``floyd_attention`` call concluded (kept per call signature): the
+    backend module, its launches for calls of this signature (``impl.plan``: a forward and a
+    backward given each call's tensors), the outputs' (shape, dtype) and the scale."""
+
+    impl: object
+    launches: object
+    outputs: tuple
+    scale: float  # as checked
+
+
+def plan_floyd_attention(q, k1, v1, k2, v2, mask=None, scale=1.0, *, backend=None,
+                         op="floyd_attention") -> FloydPlan:
+    """Checks a ``floyd_attention`` call (once per call signature) and plans it."""
+    key = _plans.signature(op, backend, (q, k1, v1, k2, v2, mask), (scale,))
+    plan = _plans.lookup(key)
+    if plan is not None:
+        return plan
     # None -> 161001, then every dtype rule (161002), then the shapes CANN checks at tiling
     qkv = (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2))
     _require(op, qkv)
@@ -99,13 +118,31 @@ def prepare_floyd_attention(q, k1, v1, k2, v2, mask=None, scale=1.0, *, backend=
     scale = check_float_attr(op, "scale", scale)
     check_same_device(op, [("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2), ("mask", mask)])
     impl = implementation(op, FAMILY, backend, q.device, kernel_limit=lambda kernels: kernels.unsupported(q))
-
-    def run():
-        return impl.floyd_attention(q, k1, v1, k2, v2, _as_bool_mask(mask), scale)
-
     acc = stat_dtype(q.dtype)
     outputs = ((tuple(q.shape), q.dtype), ((b, h, n, m), acc), ((b, h, n, m), acc))
-    return Prepared(op, q.device, impl, outputs, run)
+    launches = impl.plan(q, k1, v1, k2, v2, _as_bool_mask(mask), scale)
+    return _plans.remember(key, FloydPlan(impl, launches, outputs, scale))
+
+
+def run_floyd_attention(plan: FloydPlan, q, k1, v1, k2, v2, mask):
+    """(out, softmax_max, softmax_sum, launches) of a planned call: ``launches`` ran it, and runs
+    its backward (:func:`run_planned_floyd_attention_grad`)."""
+    launches = plan.launches.current()
+    return (*launches.forward(q, k1, v1, k2, v2, _as_bool_mask(mask)), launches)
+
+
+def run_planned_floyd_attention_grad(launches, dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask):
+    """(dq, dk1, dv1, dk2, dv2) of a planned call's backward (gradops.nn's eager path), by the
+    launches that ran its forward: autograd hands it dy with the metadata of the output, and the
+    statistics the forward returned."""
+    return launches.backward(dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, _as_bool_mask(mask))
+
+
+def prepare_floyd_attention(q, k1, v1, k2, v2, mask=None, scale=1.0, *, backend=None,
+                            op="floyd_attention") -> Prepared:
+    plan = plan_floyd_attention(q, k1, v1, k2, v2, mask, scale, backend=backend, op=op)
+    return Prepared(op, q.device, plan.impl, plan.outputs,
+                    lambda: run_floyd_attention(plan, q, k1, v1, k2, v2, mask)[:3])
 
 
 def compact_stat(op, name, t, b, h, n, m):
@@ -144,8 +181,9 @@ def prepare_floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softma
     kv2_dtype = stat_dtype(q.dtype) if kv2_partial else q.dtype
 
     def run():
-        return impl.floyd_attention_grad(dy, q, k1, v1, k2, v2, out, smax, ssum, _as_bool_mask(mask), scale,
-                                         kv2_dtype)
+        bool_mask = _as_bool_mask(mask)
+        return impl.plan(q, k1, v1, k2, v2, bool_mask, scale).backward(dy, q, k1, v1, k2, v2, smax, ssum, bool_mask,
+                                                                       kv2_dtype)
 
     outputs = (tuple((tuple(t.shape), q.dtype) for t in (q, k1, v1))
                + tuple((tuple(t.shape), kv2_dtype) for t in (k2, v2)))

@@ -133,3 +133,26 @@ def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, m
         dk2[:, :, :, mt] = dk2m.permute(0, 1, 3, 2, 4)
         dv2[:, :, :, mt] = dv2m.permute(0, 1, 3, 2, 4)
     return tuple(t.to(dtype) for t in (dq, dk1, dv1)) + tuple(t.to(kv2_dtype) for t in (dk2, dv2))
+
+
+def plan(q, k1, v1, k2, v2, mask, scale):
+    """The backend's ``plan`` (docs/backends.md): this backend works a call out as it runs it, so
+    its plan keeps the scale only."""
+    return _Launches(scale)
+
+
+class _Launches:
+    """``forward`` and ``backward`` of calls at one scale; ``current()`` is itself."""
+
+    def __init__(self, scale):
+        self._scale = scale
+
+    def current(self):
+        return self
+
+    def forward(self, q, k1, v1, k2, v2, mask):
+        return floyd_attention(q, k1, v1, k2, v2, mask, self._scale)
+
+    def backward(self, dy, q, k1, v1, k2, v2, softmax_max, softmax_sum, mask, kv2_dtype=None):
+        return floyd_attention_grad(dy, q, k1, v1, k2, v2, None, softmax_max, softmax_sum, mask, self._scale,
+                                    kv2_dtype)
