@@ -252,3 +252,28 @@ def test_the_roofline_command_prints_each_strategy_and_the_rules_pick(rule, caps
     assert len(picked) == 2 and "hybrid" in picked[0] and "chunked" in picked[1]
     assert any("chunked" in line and "256 launches" in line for line in lines)
     assert "56 launches" in picked[0]
+
+
+def test_the_launch_term_is_the_h200_runs_floors():
+    """LAUNCH_SECONDS: the median over the floors of the H200 run's ``bench overhead`` of each
+    floor's median time over its launches; BOUND_LAUNCH_SECONDS takes off the binder's share of
+    a JIT launch, read off that run's cProfile of 600 launches (JITFunction.run's cumulative time
+    against the compiled launcher's within it)."""
+    import json
+    import pathlib
+    import re
+    import statistics
+
+    run = pathlib.Path(__file__).parents[1] / "benchmarks" / "results" / "nvidia-h200-2026-11-28"
+    floors = [r["median_ms"] * 1e-3 / len(r["extra"]["launches"])
+              for r in json.loads((run / "overhead.json").read_text())["records"] if r["impl"] == "floor"]
+    assert len(floors) == 6 and roofline.LAUNCH_SECONDS == pytest.approx(statistics.median(floors), abs=0.05e-6)
+    assert roofline.H100.launch == roofline.LAUNCH_SECONDS
+    profile = (run / "profile.txt").read_text()
+
+    def cumulative(where):
+        return float(re.search(r"\s600\s+\S+\s+\S+\s+(\S+)\s+\S+\s+\S*" + re.escape(where), profile).group(1))
+
+    jit, launcher = cumulative("jit.py:370(<lambda>)"), cumulative("driver.py:700(__call__)")
+    assert (jit, launcher) == (0.059, 0.018)
+    assert roofline.BOUND_LAUNCH_SECONDS == pytest.approx(roofline.LAUNCH_SECONDS - (1 - launcher / jit) * 23.2e-6)
