@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
 from ..ops._checks import check_float_attr, dtype_name, require_tensor, short_repr
-from ._custom_ops import autocast_eligible
+from ._custom_ops import DTENSOR_HANDLERS, autocast_eligible
 from ._floyd import floyd_attention
 
 __all__ = ["pivotal_attention", "TILE_ELEMENTS", "FUSED_MIN_INF"]
@@ -233,9 +233,8 @@ def pivotal_attention(
     module docstring.
     """
     if type(q_ik).__name__ == "DTensor":  # row-sharded over its mesh, every path (docs/distributed.md)
-        from ..distributed import dtensor
-
-        return dtensor.pivotal_attention(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf, softmax_cap)
+        return DTENSOR_HANDLERS["pivotal_attention"](q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf,
+                                                     softmax_cap)
     call = resolve(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf, softmax_cap)
     if call.fused:
         # gradops' argument order is (q, k1, v1, k2, v2); FloydNet's is (q, k_ij, k_jk, v_ij, v_jk)
