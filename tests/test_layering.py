@@ -28,7 +28,11 @@ does). Names resolve as Python resolves them:
 Every strongly connected component of two or more modules is a circle, named with one of its
 cycles. One is allowed while another change removes it (``ALLOWED_CIRCLES``)."""
 import ast
+import functools
+import json
 import pathlib
+import subprocess
+import sys
 from typing import Dict, Iterable, List, Set
 
 import gradops
@@ -73,6 +77,7 @@ def resolved_imports(module: str, is_package: bool, source: str, modules: Iterab
     return dict(sorted(found.items(), key=lambda item: item[1]))
 
 
+@functools.lru_cache(maxsize=None)
 def imports_of(module: str) -> Dict[str, int]:
     path = MODULES[module]
     return resolved_imports(module, path.name == "__init__.py", path.read_text(), MODULES)
@@ -186,6 +191,18 @@ def test_nn_never_imports_distributed():
     for module in sorted(m for m in MODULES if m.startswith("gradops.nn")):
         up = sorted(name for name in imports_of(module) if name.startswith("gradops.distributed"))
         assert not up, f"{module} imports {up}"
+
+
+def test_importing_gradops_hands_nn_its_dtensor_calls_without_importing_dtensor():
+    # a DTensor can reach nn only once torch.distributed.tensor is imported, and then gradops is too
+    code = ("import json, sys, torch; dtensor = 'torch.distributed.tensor'; before = dtensor in sys.modules; "
+            "import gradops; from gradops.nn._custom_ops import DTENSOR_HANDLERS; "
+            "print(json.dumps([sorted(DTENSOR_HANDLERS), before, dtensor in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=PACKAGE.parent, check=True).stdout
+    handlers, before, after = json.loads(out)
+    assert handlers == ["floyd_attention", "pivotal_attention"]
+    assert after == before, "import gradops imported torch.distributed.tensor"
 
 
 def test_the_norm_functionals_plan_in_ops_and_launch_in_nn():

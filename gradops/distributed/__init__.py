@@ -22,8 +22,8 @@ from .grid import pivotal_attention, transpose_rows
 __all__ = ["floyd_attention", "pivotal_attention", "transpose_rows", "RowShardedBlock", "collective_bytes"]
 
 
-# dtensor.py imports DTensor (about a second): imported when the first DTensor call arrives
-
+# What nn hands a DTensor call to. dtensor.py imports DTensor, about a second: the first DTensor
+# call imports it, not this package.
 def _register_floyd_dtensor_rule():
     from . import dtensor
 
