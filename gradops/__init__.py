@@ -25,6 +25,7 @@ from .errors import (
 )
 
 from . import aclnn, ascendc, nn, torch_npu  # noqa: E402  (after the API: they build on it)
+from . import distributed  # noqa: E402,F401  (it hands nn the DTensor calls: see its docstring)
 from .nn.pivotal import pivotal_attention  # noqa: E402
 from .patch import patch, unpatch  # noqa: E402  (gradops.patch the function; the module stays importable)
 

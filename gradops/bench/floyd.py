@@ -44,7 +44,6 @@ the Triton interpreter). ``--compile-check`` compiles the kernels for an H100 wi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -52,7 +51,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import harness
+from .floyd_accuracy import _floydnet, floyd_einsum, floydnet_pivotal
 from .harness import DTYPES, OURS, Goal, Record, Run, progress
+from .traffic import forced_strategy, rule_strategy
 
 FAMILY = "floyd"
 FUSED, HYBRID, CHUNKED = f"{OURS}-fused", f"{OURS}-hybrid", f"{OURS}-chunked"
@@ -213,26 +214,9 @@ def annotate(rec: Record, shape: Shape, element_size: int, masked: bool, strateg
 
 
 # ---------------------------------------------------------------------------------------------
-# FloydNet's formulation: everything materialised, differentiated by autograd
+# FloydNet's formulation (floyd_einsum: everything materialised, differentiated by autograd) and
+# FloydNet's own function (floydnet_pivotal), which floyd_accuracy defines as its oracle and peer
 # ---------------------------------------------------------------------------------------------
-def floyd_einsum(q, k1, v1, k2, v2, mask, scale):
-    scores = torch.einsum("bhnmd,bhnkd->bhnmk", q, k1) + torch.einsum("bhnmd,bhkmd->bhnmk", q, k2)
-    scores = scores * scale
-    if mask is not None:
-        scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
-    p = torch.softmax(scores, dim=-1)
-    return torch.einsum("bhnmk,bhnkd->bhnmd", p, v1) + torch.einsum("bhnmk,bhkmd->bhnmd", p, v2)
-
-
-def _floydnet():
-    try:
-        from floydnet.functional import pivotal_attention
-
-        return pivotal_attention
-    except Exception:
-        return None
-
-
 def optional_peers(device: str) -> Dict[str, Optional[str]]:
     """Peers that need a package or a device: name -> None when usable here, else why not."""
     try:
@@ -243,18 +227,12 @@ def optional_peers(device: str) -> Dict[str, Optional[str]]:
     return {"floydnet": floydnet, "compiled": None if device == "cuda" else "CUDA only (compile time dwarfs a CPU run)"}
 
 
-def floydnet_pivotal(q, k1, v1, k2, v2, mask, scale, inf: float = 1e9):
-    """FloydNet's own function, in our argument order (its order is q, k1, k2, v1, v2); ``inf``:
-    the magnitude its boolean mask writes (its default 1e9 overflows float16: 1e4 there)."""
-    return _floydnet()(q, k1, k2, v1, v2, attn_mask=mask, scale=scale, inf=inf)
-
-
 def compiled_target() -> Tuple[Callable, str]:
     """What ``compiled`` compiles, and its name for the run's meta: FloydNet's
     ``pivotal_attention`` when it imports, else the einsum formulation."""
     pivotal = _floydnet()
     if pivotal is None:
-        return floyd_einsum, "gradops.bench.floyd.floyd_einsum (floydnet is not importable)"
+        return floyd_einsum, "gradops.bench.floyd_accuracy.floyd_einsum (floydnet is not importable)"
 
     def floydnet_fn(q, k1, v1, k2, v2, mask, scale):
         return pivotal(q, k1, k2, v1, v2, attn_mask=mask, scale=scale)
@@ -323,23 +301,6 @@ def _autograd_fns(fn: Callable, inputs, dy, mask, scale) -> Makers:
         return bwd
 
     return {"fwd": lambda: fwd, "bwd": make_bwd, "fwdbwd": lambda: fwdbwd}
-
-
-@contextlib.contextmanager
-def forced_strategy(name: Optional[str]):
-    """``floyd_config.STRATEGY = name`` for the block, the previous value restored after it
-    (None: nothing forced, nothing touched)."""
-    if name is None:
-        yield
-        return
-    from ..kernels import floyd_config
-
-    old = floyd_config.STRATEGY
-    floyd_config.STRATEGY = name
-    try:
-        yield
-    finally:
-        floyd_config.STRATEGY = old
 
 
 def _under(name: str, fn: Callable[[], object]) -> Callable[[], object]:
@@ -413,15 +374,6 @@ def impl_names(args) -> List[str]:
     """The implementations measured: those asked for (default: all) that can run here."""
     unusable = _unusable(args)
     return [i for i in (args.impl or default_impls(args.device, args.interpret)) if i not in unusable]
-
-
-def rule_strategy(shape: Shape, element_size: int, forced: Optional[str] = None) -> str:
-    """The strategy our Triton backend runs a call of this shape with: floyd_strategy's rule
-    (with any override of STRATEGY / GRADOPS_FLOYD_STRATEGY in force), or ``forced``'s."""
-    from ..kernels import floyd_strategy
-
-    with forced_strategy(forced):
-        return floyd_strategy.strategy(*shape, element_size)
 
 
 def run(args) -> Run:

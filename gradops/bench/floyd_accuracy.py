@@ -12,7 +12,7 @@ one tensor is max |x - ref| / max |ref| over the whole tensor (as ``bench floyd`
   float32 before it is rounded (what a loss scaled down and never scaled back up hands the
   backward), then moved to the device: every implementation and the oracle see the same
   rounded tensors, so the error measured is the computation's, not the inputs' rounding.
-- The oracle (:func:`oracle`): FloydNet's formulation (``bench.floyd.floyd_einsum``: the
+- The oracle (:func:`oracle`): FloydNet's formulation (:func:`floyd_einsum`: the
   [N, M, K] scores materialised, softmax, the two output einsums) in float64, differentiated
   by autograd, one (b, h) slice at a time. Not gradops' reference backend: that one's
   backward is the same hand-derived formulas the kernels implement (dS = P * (dP - rowsum(dY
@@ -90,14 +90,39 @@ def draw(shape: Shape, dtype, seed: int, dy_scale: float = 1.0, masked=False, de
     return inputs, dy, None if mask is None else mask.to(device)
 
 
+# FloydNet's formulation (the oracle, run in float64) and FloydNet's own function (a peer); bench floyd
+# times both as well
+def floyd_einsum(q, k1, v1, k2, v2, mask, scale):
+    scores = torch.einsum("bhnmd,bhnkd->bhnmk", q, k1) + torch.einsum("bhnmd,bhkmd->bhnmk", q, k2)
+    scores = scores * scale
+    if mask is not None:
+        scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
+    p = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhnmk,bhnkd->bhnmd", p, v1) + torch.einsum("bhnmk,bhkmd->bhnmd", p, v2)
+
+
+def _floydnet():
+    """floydnet's ``pivotal_attention``, None where floydnet does not import."""
+    try:
+        from floydnet.functional import pivotal_attention
+
+        return pivotal_attention
+    except Exception:
+        return None
+
+
+def floydnet_pivotal(q, k1, v1, k2, v2, mask, scale, inf: float = 1e9):
+    """FloydNet's own function, in our argument order (its order is q, k1, k2, v1, v2); ``inf``:
+    the magnitude its boolean mask writes (its default 1e9 overflows float16: 1e4 there)."""
+    return _floydnet()(q, k1, k2, v1, v2, attn_mask=mask, scale=scale, inf=inf)
+
+
 def oracle(inputs, dy, mask, scale: float) -> List[torch.Tensor]:
     """Y and the five gradients (dQ, dK1, dV1, dK2, dV2) in float64: FloydNet's formulation
-    (``bench.floyd.floyd_einsum``) on the float64 copies of the (already rounded) inputs,
+    (:func:`floyd_einsum`) on the float64 copies of the (already rounded) inputs,
     differentiated by autograd, one (b, h) slice at a time (the float64 scores and their
     softmax of one slice, N*M*K*8 bytes each, not of the whole batch). Independent of every
     gradops backend: no gradops operator runs."""
-    from .floyd import floyd_einsum
-
     b_, h_ = inputs[0].shape[:2]
     out = [torch.empty(t.shape, dtype=torch.float64, device=t.device) for t in (inputs[0], *inputs)]
     for b in range(b_):
@@ -124,8 +149,6 @@ def run_impl(impl: str, inputs, dy, mask, scale: float, inf: float = 1e9) -> Lis
         out, mx, sm = gradops.floyd_attention(*inputs, mask, scale, backend=backend)
         return [out, *gradops.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, scale, backend=backend)]
     if impl == "floydnet":
-        from .floyd import _floydnet, floydnet_pivotal
-
         if _floydnet() is None:
             raise RuntimeError("floydnet is not importable: pip install floydnet")
         leaves = [t.detach().requires_grad_() for t in inputs]
@@ -191,7 +214,7 @@ def gpu_rounding():
 def _measure(impls: Sequence[str], shape: Shape, dtype, seed: int, scale: Optional[float], dy_scale: float,
              strategy: Optional[str], masked, device, inf: float = 1e9) -> Dict[str, dict]:
     """:func:`errors` of each of ``impls`` on one draw, against one oracle."""
-    from .floyd import forced_strategy, rule_strategy
+    from .traffic import forced_strategy, rule_strategy
 
     dtype = _dtype(dtype)
     inputs, dy, mask = draw(shape, dtype, seed, dy_scale, masked, device)
@@ -342,7 +365,7 @@ def main(args) -> int:
     with open(path, "w") as f:
         json.dump({"benchmark": "gradops bench floyd --accuracy", "meta": harness.device_info(device),
                    "goal_ratio": GOAL_RATIO, "seconds": seconds,
-                   "oracle": "FloydNet's formulation (bench.floyd.floyd_einsum) in float64 under autograd",
+                   "oracle": "FloydNet's formulation (bench.floyd_accuracy.floyd_einsum) in float64 under autograd",
                    "rows": rows}, f, indent=1)
     print(f"wrote {path}" + (f" ({why})" if why else ""))
     failed = [r for r in rows if _fails(r)]

@@ -31,7 +31,8 @@ lane of every load and store. On a GPU, what a launch moves to and from DRAM lie
 between its distinct bytes (everything it reads again still cached) and its issued bytes
 (nothing), rounded up to the 32-byte sectors the memory moves.
 
-:func:`floyd_traffic` counts Floyd attention's forward and backward under one strategy, and
+:func:`floyd_traffic` counts Floyd attention's forward and backward under one strategy
+(:func:`forced_strategy`, which ``bench floyd`` and ``floyd_accuracy`` force theirs with too), and
 ``gradops bench floyd --traffic`` prints it (:func:`floyd_main`).
 """
 from __future__ import annotations
@@ -608,6 +609,32 @@ def floyd_inputs(shape: Shape, dtype, masked: bool = False, seed: int = 0):
     return inputs, dy, mask
 
 
+@contextlib.contextmanager
+def forced_strategy(name: Optional[str]):
+    """``floyd_config.STRATEGY = name`` for the block, the previous value restored after it
+    (None: nothing forced, nothing touched)."""
+    if name is None:
+        yield
+        return
+    from ..kernels import floyd_config
+
+    old = floyd_config.STRATEGY
+    floyd_config.STRATEGY = name
+    try:
+        yield
+    finally:
+        floyd_config.STRATEGY = old
+
+
+def rule_strategy(shape: Shape, element_size: int, forced: Optional[str] = None) -> str:
+    """The strategy our Triton backend runs a call of this shape with: floyd_strategy's rule
+    (with any override of STRATEGY / GRADOPS_FLOYD_STRATEGY in force), or ``forced``'s."""
+    from ..kernels import floyd_strategy
+
+    with forced_strategy(forced):
+        return floyd_strategy.strategy(*shape, element_size)
+
+
 def floyd_traffic(shape: Shape, dtype, strategy: Optional[str], masked: bool = False, seed: int = 0,
                   scale: Optional[float] = None) -> dict:
     """The traffic of Floyd attention's forward and, counted apart, its backward (the grad
@@ -619,7 +646,6 @@ def floyd_traffic(shape: Shape, dtype, strategy: Optional[str], masked: bool = F
     seconds each count took (the interpreter's)."""
     import gradops
     from ..kernels import floyd_strategy
-    from .floyd import forced_strategy
 
     b, h, n, m, k, d = shape
     dtype = _dtype(dtype)

@@ -9,10 +9,32 @@ docs/distributed.md: the sharding, the collectives and their volume, memory per 
 - :func:`collective_bytes`: the bytes this rank hands to those collectives, tallied;
 - DTensors sharded ``Shard(2)`` on a 1-D mesh go through ``gradops.nn.functional.floyd_attention``
   and ``gradops.pivotal_attention`` (fused path) with no special call (``dtensor.py``).
+
+nn sits below this package and never imports it: importing it (``import gradops`` does) hands
+nn the DTensor calls (``gradops.nn._custom_ops.DTENSOR_HANDLERS``).
 """
+from ..nn._custom_ops import DTENSOR_HANDLERS
 from ._collectives import collective_bytes
 from .floyd import floyd_attention
 from .floydnet import RowShardedBlock
 from .grid import pivotal_attention, transpose_rows
 
 __all__ = ["floyd_attention", "pivotal_attention", "transpose_rows", "RowShardedBlock", "collective_bytes"]
+
+
+# What nn hands a DTensor call to. dtensor.py imports DTensor, about a second: the first DTensor
+# call imports it, not this package.
+def _register_floyd_dtensor_rule():
+    from . import dtensor
+
+    dtensor.register()
+
+
+def _pivotal_attention_on_dtensors(*args):
+    from . import dtensor
+
+    return dtensor.pivotal_attention(*args)
+
+
+DTENSOR_HANDLERS["floyd_attention"] = _register_floyd_dtensor_rule
+DTENSOR_HANDLERS["pivotal_attention"] = _pivotal_attention_on_dtensors

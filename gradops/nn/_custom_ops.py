@@ -33,6 +33,7 @@ The modules that define ops deliberately avoid ``from __future__ import annotati
 ``custom_op`` reads the type hints to build each operator's schema.
 """
 import contextlib
+from typing import Callable, Dict
 
 import torch
 from torch import Tensor
@@ -132,6 +133,15 @@ def register_autocast(op_name: str, cast_to_autocast_dtype: bool):
                 return _op(*args)
 
         LIB.impl(op_name, kernel, key_name, with_keyset=True)
+
+
+# DTensor arguments: floyd_attention and pivotal_attention run them row-sharded, which is
+# gradops.distributed's work. It builds on nn (nn never imports it) and, when it is imported
+# (``import gradops`` imports it), registers here what a DTensor call is handed to:
+# "floyd_attention": registers the Floyd ops' DTensor rule (once), after which the ops run as
+# on any tensor; "pivotal_attention": the call itself. DTensor, about a second to import, is
+# imported only once the first DTensor arrives.
+DTENSOR_HANDLERS: Dict[str, Callable] = {}
 
 
 # --------------------------------------------------------------------------------------------

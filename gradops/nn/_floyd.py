@@ -2,7 +2,7 @@
 autograd and autocast rules (see ``_custom_ops``), and the eager path, which runs the call's
 remembered plan (``gradops.ops.floyd_attention.plan_floyd_attention``) in an autograd.Function
 without the ops' dispatch. DTensor inputs go to the row-sharded rule of
-``gradops.distributed``."""
+``gradops.distributed`` (``_custom_ops.DTENSOR_HANDLERS``)."""
 from typing import Optional, Tuple
 
 import torch
@@ -10,8 +10,8 @@ from torch import Tensor
 
 from ..ops import floyd_attention as _floyd_ops
 from ..ops._checks import check_float_attr, require_tensor
-from ._custom_ops import (autocast_eligible, autocast_off, backend_arg, double_backward_error, empty_like_spec, fresh,
-                          no_autocast, register_autocast, takes_eager_path)
+from ._custom_ops import (DTENSOR_HANDLERS, autocast_eligible, autocast_off, backend_arg, double_backward_error,
+                          empty_like_spec, fresh, no_autocast, register_autocast, takes_eager_path)
 from ._transforms import register_folded_vmap, transformable, transformed
 
 @torch.library.custom_op("gradops::floyd_attention", mutates_args=())
@@ -156,9 +156,7 @@ def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, m
     require_tensor(op, "mask", mask, optional=True)
     scale = check_float_attr(op, "scale", scale)
     if type(q).__name__ == "DTensor":  # its rule is registered on first use (importing DTensor takes ~1 s)
-        from ..distributed import dtensor
-
-        dtensor.register()
+        DTENSOR_HANDLERS["floyd_attention"]()
     out, _, _ = transformed(torch.ops.gradops.floyd_attention)(q, k1, v1, k2, v2, mask, scale, backend)
     return out
 

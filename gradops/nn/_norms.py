@@ -14,7 +14,7 @@ from ..ops.norm_functional import NORM_NAMES, layer_norm_call, rms_norm_call
 from ._custom_ops import (NOT_COMPUTED, autocast_off, double_backward_error, empty_like_spec, fresh, no_autocast,
                           register_autocast, takes_eager_path)
 from ._transforms import register_rows_vmap, transformable, transformed
-from ._triton_ops import takes_triton_op
+from ._triton_ops import register_triton_op_parts, takes_triton_op
 
 
 def _norm_op(family: str, residual) -> str:
@@ -129,6 +129,9 @@ torch.library.register_autograd("gradops::layer_norm_backward",
 # torch.func transforms (see _transforms); a Triton op's call under one takes the custom op
 transformable("layer_norm", _layer_norm_setup, _layer_norm_backward, aliases=("triton_layer_norm",))
 transformable("layer_norm_backward", None, double_backward_error("layer_norm", "torch.nn.functional.layer_norm"))
+# a traced static CUDA call takes the Triton op, made of the same parts (_triton_ops)
+register_triton_op_parts("layer_norm", _prepare_layer_norm, _run_layer_norm_op, _layer_norm_fake, _layer_norm_setup,
+                         _layer_norm_backward)
 register_rows_vmap("layer_norm", ("weight", "bias"))
 register_rows_vmap("layer_norm_backward", ("weight", "bias"),
                    param_grads_wanted=lambda a: a["output_mask"][1] or a["output_mask"][2])
@@ -281,6 +284,8 @@ torch.library.register_autograd("gradops::rms_norm_backward",
 # the backward op returns dgamma always: whether it is used only the autograd node knows
 transformable("rms_norm", _rms_norm_setup, _rms_norm_backward, aliases=("triton_rms_norm",), param_grads=(2,))
 transformable("rms_norm_backward", None, double_backward_error("rms_norm", "torch.nn.functional.rms_norm"))
+register_triton_op_parts("rms_norm", _prepare_rms_norm, _run_rms_norm_op, _rms_norm_fake, _rms_norm_setup,
+                         _rms_norm_backward)
 register_rows_vmap("rms_norm", ("gamma",))
 register_rows_vmap("rms_norm_backward", ("gamma",), param_grad_outputs=(1,))
 

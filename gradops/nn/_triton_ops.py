@@ -9,9 +9,13 @@ The backwards stay opaque custom ops: Inductor compiles a user kernel with its o
 options, and the backwards' exact results need floating-point contraction off
 (``norm_config.fp_fusion``), which it cannot ask for. Symbolic shapes (``dynamic=True``)
 take the custom ops: the launch configuration is decided from sizes.
+
+The Triton ops are made of their custom ops' parts (``_norms`` defines them and registers
+them here, ``register_triton_op_parts``): ``_norms`` imports this module to route a traced
+call, so this one imports nothing of ``_norms``.
 """
 import threading
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -22,6 +26,27 @@ from ._custom_ops import register_autocast
 _TRITON_OPS: Optional[bool] = None  # registered; None: not tried yet (see _register_triton_ops)
 _TRITON_OPS_LOCK = threading.Lock()
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
+class NormOpParts(NamedTuple):
+    """What a norm's Triton op shares with its custom op: ``prepare`` (the op's arguments ->
+    the operator's Prepared), ``run`` (that Prepared and x -> the op's outputs), the fake
+    implementation, and the autograd's ``setup`` and ``backward``."""
+    prepare: Callable
+    run: Callable
+    fake: Callable
+    setup: Callable
+    backward: Callable
+
+
+_PARTS: Dict[str, NormOpParts] = {}  # "layer_norm", "rms_norm" -> its custom op's parts
+
+
+def register_triton_op_parts(family: str, prepare: Callable, run: Callable, fake: Callable, setup: Callable,
+                             backward: Callable) -> None:
+    """The parts of ``gradops::<family>`` that ``gradops::triton_<family>`` is made of (``_norms``
+    gives them when it defines the custom op, before any call can register the Triton ops)."""
+    _PARTS[family] = NormOpParts(prepare, run, fake, setup, backward)
 
 
 def takes_triton_op(x: Tensor, backend: str) -> bool:
@@ -65,36 +90,34 @@ def _define_triton_ops() -> None:
         return
     from ..kernels._traceable import traced_launches
     from ._transforms import register_rows_vmap
-    from ._norms import (_layer_norm_backward, _layer_norm_fake, _layer_norm_setup, _prepare_layer_norm,
-                         _prepare_rms_norm, _rms_norm_backward, _rms_norm_fake, _rms_norm_setup, _run_layer_norm_op,
-                         _run_rms_norm_op)
+
+    ln, rms = _PARTS["layer_norm"], _PARTS["rms_norm"]
 
     @torch.library.triton_op("gradops::triton_layer_norm", mutates_args=())
     def _triton_layer_norm_op(x: Tensor, residual: Optional[Tensor], normalized_shape: List[int],
                               weight: Optional[Tensor], bias: Optional[Tensor], eps: float, backend: Optional[str]
                               ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        p = _prepare_layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
+        p = ln.prepare(x, residual, normalized_shape, weight, bias, eps, backend)
         if p.backend_name != "triton":  # (no reference op is ever traced into the graph)
             return torch.ops.gradops.layer_norm(x, residual, normalized_shape, weight, bias, eps, backend)
         with traced_launches():
-            return _run_layer_norm_op(p, x)
+            return ln.run(p, x)
 
     @torch.library.triton_op("gradops::triton_rms_norm", mutates_args=())
     def _triton_rms_norm_op(x: Tensor, residual: Optional[Tensor], gamma: Tensor, eps: float, offset: float,
                             casting_mode: str, backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
-        p = _prepare_rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)
+        p = rms.prepare(x, residual, gamma, eps, offset, casting_mode, backend)
         if p.backend_name != "triton":
             return torch.ops.gradops.rms_norm(x, residual, gamma, eps, offset, casting_mode, backend)
         with traced_launches():
-            return _run_rms_norm_op(p, x)
+            return rms.run(p, x)
 
     # Outside AOTAutograd's decomposition (dynamo's fake pass, FakeTensorMode) the custom ops'
     # fake implementations: shapes only, no launch configuration (no GPU needed to plan one).
-    _triton_layer_norm_op.register_fake(_layer_norm_fake)
-    _triton_rms_norm_op.register_fake(_rms_norm_fake)
-    torch.library.register_autograd("gradops::triton_layer_norm", _layer_norm_backward,
-                                    setup_context=_layer_norm_setup)
-    torch.library.register_autograd("gradops::triton_rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
+    _triton_layer_norm_op.register_fake(ln.fake)
+    _triton_rms_norm_op.register_fake(rms.fake)
+    torch.library.register_autograd("gradops::triton_layer_norm", ln.backward, setup_context=ln.setup)
+    torch.library.register_autograd("gradops::triton_rms_norm", rms.backward, setup_context=rms.setup)
     register_autocast("triton_layer_norm", False)
     register_autocast("triton_rms_norm", False)
     # a compiled vmap traces the op itself (see _transforms.transformed): the custom ops' rule

@@ -47,7 +47,7 @@ from .._backend import requested
 from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
 from ..ops import _plans
 from ..ops._checks import check_float_attr, dtype_name, require_tensor, short_repr
-from ._custom_ops import autocast_eligible, takes_eager_path
+from ._custom_ops import DTENSOR_HANDLERS, autocast_eligible, takes_eager_path
 from ._floyd import autocast_inputs, eager_call, floyd_attention, run_eager
 
 __all__ = ["pivotal_attention", "TILE_ELEMENTS", "FUSED_MIN_INF"]
@@ -251,9 +251,8 @@ def pivotal_attention(
         if remembered is not None:
             return remembered.run(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask)
     if type(q_ik).__name__ == "DTensor":  # row-sharded over its mesh, every path (docs/distributed.md)
-        from ..distributed import dtensor
-
-        return dtensor.pivotal_attention(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf, softmax_cap)
+        return DTENSOR_HANDLERS["pivotal_attention"](q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf,
+                                                     softmax_cap)
     call = resolve(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf, softmax_cap)
     if not call.fused:
         return chunked(call, q_ik, k_ij, k_jk, v_ij, v_jk)
