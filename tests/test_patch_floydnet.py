@@ -83,8 +83,9 @@ def _assert_same_run(ours, theirs, **tol):
 
 @pytest.fixture
 def floydnets_function_refused(monkeypatch):
-    """Inside ``with floydnets_function_refused():`` FloydNet's own pivotal_attention raises;
-    outside, it counts the fused operator's calls (gradops' Floyd attention ran)."""
+    """For the whole test, counts the fused operator's calls (gradops' Floyd attention ran);
+    inside ``with floydnets_function_refused() as fused_calls:`` FloydNet's own
+    pivotal_attention raises."""
     import contextlib
 
     fused_calls = []
