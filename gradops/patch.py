@@ -1,4 +1,4 @@
-"""``gradops.patch(model)``: one line to run a model's norms on gradops.
+"""``gradops.patch(model)``: one line to run a model's norms, and FloydNet's attention, on gradops.
 
 :func:`patch` walks a ``torch.nn.Module`` and replaces, in place, every norm module whose
 semantics gradops has (the table below, docs/patch.md) by a :mod:`gradops.nn` module
@@ -29,9 +29,23 @@ GPT-2 and BERT use ``torch.nn.LayerNorm``. HuggingFace classes are recognised by
 by ``type(m).__module__`` (``transformers.models.<family>.modeling_<family>``): this module
 never imports transformers. Anything else whose class name says it is a norm (``...Norm``,
 ``...Norm2d``) is left as it is and listed in the report with the reason.
+
+FloydNet's ``floydnet.PivotalAttentionBlock`` (recognised the same way: name and
+``floydnet.transformer``; floydnet is imported only to unpickle an adopted block) is not
+replaced but **adopted in place**: the instance's ``__class__`` becomes
+``GradopsPivotalAttentionBlock``, a subclass built on first use whose only member is an
+``attn`` that runs :func:`gradops.pivotal_attention` (FloydNet's signature and semantics)
+where FloydNet's calls its own. The object, its parameters, submodules, hooks, state_dict and
+training flag are untouched and ``isinstance`` still holds; :func:`unpatch` gives the class
+back. Only FloydNet's class itself with the ``attn`` gradops verified (its source's sha256,
+FloydNet 1.0.0 and 1.1.0) is adopted; docs/patch.md says what is left and why. The norms
+inside a block are replaced as anywhere else.
 """
 from __future__ import annotations
 
+import hashlib
+import inspect
+import numbers
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -43,6 +57,7 @@ from .errors import ACLNN_ERR_PARAM_INVALID, AclnnError
 from .nn import functional as GF
 from .nn.modules import LayerNorm as _GLayerNorm
 from .nn.modules import RMSNorm as _GRMSNorm
+from .nn.modules import pair_attention as _pair_attention
 
 __all__ = ["patch", "unpatch", "PatchReport", "UnpatchReport", "Replaced", "Left", "Restored", "T5RMSNorm"]
 
@@ -252,12 +267,126 @@ def _not_served(module: nn.Module) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------
+# FloydNet's PivotalAttentionBlock: adopted in place, by swapping the instance's class
+
+_FLOYD_MODULE = "floydnet.transformer"
+_FLOYD_BLOCK = "PivotalAttentionBlock"
+_FLOYD_PATCHED = "GradopsPivotalAttentionBlock"  # the adopted blocks' class, in this module (pickle finds it here)
+_FLOYD_BASE = "_gradops_floydnet_base"  # in an adopted class's __dict__: the FloydNet class it derives from
+_FLOYD_DESCRIBE = f"gradops.patch.{_FLOYD_PATCHED} (attn on gradops.pivotal_attention)"
+
+# sha256 of inspect.getsource(PivotalAttentionBlock.attn) of the FloydNet releases whose attn
+# gradops verified (the same source in 1.0.0 and 1.1.0): what an adopted block's attn
+# (gradops.nn.modules.pair_attention) computes. Another version's attn is left until read.
+_VERIFIED_FLOYD_ATTN = {
+    "3ec72a0f157df30fbf09af825a214996488b6c29b730f7e2c6618cddf8b0d977": "floydnet 1.0.0, 1.1.0",
+}
+_floyd_attn_verdicts: Dict[object, Optional[str]] = {}  # FloydNet's attn function -> why not verified (None: it is)
+_floyd_classes: Dict[type, type] = {}  # FloydNet's class -> its adopted subclass
+
+
+def _gradops_attn(self, x: Tensor, attn_mask: Optional[Tensor]) -> Tensor:
+    """FloydNet's ``attn`` (c_qkv, five head views, pivotal attention with ``self.dropout``
+    while training, heads merged, c_proj, dropout_fn) with :func:`gradops.pivotal_attention`."""
+    return _pair_attention(self, x, attn_mask, None)
+
+
+def _adopted_class(base: type) -> type:
+    """The subclass of FloydNet's block class whose ``attn`` runs on gradops (built once)."""
+    cls = _floyd_classes.get(base)
+    if cls is None:
+        cls = type(_FLOYD_PATCHED, (base,), {
+            "__module__": __name__, "__qualname__": _FLOYD_PATCHED, _FLOYD_BASE: base, "attn": _gradops_attn,
+            "__doc__": f"FloydNet's {base.__name__} whose attn runs gradops.pivotal_attention (gradops.patch).",
+        })
+        _floyd_classes[base] = cls
+    return cls
+
+
+def __getattr__(name: str):
+    # PEP 562: unpickling an adopted block (torch.save of a patched model) finds its class
+    # here; it is built on first use, so importing gradops never imports floydnet
+    if name == _FLOYD_PATCHED:
+        from floydnet.transformer import PivotalAttentionBlock
+
+        return _adopted_class(PivotalAttentionBlock)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _is_floyd_class(cls: type) -> bool:
+    return cls.__name__ == _FLOYD_BLOCK and cls.__module__ == _FLOYD_MODULE
+
+
+def _floyd_adopted(module: nn.Module) -> bool:
+    """An adopted block: its class is one :func:`_adopted_class` built (not a subclass of one)."""
+    return _FLOYD_BASE in type(module).__dict__
+
+
+def _floyd_like(module: nn.Module) -> bool:
+    """FloydNet's block class, a subclass of it, or an adopted block (no import of floydnet)."""
+    return any(_is_floyd_class(c) for c in type(module).__mro__)
+
+
+def _floyd_attn_verdict(attn) -> Optional[str]:
+    if attn not in _floyd_attn_verdicts:
+        try:
+            digest = hashlib.sha256(inspect.getsource(attn).encode()).hexdigest()
+        except (OSError, TypeError):  # no source file (a zipped or compiled-only install)
+            digest = None
+        if digest in _VERIFIED_FLOYD_ATTN:
+            verdict = None
+        else:
+            read = "its source cannot be read" if digest is None else "its source differs from"
+            verdict = (f"this FloydNet's PivotalAttentionBlock.attn is not the one gradops verified ({read} "
+                       f"{', '.join(sorted(_VERIFIED_FLOYD_ATTN.values()))}'s): its attention is left as it is")
+        _floyd_attn_verdicts[attn] = verdict
+    return _floyd_attn_verdicts[attn]
+
+
+def _floyd_why_not(block: nn.Module) -> Optional[str]:
+    """Why a FloydNet block (or a subclass) cannot be adopted as it is (None: it can)."""
+    cls = type(block)
+    if not _is_floyd_class(cls):
+        adopted = any(_FLOYD_BASE in c.__dict__ for c in cls.__mro__)
+        return (f"a subclass of {'gradops-adopted ' if adopted else ''}floydnet's {_FLOYD_BLOCK}, not the class "
+                f"itself (yours, or FSDP2's fully_shard class: patch before sharding): a subclass may change attn "
+                f"or forward")
+    for name in ("attn", "forward"):
+        if name in block.__dict__:
+            return f"its {name} is overridden on the instance: patch before anything rebinds {name}"
+    for name in ("attn", "forward"):
+        fn = cls.__dict__.get(name)
+        where = (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None))
+        if where != (_FLOYD_MODULE, f"{_FLOYD_BLOCK}.{name}"):
+            return f"its class's {name} has been replaced (by {where[0]}): gradops verified FloydNet's own"
+    verdict = _floyd_attn_verdict(cls.attn)
+    if verdict is not None:
+        return verdict
+    # what the adopted attn reads (FloydNet's __init__ sets them; something may have changed them since)
+    for name in ("num_heads", "head_dim"):
+        value = getattr(block, name, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"its {name} is {value!r}, expected a positive int"
+    dropout = getattr(block, "dropout", None)
+    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
+        return f"its dropout is {dropout!r}, expected a float"
+    for name in ("c_qkv", "c_proj", "dropout_fn"):
+        if not isinstance(getattr(block, name, None), nn.Module):
+            return f"its {name} is not a module"
+    if any(_is_dtensor(p) for p in block.parameters()):
+        return ("its parameters are DTensors (sharded by FSDP2 or tensor parallelism): gradops' attention is "
+                "unverified on them, patch before sharding")
+    return None
+
+
+# ---------------------------------------------------------------------------------------
 # Reports
 
 @dataclass(frozen=True)
 class Replaced:
-    """A module :func:`patch` replaced: qualified name, original class, replacement, other
-    names the same module object is reachable under."""
+    """A module :func:`patch` replaced (or, a FloydNet block, adopted in place: the same
+    object, its class swapped): qualified name, original class, replacement, other names the
+    same module object is reachable under."""
     name: str
     original: str
     replacement: str
@@ -310,6 +439,7 @@ class PatchReport:
         for r in self.replaced:
             groups.setdefault((r.original, r.replacement), []).append(r.name)
         for (orig, repl), names in groups.items():
+            names = [n or "<the model itself>" for n in names]
             shown = ", ".join(names[:4]) + (f", ... ({len(names) - 4} more)" if len(names) > 4 else "")
             lines.append(f"  replaced {len(names):>3} x {_short(orig)} -> {repl}: {shown}")
         for r in self.left:
@@ -338,6 +468,7 @@ class UnpatchReport:
         for r in self.restored:
             groups.setdefault(r.original, []).append(r.name)
         for orig, names in groups.items():
+            names = [n or "<the model itself>" for n in names]
             shown = ", ".join(names[:4]) + (f", ... ({len(names) - 4} more)" if len(names) > 4 else "")
             lines.append(f"  restored {len(names):>3} x {_short(orig)}: {shown}")
         return "\n".join(lines)
@@ -393,7 +524,24 @@ def _replace(old: nn.Module, kind: _Kind) -> nn.Module:
     return new
 
 
-def patch(model: nn.Module, *, layer_norm: bool = True, rms_norm: bool = True) -> PatchReport:
+def _floyd_decide(block: nn.Module, name: str, wanted: bool, report: PatchReport) -> bool:
+    """Adopt a FloydNet block (or list why not, or count it as adopted already); returns
+    whether it was adopted now."""
+    if _floyd_adopted(block):
+        report.already.append(name)
+        return False
+    reason = "floyd_attention=False" if not wanted else _floyd_why_not(block)
+    if reason is not None:
+        report.left.append(Left(name, _qualname(type(block)), reason))
+        return False
+    original = type(block)
+    block.__class__ = _adopted_class(original)
+    report.replaced.append(Replaced(name, _qualname(original), _FLOYD_DESCRIBE))
+    return True
+
+
+def patch(model: nn.Module, *, layer_norm: bool = True, rms_norm: bool = True,
+          floyd_attention: bool = True) -> PatchReport:
     """Replace, in place, every norm module of ``model`` that gradops serves by a gradops
     module holding the same parameters; returns a :class:`PatchReport`.
 
@@ -402,6 +550,10 @@ def patch(model: nn.Module, *, layer_norm: bool = True, rms_norm: bool = True) -
     Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma2, Gemma3 RMSNorms and T5LayerNorm
     (GPT-2 and BERT use torch.nn.LayerNorm). ``layer_norm=False`` / ``rms_norm=False`` leave
     the LayerNorms / the RMSNorms (T5LayerNorm is an RMSNorm) as they are.
+
+    FloydNet's ``PivotalAttentionBlock``s are adopted in place (the module docstring): their
+    ``attn`` then runs :func:`gradops.pivotal_attention`; the model itself may be one.
+    ``floyd_attention=False`` leaves them as they are.
 
     The replacement keeps the original's Parameter objects (an optimizer built before keeps
     updating them), training flag, state_dict keys and hooks (the same hook tables: forward,
@@ -414,12 +566,14 @@ def patch(model: nn.Module, *, layer_norm: bool = True, rms_norm: bool = True) -
     torch.compile, accelerate's device_map dispatch), as with any change of modules.
     """
     _check_module("patch", model)
-    for name, value in (("layer_norm", layer_norm), ("rms_norm", rms_norm)):
+    for name, value in (("layer_norm", layer_norm), ("rms_norm", rms_norm), ("floyd_attention", floyd_attention)):
         if not isinstance(value, bool):
             raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"patch: {name} is {value!r}, expected True or False")
     wanted = {"layer_norm": layer_norm, "rms_norm": rms_norm}
     report = PatchReport()
-    if _kind(model) is not None or _not_served(model) is not None:
+    if _floyd_like(model):  # adopted in place: the model itself needs no parent
+        _floyd_decide(model, "", floyd_attention, report)
+    elif _kind(model) is not None or _not_served(model) is not None:
         report.left.append(Left("", _qualname(type(model)),
                                 "the model is itself a norm: patch replaces modules inside a model (use "
                                 "gradops.nn.LayerNorm/RMSNorm directly)"))
@@ -439,6 +593,10 @@ def patch(model: nn.Module, *, layer_norm: bool = True, rms_norm: bool = True) -
         if isinstance(child, (_GLayerNorm, _GRMSNorm)):
             report.already.append(name)
             continue
+        if _floyd_like(child):
+            if _floyd_decide(child, name, floyd_attention, report):
+                replacement[ident] = (child, len(report.replaced) - 1)  # the same object, under its other names too
+            continue
         kind = _kind(child)
         reason = _not_served(child) if kind is None else (
             f"{kind.family}=False" if not wanted[kind.family] else _why_not(child, kind))
@@ -454,15 +612,29 @@ def patch(model: nn.Module, *, layer_norm: bool = True, rms_norm: bool = True) -
     return report
 
 
+def _floyd_restore(block: nn.Module, name: str, report: UnpatchReport) -> bool:
+    """Give an adopted FloydNet block its class back; returns whether it was one."""
+    adopted = type(block)
+    base = adopted.__dict__.get(_FLOYD_BASE)  # (not inherited: a class made from an adopted one since is left)
+    if base is None:
+        return False
+    block.__class__ = base
+    report.restored.append(Restored(name, _qualname(adopted), _qualname(base)))
+    return True
+
+
 def unpatch(model: nn.Module) -> UnpatchReport:
     """Put back every module :func:`patch` replaced in ``model``: the original objects,
     holding the replacement's current parameters (the same Parameter objects, unless
     something re-created them since, e.g. ``load_state_dict(assign=True)``), training flag,
-    eps and hook tables. Returns an :class:`UnpatchReport`; modules gradops did not patch
-    (gradops.nn modules built as such included) stay as they are."""
+    eps and hook tables; adopted FloydNet blocks get FloydNet's class back (the model itself
+    too). Returns an :class:`UnpatchReport`; modules gradops did not patch (gradops.nn
+    modules built as such included) stay as they are."""
     _check_module("unpatch", model)
     report = UnpatchReport()
     restored: Dict[int, Tuple[nn.Module, int]] = {}  # id(replacement) -> (original, index in the report)
+    if _floyd_restore(model, "", report):
+        restored[id(model)] = (model, len(report.restored) - 1)
     for parent, key, child, name in _edges(model):
         ident = id(child)
         if ident in restored:
@@ -470,6 +642,9 @@ def unpatch(model: nn.Module) -> UnpatchReport:
             parent._modules[key] = original
             r = report.restored[i]
             report.restored[i] = Restored(r.name, r.replacement, r.original, r.aliases + (name,))
+            continue
+        if _floyd_restore(child, name, report):
+            restored[ident] = (child, len(report.restored) - 1)
             continue
         original = child.__dict__.get(_ORIGINAL)
         if original is None:

@@ -148,6 +148,23 @@ class NsaCompress(nn.Module):
         return f"block_size={self.block_size}, stride={self.stride}, num_heads={self.num_heads}"
 
 
+def pair_attention(layer: nn.Module, x: Tensor, attn_mask: Optional[Tensor], scale: Optional[float]) -> Tensor:
+    """FloydNet's pair attention on ``x [B, N, N, C]`` through ``layer``'s ``c_qkv``,
+    ``num_heads``, ``head_dim``, ``dropout`` (on the attention weights, while ``layer`` trains),
+    ``c_proj`` and ``dropout_fn``, with :func:`gradops.pivotal_attention`: the forward of
+    :class:`FloydAttention`, and the ``attn`` of a FloydNet ``PivotalAttentionBlock`` that
+    :func:`gradops.patch` adopted (both hold those attributes under FloydNet's names)."""
+    b, n, _, c = x.shape
+    # [B, N, N, 5C] -> five [B, H, N, N, D] views (permuted, not copied)
+    q_ik, k_ij, k_jk, v_ij, v_jk = (
+        t.view(b, n, n, layer.num_heads, layer.head_dim).permute(0, 3, 1, 2, 4)
+        for t in layer.c_qkv(x).chunk(5, dim=-1))
+    y = pivotal_attention(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask=attn_mask,
+                          dropout=layer.dropout if layer.training else 0.0, scale=scale)
+    y = y.permute(0, 2, 3, 1, 4).reshape(b, n, n, c)
+    return layer.dropout_fn(layer.c_proj(y))
+
+
 class FloydAttention(nn.Module):
     """FloydNet's pivotal attention layer over a pair representation ``x [B, N, N, C]``.
 
@@ -209,15 +226,7 @@ class FloydAttention(nn.Module):
 
     def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None) -> Tensor:
         self._check_input(x)
-        b, n, _, c = x.shape
-        # [B, N, N, 5C] -> five [B, H, N, N, D] views (permuted, not copied)
-        q_ik, k_ij, k_jk, v_ij, v_jk = (
-            t.view(b, n, n, self.num_heads, self.head_dim).permute(0, 3, 1, 2, 4)
-            for t in self.c_qkv(x).chunk(5, dim=-1))
-        y = pivotal_attention(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask=attn_mask,
-                              dropout=self.dropout if self.training else 0.0, scale=self.scale)
-        y = y.permute(0, 2, 3, 1, 4).reshape(b, n, n, c)
-        return self.dropout_fn(self.c_proj(y))
+        return pair_attention(self, x, attn_mask, self.scale)
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, "
