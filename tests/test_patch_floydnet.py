@@ -89,8 +89,8 @@ def floydnets_function_refused(monkeypatch):
     import contextlib
 
     fused_calls = []
-    fused = pivotal_mod.floyd_attention
-    monkeypatch.setattr(pivotal_mod, "floyd_attention", lambda *a, **k: fused_calls.append(1) or fused(*a, **k))
+    fused = pivotal_mod._fused
+    monkeypatch.setattr(pivotal_mod, "_fused", lambda *a, **k: fused_calls.append(1) or fused(*a, **k))
 
     @contextlib.contextmanager
     def refused():
