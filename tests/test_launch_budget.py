@@ -247,6 +247,8 @@ def test_a_remembered_signature_keys_its_attributes_by_type_and_value(device):
     # -0.0 == 0.0, but an offset of -0.0 leaves -0.0 weights' zeros negative
     assert _plans.signature("op", None, (), (0.0,)) != _plans.signature("op", None, (), (-0.0,))
     assert float64_bits(0.0) == (0, 0) and float64_bits(-0.0) == (-(2 ** 31), 0)
+    unhashable = _plans.signature("op", None, (), ({"a": 1},))  # found under no key, kept under none
+    assert _plans.remember(unhashable, "plan") == "plan" and _plans.lookup(unhashable) is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,12 +28,14 @@ _plans: dict = {}
 
 def signature(op: str, backend, tensors: Sequence[Optional[torch.Tensor]], attrs: Sequence[object], *,
               placement: bool = True) -> Optional[Hashable]:
-    """A hashable key of the call, or None when it cannot be keyed (a tensor subclass or a
-    non-tensor where a tensor belongs, an unhashable attribute) or should not be: while
-    torch.compile traces the call (its checks then run once, at trace time, and a cache
-    would only be traced into the graph). ``placement``: the checks choose the backend
-    module, so the key holds the default backend and whether the Triton interpreter is on
-    (False: checks that only resolve ``backend``, which the caller passes resolved)."""
+    """A key of the call, or None when it cannot be keyed (a tensor subclass or a non-tensor
+    where a tensor belongs) or should not be: while torch.compile traces the call (its checks
+    then run once, at trace time, and a cache would only be traced into the graph). A key
+    holding an unhashable attribute is no key either: :func:`lookup` finds nothing under it
+    and :func:`remember` keeps nothing (hashing it here would hash every key twice a call).
+    ``placement``: the checks choose the backend module, so the key holds the default backend
+    and whether the Triton interpreter is on (False: checks that only resolve ``backend``,
+    which the caller passes resolved)."""
     if torch.compiler.is_compiling():
         return None
     key = [op, backend]
@@ -51,12 +53,7 @@ def signature(op: str, backend, tensors: Sequence[Optional[torch.Tensor]], attrs
         if part is None:
             return None
         key.append(part)
-    key = tuple(key)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return tuple(key)
 
 
 def _attr_key(a):
@@ -78,12 +75,20 @@ def _attr_key(a):
 
 
 def lookup(key: Optional[Hashable]):
-    return None if key is None else _plans.get(key)
+    if key is None:
+        return None
+    try:
+        return _plans.get(key)
+    except TypeError:  # an unhashable attribute
+        return None
 
 
 def remember(key: Optional[Hashable], plan):
     if key is not None:
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
-        _plans[key] = plan
+        try:
+            _plans[key] = plan
+        except TypeError:  # an unhashable attribute: not remembered
+            pass
     return plan
