@@ -62,17 +62,27 @@ size stride numel dim is_nonzero item _local_scalar_dense
 """.split())
 
 
+# The prefix of the kernels Inductor generates (torch/_inductor/codegen/triton.py names them
+# triton_<kind>_<fused ops>): its launcher's profiler range carries that name.
+_INDUCTOR_KERNEL = "triton_"
+
+
 def kernels_launched(fn: Callable[[], object]) -> List[str]:
     """The kernels one call of ``fn`` launches, in order: each Triton launch by its kernel's name,
     and each ATen op that would launch a kernel on a GPU (an op outside ``_NO_KERNEL`` none of
     whose own ATen children does) as ``aten::name``. Read from the profiler's op tree, so it
     counts the same on a CPU as on a GPU; Triton launches are recorded, not run
-    (:func:`stubbed_launches`)."""
+    (:func:`stubbed_launches`). Code torch.compile generated for a GPU launches its Triton
+    kernels through Inductor's own launcher, which runs them and, under the profiler, opens a
+    range named after the kernel (``triton_poi_fused_...``, ``triton_red_...``): each counts."""
     found: List[str] = []
 
     def walk(ev):
         if ev.name.startswith("triton::"):
             found.append(ev.name[len("triton::"):])
+            return
+        if ev.name.startswith(_INDUCTOR_KERNEL):
+            found.append(ev.name)
             return
         if ev.name.startswith("aten::"):
             inner = [k for k in ev.cpu_children
