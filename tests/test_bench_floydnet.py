@@ -51,8 +51,7 @@ def test_cpu_run_counts_launches_and_host_time_with_the_patch_as_it_is(tmp_path,
     floyd = records[("count", bench.PEER)]["extra"]
     assert floyd["launches_triton"] == 0 and floyd["launches_aten"] == floyd["launches"]
     assert {"aten::bmm", "aten::_softmax", "aten::masked_fill_", "aten::mm"} <= set(floyd["launch_names"])
-    # launches per block do not depend on the shape in FloydNet's eager step
-    assert floyd["host_launches"] == floyd["launches"]
+    assert "aten::dropout" not in floyd["launch_names"]  # FloydNet's dropouts at p = 0 launch nothing
     ours = records[("count", OURS)]["extra"]
     assert ours["blocks_patched"] in (0, bench.QUICK_BLOCKS)  # the patch adopts every block, or (before it can) none
     if ours["blocks_patched"] == 0:

@@ -49,11 +49,12 @@ ours takes its Triton path there, as on a GPU) while the ATen ops run on the CPU
 variant. The time recorded (``times_ms``, and ``extra.host_ms``) is the **host time** of a step
 at a stand-in shape, ``extra.host_shape``: the same blocks at L = 8 with D = 2 (width = 2 x
 heads), where the CPU's arithmetic is negligible and what remains is the Python, dispatch,
-autograd and allocation a step costs, Triton launches stubbed (``extra.host_launches``: that
-step's launch count). FloydNet's launches do not depend on the shape, so its stand-in is its
-step's structure exactly; ours at the stand-in runs the fused strategy, which at L >= 100 gives
-way to the hybrid one with more launches per block (compare ``host_launches`` with
-``launches``). Under CPU autocast softmax stays in bfloat16, where CUDA's autocast runs it in
+autograd and allocation a step costs, Triton launches stubbed and one intra-op thread, the two
+variants of a case taking turns (``extra.host_launches``: that step's launch count). FloydNet's
+eager step launches the same ops at every shape but for a copy or two that ATen's stride rules
+add, so its stand-in is its step's host work; ours at the stand-in runs the fused strategy,
+which at L >= 100 gives way to the hybrid one with more launches per block (compare
+``host_launches`` with ``launches``). Under CPU autocast softmax stays in bfloat16, where CUDA's autocast runs it in
 float32 with casts around it: FloydNet's CPU count is a few launches per block below its GPU
 count. The compiled variants are not run on a CPU: Inductor there generates C++ loops, whose
 count says nothing about a GPU's launches, and compiling the stack for the CPU takes minutes on
@@ -68,6 +69,7 @@ import contextlib
 import copy
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -224,6 +226,27 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
+def host_times(steps: Dict[str, Callable[[], object]], args) -> Dict[str, List[float]]:
+    """ms per step of each of ``steps`` (a CPU's host time), one value per round: the steps take
+    turns within each round, the first one rotating, so a slow spell of a shared machine falls
+    on all of them alike. ``args.warmup`` untimed rounds, then ``args.reps`` rounds, stopped
+    after ``args.max_seconds`` once three are done."""
+    names = list(steps)
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    for _ in range(max(1, args.warmup)):
+        for name in names:
+            steps[name]()
+    start = time.perf_counter()
+    for rep in range(args.reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            t0 = time.perf_counter()
+            steps[name]()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+        if rep >= 2 and time.perf_counter() - start > args.max_seconds:
+            break
+    return times
+
+
 # ---------------------------------------------------------------------------------------
 # The run
 
@@ -319,26 +342,34 @@ def run(args) -> Run:
         torch.cuda.empty_cache()
         return rec
 
-    def cpu_record(case, impl, model, host_model, task, length, autocast, extra) -> Record:
-        """Launches at the case's shape; first loss and host time at the stand-in shape."""
-        x, mask = make_inputs(args.batch, length, task.width, device)
+    def cpu_records(case, task, length, autocast, variants, host, extras) -> Dict[str, Record]:
+        """Per variant: launches at the case's shape, first loss at the stand-in shape; then the
+        host time of the stand-in's steps, the variants taking turns (:func:`host_times`)."""
+        steps, recs = {}, {}
         host_x, host_mask = make_inputs(args.batch, HOST_L, task.heads * HOST_HEAD_DIM, device)
-        host_step = training_step(host_model, host_x, host_mask, autocast)
-        try:
-            with gradops.use_backend(args.check_backend):
-                first = float(host_step())
-            with gradops.use_backend("triton"):
-                launches = kernels_launched(training_step(model, x, mask, autocast))
-                host_launches = kernels_launched(host_step)
-                with stubbed_launches(), one_thread():
-                    rec = result.time(OP, case, impl, host_step, **measure_kw)
-        except Exception as e:
-            return result.add(Record(OP, case, impl, [], error=f"{type(e).__name__}: {e}"[:300]))
-        if not rec.error:
-            rec.extra.update(extra, first_loss=first, **launch_fields(launches), host_launches=len(host_launches),
-                             host_ms=statistics.median(rec.times_ms),
-                             host_shape={"L": HOST_L, "width": task.heads * HOST_HEAD_DIM, "heads": task.heads})
-        return rec
+        for impl, model in variants.items():
+            x, mask = make_inputs(args.batch, length, task.width, device)
+            step = training_step(host[impl], host_x, host_mask, autocast)
+            try:
+                with gradops.use_backend(args.check_backend):
+                    first = float(step())
+                with gradops.use_backend("triton"):
+                    launches = kernels_launched(training_step(model, x, mask, autocast))
+                    host_launches = kernels_launched(step)
+            except Exception as e:  # a failing variant is a result, not a crash
+                recs[impl] = result.add(Record(OP, case, impl, [], error=f"{type(e).__name__}: {e}"[:300]))
+                continue
+            steps[impl] = step
+            recs[impl] = Record(OP, case, impl, [], extra=dict(
+                extras[impl], first_loss=first, **launch_fields(launches), host_launches=len(host_launches),
+                host_shape={"L": HOST_L, "width": task.heads * HOST_HEAD_DIM, "heads": task.heads}))
+        with gradops.use_backend("triton"), stubbed_launches(), one_thread():
+            times = host_times(steps, args)
+        for impl, step in steps.items():
+            recs[impl].times_ms = times[impl]
+            recs[impl].extra["host_ms"] = statistics.median(times[impl]) if times[impl] else None
+            result.add(recs[impl])
+        return recs
 
     def skip(case, impls):
         for impl in impls:
@@ -367,14 +398,14 @@ def run(args) -> Run:
                     if result.out_of_time():
                         skip(case, (OURS, peer))
                         continue
-                    recs = {}
-                    for impl, model in variants.items():
-                        extra = dict(reports[task.name]) if impl == OURS else {}
-                        if on_gpu:
+                    extras = {OURS: dict(reports[task.name]), peer: {}}
+                    if on_gpu:
+                        recs = {}
+                        for impl, model in variants.items():
                             x, mask = make_inputs(args.batch, length, task.width, device)
-                            recs[impl] = gpu_record(case, impl, model, x, mask, autocast, extra)
-                        else:
-                            recs[impl] = cpu_record(case, impl, model, host[impl], task, length, autocast, extra)
+                            recs[impl] = gpu_record(case, impl, model, x, mask, autocast, extras[impl])
+                    else:
+                        recs = cpu_records(case, task, length, autocast, variants, host, extras)
                     ours, theirs = recs[OURS], recs[peer]
                     if ours.peak_bytes and theirs.peak_bytes:
                         ours.extra["peak_over_floydnet"] = ours.peak_bytes / theirs.peak_bytes

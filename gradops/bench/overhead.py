@@ -52,13 +52,15 @@ def stubbed_launches(mark: bool = False) -> Iterator[List[str]]:
             cls.run = real
 
 
-# ATen ops that launch no kernel: allocation, views, metadata, and the conversions that are
-# no-ops unless they contain a copy (then the copy inside them is what is counted).
+# ATen ops that launch no kernel: allocation, views, metadata, and the ops that are no-ops
+# unless they contain a kernel-launching op (then that op inside them is what is counted): the
+# conversions (a copy) and dropout (nothing at p = 0 or in eval; else its native_dropout or
+# bernoulli_ and mul).
 _NO_KERNEL = frozenset("""
 empty empty_strided empty_like new_empty new_empty_strided view _unsafe_view reshape _reshape_alias
 detach t expand expand_as as_strided alias slice select unsqueeze squeeze permute transpose narrow view_as
 flatten unflatten split unbind chunk to contiguous lift_fresh resolve_conj resolve_neg result_type set_
-size stride numel dim is_nonzero item _local_scalar_dense
+size stride numel dim is_nonzero item _local_scalar_dense dropout
 """.split())
 
 
