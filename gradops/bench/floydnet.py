@@ -334,11 +334,13 @@ def run(args) -> Run:
             return result.add(Record(OP, case, impl, [], error=f"{type(e).__name__}: {e}"[:300]))
         rec = result.time(OP, case, impl, step, memory=True, costs=True, **measure_kw)
         if not rec.error:
-            rec.extra.update(extra, first_loss=first, **launch_fields(kernels_launched(step)))
-            try:
-                rec.extra["gpu_ops"] = gpu_ops(step)
-            except Exception as e:
-                rec.extra["gpu_ops_error"] = f"{type(e).__name__}: {e}"[:200]
+            rec.extra.update(extra, first_loss=first)
+            for key, count in (("launches", lambda: launch_fields(kernels_launched(step))),
+                               ("gpu_ops", lambda: {"gpu_ops": gpu_ops(step)})):
+                try:
+                    rec.extra.update(count())
+                except Exception as e:  # the time stands; the record says why the count is missing
+                    rec.extra[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
         torch.cuda.empty_cache()
         return rec
 
@@ -450,8 +452,9 @@ def launch_lines(result: Run) -> List[str]:
         peak = f"{r.peak_bytes / 2**20:.1f}" if r.peak_bytes is not None else "-"
         done = f"{e['blocks_patched']}/{c['blocks']}" if "blocks_patched" in e else ""
         host_ms = f"{e['host_ms']:.3f}" if e.get("host_ms") is not None else "-"
+        counts = [e.get(k, "-") for k in ("launches", "launches_triton", "launches_aten")]
         lines.append(f"{c['task']:<6} {c['L']:>4} {c['dtype']:<9} {str(c['compiled']):<8} {r.impl:<18} "
-                     f"{e['launches']:>8} {e['launches_triton']:>6} {e['launches_aten']:>6} {check!s:>8} "
+                     f"{counts[0]!s:>8} {counts[1]!s:>6} {counts[2]!s:>6} {check!s:>8} "
                      f"{host_ms:>22} {peak:>9} {done:>8}")
     unpatched = {r.case["task"] for r in result.records if r.extra.get("blocks_patched") == 0}
     for task in sorted(unpatched):
