@@ -157,5 +157,7 @@ def test_pair_mask_pads_the_last_nodes_and_the_stack_keeps_them_zero():
     x, mask = bench.make_inputs(1, 10, 4, "cpu")
     assert mask[0, :9, :9].eq(1).all() and mask[0, 9].eq(0).all() and mask[0, :, 9].eq(0).all()
     stack = bench.build_stack(4, 2, 2)
+    torch.randn(3)  # the weights do not depend on the global RNG's state
+    assert all(torch.equal(a, b) for a, b in zip(stack.parameters(), bench.build_stack(4, 2, 2).parameters()))
     y = stack(x, mask)
     assert y[0, 9].eq(0).all() and y[0, :, 9].eq(0).all() and y[0, :9, :9].ne(0).any()

@@ -1,11 +1,12 @@
 """``gradops bench all``: validate a GPU machine in one command.
 
-Runs the norm, NSA, Floyd, model and FloydNet-step benchmarks in turn at their GPU shapes (bfloat16, and float32 where
-a goal or a second code path asks for it), against every peer that imports here, within one
-time budget, and writes one folder: each part's JSON and PNG, and ``summary.json`` /
-``summary.txt`` (per family, the worst and median ratio of each peer's time to ours, and
-each goal of docs/benchmarks.md: met, missed, incomplete, not measured or not evaluated). Exits 1 when one of
-our measurements failed, a part crashed, or the budget left cases unmeasured.
+Runs the norm, NSA, Floyd, model and FloydNet-step benchmarks in turn at their GPU shapes
+(bfloat16, and float32 where a goal or a second code path asks for it), against every peer that
+imports here, within one time budget, and writes one folder: each part's JSON and PNG, and
+``summary.json`` / ``summary.txt`` (per family, the worst and median ratio of each peer's time
+to ours, and each goal of docs/benchmarks.md: met, missed, incomplete, not measured or not
+evaluated). Exits 1 when one of our measurements failed, a part crashed, or the budget left
+cases unmeasured.
 
 On a CPU it runs the CPU comparison instead (``CPU_PLAN``: our CPU path against ATen,
 autograd and torch.compile at the CPU shapes of the norms and NSA, and the cost of a call),
@@ -52,9 +53,10 @@ def _shapes(*shapes: str) -> Tuple[str, ...]:
 
 # The validation on a GPU, in the order of issue 33: the norms and NSA (host, eager and kernel
 # time), Floyd forward + backward against FloydNet eager and compiled, a whole model step, a step
-# of FloydNet's blocks (issue 44), then the rest of the sweep. Each share is seconds: the plan runs whole in GPU_BUDGET (an estimate,
-# docs/gpu.md), and a shorter --budget-seconds cuts it from the end, as much as fits, each part
-# cut recorded as skipped (gpu_validate.sh's one-call `all` gives the sweep what its tests left).
+# of FloydNet's blocks (issue 44), then the rest of the sweep. Each share is seconds: the plan
+# runs whole in GPU_BUDGET (an estimate, docs/gpu.md), and a shorter --budget-seconds cuts it
+# from the end, as much as fits, each part cut recorded as skipped (gpu_validate.sh's one-call
+# `all` gives the sweep what its tests left).
 GPU_MAX_SECONDS = 1.0  # per measurement: warm-up and timed repetitions are each bounded by it
 FLOYD_FWDBWD = ("--dtype", "bfloat16", "--direction", "fwdbwd")
 GPU_PLAN = (

@@ -141,17 +141,19 @@ class FloydStack(torch.nn.Module):
 
 
 def build_stack(width: int, heads: int, blocks: int, seed: int = 0) -> FloydStack:
-    """``blocks`` FloydNet blocks with random weights (float32, on the CPU)."""
+    """``blocks`` FloydNet blocks with random weights (float32, on the CPU), the same for the
+    same arguments whatever ran before (FloydNet's initialisation draws from the global RNG)."""
     from floydnet import PivotalAttentionBlock
 
-    gen = torch.Generator().manual_seed(seed)
-    stack = FloydStack([PivotalAttentionBlock(embed_dim=width, num_heads=heads, activation_fn=ACTIVATION,
-                                              norm_fn=NORM_FN, enable_ffn=True, dropout=0.0)
-                        for _ in range(blocks)])
-    with torch.no_grad():
-        for block in stack.blocks:  # FloydNet's zeros: the attention would get no gradient
-            for linear in (block.c_mix, block.c_proj, block.ffn[2]):
-                linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen) * 0.02)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        stack = FloydStack([PivotalAttentionBlock(embed_dim=width, num_heads=heads, activation_fn=ACTIVATION,
+                                                  norm_fn=NORM_FN, enable_ffn=True, dropout=0.0)
+                            for _ in range(blocks)])
+        with torch.no_grad():
+            for block in stack.blocks:  # FloydNet's zeros: the attention would get no gradient
+                for linear in (block.c_mix, block.c_proj, block.ffn[2]):
+                    linear.weight.normal_(0.0, 0.02)
     return stack.train()
 
 
