@@ -206,9 +206,9 @@ def test_every_relative_goal_holds_on_any_gpu():
     # A goal relative to a peer, to the device's own peak or to our own kernel time means the same
     # on every GPU; only the absolute ones (GB/s, TFLOP/s) are set for the H100. (The overhead
     # goal was H100-only by mistake: the H200 run of 2026-11-28 left it unevaluated.)
-    from gradops.bench import model, overhead
+    from gradops.bench import floydnet, model, overhead
 
-    for module in (norm, nsa, floyd, overhead, model):
+    for module in (norm, nsa, floyd, overhead, model, floydnet):
         for goal in module.GOALS:
             if goal.metric not in ("gbps", "tflops"):
                 assert goal.gpu is None, (module.__name__, goal.text)

@@ -1,4 +1,4 @@
-"""One face for every `gradops bench` command (norm, nsa, floyd, model, all): the same options
+"""One face for every `gradops bench` command (norm, nsa, floyd, model, overhead, floydnet, all): the same options
 (gradops.bench.harness.add_common_args), one set of dtype names (torch's, with the short
 aliases), the JSON always written and its path printed, the CPU caveat printed on a CPU;
 and every `gradops bench` command line the docs and scripts show still parses.
@@ -15,10 +15,11 @@ import pytest
 
 from gradops import cli
 from gradops.bench import all as bench_all
-from gradops.bench import floyd, harness, model, norm, nsa, overhead
+from gradops.bench import floyd, floydnet, harness, model, norm, nsa, overhead
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODULES = {"norm": norm, "nsa": nsa, "floyd": floyd, "model": model, "overhead": overhead, "all": bench_all}
+MODULES = {"norm": norm, "nsa": nsa, "floyd": floyd, "model": model, "overhead": overhead, "floydnet": floydnet,
+           "all": bench_all}
 FAST = ["--device", "cpu", "--quick", "--reps", "1", "--warmup", "1", "--max-seconds", "0.05", "--no-plot"]
 # the smallest case of each family (model: the quick GPT-2, the smaller of the two)
 TINY = {
@@ -27,11 +28,12 @@ TINY = {
     "floyd": ["--shape", "1,1,4,5,6,8", "--impl", "reference", "einsum"],
     "model": ["--models", "gpt2"],
     "overhead": [],
+    "floydnet": ["--tasks", "count"],
     "all": ["--only", "nsa"],
 }
-# nsa --quick and bench all on a CPU switch the Triton interpreter on for the process: not in a
-# suite whose other tests run compiled kernels on a GPU
-INTERPRETS = {"nsa", "overhead", "all"}
+# nsa --quick, overhead, floydnet and bench all on a CPU switch the Triton interpreter on for the
+# process: not in a suite whose other tests run compiled kernels on a GPU
+INTERPRETS = {"nsa", "overhead", "floydnet", "all"}
 on_cpu_suite = os.environ.get("GRADOPS_TEST_DEVICE", "cpu") == "cpu"
 
 
@@ -44,6 +46,11 @@ def _family(name):
             import transformers  # noqa: F401
         except ImportError:
             marks.append(pytest.mark.skip(reason="gradops bench model needs transformers"))
+    if name == "floydnet":
+        try:
+            import floydnet as _  # noqa: F401
+        except ImportError:
+            marks.append(pytest.mark.skip(reason="gradops bench floydnet needs floydnet"))
     return pytest.param(name, marks=marks, id=name)
 
 
@@ -117,7 +124,7 @@ def test_every_command_takes_the_same_options(family, capsys):
 def test_bench_help_lists_the_families_and_the_shared_options(capsys):
     assert cli.main(["bench", "--help"]) == 0
     usage = capsys.readouterr().out
-    assert "norm,nsa,floyd,model,overhead,all" in usage and "--out DIR" in usage and "float32 (fp32)" in usage
+    assert "norm,nsa,floyd,model,overhead,floydnet,all" in usage and "--out DIR" in usage and "float32 (fp32)" in usage
     assert cli.main(["bench"]) == 2  # no family: the same text, and a usage error
 
 
@@ -173,7 +180,8 @@ def test_bench_all_dtype_keeps_only_those_cases(capsys):
 DOCS = ([os.path.join(ROOT, "README.md"), os.path.join(ROOT, "benchmarks", "README.md")]
         + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
         + sorted(glob.glob(os.path.join(ROOT, "benchmarks", "*.sh"))))
-COMMAND = re.compile(r"(?:gradops bench |python3? benchmarks/bench_)(norm|nsa|floyd|model|all)(?:\.py)?"
+COMMAND = re.compile(r"(?:gradops bench |python3? benchmarks/bench_)"
+                     r"(norm|nsa|floydnet|floyd|model|overhead|all)(?:\.py)?"
                      r"((?: +[-\w.,=/:]+)*)")
 
 

@@ -1,11 +1,12 @@
 """``gradops bench all``: validate a GPU machine in one command.
 
-Runs the norm, NSA and Floyd benchmarks in turn at their GPU shapes (bfloat16, and float32 where
-a goal or a second code path asks for it), against every peer that imports here, within one
-time budget, and writes one folder: each part's JSON and PNG, and ``summary.json`` /
-``summary.txt`` (per family, the worst and median ratio of each peer's time to ours, and
-each goal of docs/benchmarks.md: met, missed, incomplete, not measured or not evaluated). Exits 1 when one of
-our measurements failed, a part crashed, or the budget left cases unmeasured.
+Runs the norm, NSA, Floyd, model and FloydNet-step benchmarks in turn at their GPU shapes
+(bfloat16, and float32 where a goal or a second code path asks for it), against every peer that
+imports here, within one time budget, and writes one folder: each part's JSON and PNG, and
+``summary.json`` / ``summary.txt`` (per family, the worst and median ratio of each peer's time
+to ours, and each goal of docs/benchmarks.md: met, missed, incomplete, not measured or not
+evaluated). Exits 1 when one of our measurements failed, a part crashed, or the budget left
+cases unmeasured.
 
 On a CPU it runs the CPU comparison instead (``CPU_PLAN``: our CPU path against ATen,
 autograd and torch.compile at the CPU shapes of the norms and NSA, and the cost of a call),
@@ -33,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import harness
 
-FAMILIES = ("norm", "nsa", "floyd", "overhead", "model")
+FAMILIES = ("norm", "nsa", "floyd", "overhead", "model", "floydnet")
 NORM_OPS = ("rms_bwd", "ln_bwd", "rms_fwd", "ln_fwd")
 
 
@@ -51,10 +52,11 @@ def _shapes(*shapes: str) -> Tuple[str, ...]:
 
 
 # The validation on a GPU, in the order of issue 33: the norms and NSA (host, eager and kernel
-# time), Floyd forward + backward against FloydNet eager and compiled, a whole model step, then
-# the rest of the sweep. Each share is seconds: the plan runs whole in GPU_BUDGET (an estimate,
-# docs/gpu.md), and a shorter --budget-seconds cuts it from the end, as much as fits, each part
-# cut recorded as skipped (gpu_validate.sh's one-call `all` gives the sweep what its tests left).
+# time), Floyd forward + backward against FloydNet eager and compiled, a whole model step, a step
+# of FloydNet's blocks (issue 44), then the rest of the sweep. Each share is seconds: the plan
+# runs whole in GPU_BUDGET (an estimate, docs/gpu.md), and a shorter --budget-seconds cuts it
+# from the end, as much as fits, each part cut recorded as skipped (gpu_validate.sh's one-call
+# `all` gives the sweep what its tests left).
 GPU_MAX_SECONDS = 1.0  # per measurement: warm-up and timed repetitions are each bounded by it
 FLOYD_FWDBWD = ("--dtype", "bfloat16", "--direction", "fwdbwd")
 GPU_PLAN = (
@@ -75,7 +77,7 @@ GPU_PLAN = (
          "T = 64K packed, bfloat16, 16 and 64 heads"),
     Part("floyd", "floyd", (*_shapes("1,8,512,512,512,128", "1,8,512,512,512,64", "1,8,256,256,256,128",
                                      "1,8,256,256,256,64"), *FLOYD_FWDBWD, "--impl", "gradops", "floydnet",
-                            "compiled"), 70,
+                            "compiled"), 50,
          "forward + backward, L = 512 and 256, D = 128 and 64, bfloat16, against FloydNet eager and torch.compile "
          "of its pivotal_attention: time, peak memory and error against float64"),
     Part("floyd-strategies", "floyd", (*_shapes("1,8,512,512,512,128", "1,8,512,512,512,64"), *FLOYD_FWDBWD,
@@ -85,15 +87,19 @@ GPU_PLAN = (
     Part("model", "model", ("--compile",), 100,
          "a training step of a Llama (RMSNorm) and a GPT-2 (LayerNorm), unpatched and patched, eager then "
          "torch.compile, then Liger's"),
+    Part("floydnet", "floydnet", ("--dtype", "bfloat16"), 60,
+         "a training step (forward + backward) of 8 FloydNet blocks, TSP (width 384, 6 heads, L = 20..200) and graph "
+         "count (768, 12 heads, L = 32, 64), bf16 autocast: FloydNet eager and torch.compile(dynamic=True) against "
+         "gradops-patched, time, host time, launches and peak memory (the compiled ones after every eager one)"),
     # the rest of the sweep
     Part("norm-fp32", "norm", ("--ops", *NORM_OPS, "--dtype", "float32", "--widths", "1024", "4096", "16384",
-                               "65536", "--peers", "autograd", "aten", "liger", "--check"), 30,
+                               "65536", "--peers", "autograd", "aten", "liger", "--check"), 20,
          "float32 width sweep"),
     Part("norm-wide", "norm", ("--ops", *NORM_OPS, "--dtype", "bfloat16", "--widths", "4096", "262144",
-                               "--peers", "autograd", "aten", "liger", "--check"), 20,
+                               "--peers", "autograd", "aten", "liger", "--check"), 15,
          "bfloat16 at 32768 x 4096 and 512 x 262144"),
     Part("norm-add", "norm", ("--ops", "add_rms_bwd", "add_rms_fwd", "--dtype", "bfloat16", "--widths", "4096",
-                              "16384", "--peers", "autograd", "liger", "--check"), 15,
+                              "16384", "--peers", "autograd", "liger", "--check"), 10,
          "the residual add fused into RMSNorm (Llama's casting) against a separate add and norm, and Liger's"),
     Part("nsa-more", "nsa", ("--tokens", "65536", "--heads", "4", "16", "--dims", "128", "--blocks", "64x32",
                              "--dtype", "bfloat16", "--peers", "reference", "naive"), 15,
@@ -105,11 +111,11 @@ GPU_PLAN = (
          "torch.compile of the reference (one compilation per case)"),
     Part("floyd-directions", "floyd", (*_shapes("1,8,512,512,512,128", "1,8,512,512,512,32"), "--dtype", "bfloat16",
                                        "--direction", "fwd", "--direction", "bwd", "--impl", "gradops", "einsum",
-                                       "floydnet", "--no-accuracy"), 30,
+                                       "floydnet", "--no-accuracy"), 20,
          "forward and backward alone at L = 512, D = 128 and 32, against FloydNet and its einsum formulation"),
     Part("floyd-large", "floyd", (*_shapes("1,4,1024,1024,1024,128"), "--dtype", "bfloat16",
                                   "--direction", "fwd", "--direction", "bwd",
-                                  "--impl", "gradops", "einsum", "floydnet"), 25,
+                                  "--impl", "gradops", "einsum", "floydnet"), 20,
          "N = M = K = 1024, D = 128 (the einsum peers may run out of memory: a result)"),
 )
 GPU_BUDGET = sum(p.share for p in GPU_PLAN)
@@ -330,10 +336,12 @@ def print_plan(parts: Sequence[Part], budget: float, args) -> None:
         if part.family == "model" and pargs.compile:
             per_case = 2  # eager and compiled
         cases, impls = len(module.cases(pargs)) * per_case, module.impl_names(pargs)
-        total += cases * len(impls)
+        # a floydnet case (eager or compiled) holds ours and the FloydNet variant of its kind
+        measured = cases * (2 if part.family == "floydnet" else len(impls))
+        total += measured
         until = f"{deadline:>7.0f}" if deadline > before else f"{'cut':>7}"
         before = deadline
-        print(f"{part.name:<16} {cases:>5} {len(impls):>7} {cases * len(impls):>8} "
+        print(f"{part.name:<16} {cases:>5} {len(impls):>7} {measured:>8} "
               f"{f'{pargs.warmup}+{pargs.reps}':>11} {pargs.max_seconds:>5g} {until}  "
               f"{', '.join(impls)}")
         print(f"{'':<16} {part.what}: gradops bench {part.family} {' '.join(part.argv)}")

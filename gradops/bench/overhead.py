@@ -73,14 +73,21 @@ def recorded_launches() -> Iterator[List[tuple]]:
             cls.run = real
 
 
-# ATen ops that launch no kernel: allocation, views, metadata, and the conversions that are
-# no-ops unless they contain a copy (then the copy inside them is what is counted).
+# ATen ops that launch no kernel: allocation, views, metadata, and the ops that are no-ops
+# unless they contain a kernel-launching op (then that op inside them is what is counted): the
+# conversions (a copy) and dropout (nothing at p = 0 or in eval; else its native_dropout or
+# bernoulli_ and mul).
 _NO_KERNEL = frozenset("""
 empty empty_strided empty_like new_empty new_empty_strided view _unsafe_view reshape _reshape_alias
 detach t expand expand_as as_strided alias slice select unsqueeze squeeze permute transpose narrow view_as
 flatten unflatten split unbind chunk to contiguous lift_fresh resolve_conj resolve_neg result_type set_
-size stride numel dim is_nonzero item _local_scalar_dense
+size stride numel dim is_nonzero item _local_scalar_dense dropout
 """.split())
+
+
+# The prefix of the kernels Inductor generates (torch/_inductor/codegen/triton.py names them
+# triton_<kind>_<fused ops>): its launcher's profiler range carries that name.
+_INDUCTOR_KERNEL = "triton_"
 
 
 def kernels_launched(fn: Callable[[], object]) -> List[str]:
@@ -88,12 +95,17 @@ def kernels_launched(fn: Callable[[], object]) -> List[str]:
     and each ATen op that would launch a kernel on a GPU (an op outside ``_NO_KERNEL`` none of
     whose own ATen children does) as ``aten::name``. Read from the profiler's op tree, so it
     counts the same on a CPU as on a GPU; Triton launches are recorded, not run
-    (:func:`stubbed_launches`)."""
+    (:func:`stubbed_launches`). Code torch.compile generated for a GPU launches its Triton
+    kernels through Inductor's own launcher, which runs them and, under the profiler, opens a
+    range named after the kernel (``triton_poi_fused_...``, ``triton_red_...``): each counts."""
     found: List[str] = []
 
     def walk(ev):
         if ev.name.startswith("triton::"):
             found.append(ev.name[len("triton::"):])
+            return
+        if ev.name.startswith(_INDUCTOR_KERNEL):
+            found.append(ev.name)
             return
         if ev.name.startswith("aten::"):
             inner = [k for k in ev.cpu_children
