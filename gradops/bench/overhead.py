@@ -28,12 +28,26 @@ from .harness import OURS, Goal, Record, Run
 
 
 @contextlib.contextmanager
+def _launches_replaced(run) -> Iterator[None]:
+    """Every Triton kernel launch (``kernel[grid](...)``, compiled or interpreted) calls ``run``
+    instead, for the block."""
+    from triton.runtime import interpreter, jit
+
+    saved = [(cls, cls.run) for cls in (jit.JITFunction, interpreter.InterpretedFunction)]
+    for cls, _ in saved:
+        cls.run = run
+    try:
+        yield
+    finally:
+        for cls, real in saved:
+            cls.run = real
+
+
+@contextlib.contextmanager
 def stubbed_launches(mark: bool = False) -> Iterator[List[str]]:
     """Record every Triton kernel launch (``kernel[grid](...)``) as the kernel's name, and
     run nothing: nothing is compiled, interpreted or written, the launch returns at once.
     ``mark``: each launch also leaves a ``triton::<name>`` range in the profiler's trace."""
-    from triton.runtime import interpreter, jit
-
     log: List[str] = []
 
     def run(self, *args, grid, warmup, **kwargs):
@@ -42,35 +56,21 @@ def stubbed_launches(mark: bool = False) -> Iterator[List[str]]:
             with torch.profiler.record_function("triton::" + self.fn.__name__):
                 pass
 
-    saved = [(cls, cls.run) for cls in (jit.JITFunction, interpreter.InterpretedFunction)]
-    for cls, _ in saved:
-        cls.run = run
-    try:
+    with _launches_replaced(run):
         yield log
-    finally:
-        for cls, real in saved:
-            cls.run = real
 
 
 @contextlib.contextmanager
 def recorded_launches() -> Iterator[List[tuple]]:
     """As :func:`stubbed_launches`, keeping each launch as ``(kernel, grid, args, kwargs)``, so
     that it can be replayed (the floor of a call whose launches are worked out elsewhere)."""
-    from triton.runtime import interpreter, jit
-
     log: List[tuple] = []
 
     def run(self, *args, grid, warmup, **kwargs):
         log.append((self, grid, args, kwargs))
 
-    saved = [(cls, cls.run) for cls in (jit.JITFunction, interpreter.InterpretedFunction)]
-    for cls, _ in saved:
-        cls.run = run
-    try:
+    with _launches_replaced(run):
         yield log
-    finally:
-        for cls, real in saved:
-            cls.run = real
 
 
 # ATen ops that launch no kernel: allocation, views, metadata, and the ops that are no-ops
