@@ -64,6 +64,7 @@ import triton.language as tl
 from . import floyd_chunked, floyd_hybrid
 from ._floyd_common import (_ACC, _NEG_FLT_MAX, _TL, FLT_MAX, SCALE_ARGS, _mask_arg, _scale_bits, _unpack_scale,
                             dot_constexprs)
+from ._launch import bind_launches
 from .floyd_config import FUSED_MAX_HEAD_DIM, floyd_config, forced_strategy, strategy
 
 
@@ -160,6 +161,7 @@ def _program_tile(pid, tiles_a, tiles_b, GROUP: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
+@bind_launches
 @triton.jit(do_not_specialize=SCALE_ARGS)
 def _fwd_kernel(
     q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, out_ptr, max_ptr, sum_ptr,
@@ -282,6 +284,7 @@ def _dq_pivot_tile(k0, q, q_by_m, dy, dy_by_m, mx, inv_sum, scale, n_idx, m_idx,
     return k1_t, k2_t, user | ~live, p, dp
 
 
+@bind_launches
 @triton.jit(do_not_specialize=SCALE_ARGS)
 def _bwd_dq_kernel(
     q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, dy_ptr, max_ptr, sum_ptr,
@@ -354,6 +357,7 @@ def _bwd_dq_kernel(
     _store3(dq_ptr + b * sdq_b + h * sdq_h, dq, n_idx, m_idx, d_idx, sdq_n, sdq_m, sdq_d, N, M, D)
 
 
+@bind_launches
 @triton.jit(do_not_specialize=SCALE_ARGS)
 def _bwd_dkv_kernel(
     q_ptr, dy_ptr, own_k_ptr, own_v_ptr, other_k_ptr, other_v_ptr, mask_ptr, max_ptr, sum_ptr,
