@@ -98,6 +98,7 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(triton.compiler, "compile", s.compile)
     monkeypatch.setattr(driver, "_active", s.driver)
     monkeypatch.setattr(_launch, "ENABLED", True)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # (triton 3.9 warns when a compile leaves it unset)
     return s
 
 
@@ -149,6 +150,11 @@ def test_first_call_goes_through_the_jit_later_ones_bound_with_its_arguments(sta
     assert len(launched) == len(jit_launched) == 8  # every parameter, the default FLAG too
     assert all(a is b for a, b in zip(launched, jit_launched)), (launched, jit_launched)
     assert _launch.DECLARED[_toy].bound == 1
+
+    from gradops.bench.overhead import bound_launches_of
+
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    assert bound_launches_of(lambda: kernel[(3, 2)](*later, BLOCK=16, num_warps=4)) == 1
 
 
 # Each change of what the JIT specialises on, and the call it changes (BLOCK=16, num_warps=4 else)
@@ -433,21 +439,53 @@ def _calls(device):
 def test_bound_launches_on_cuda_match_the_jit_bitwise(monkeypatch):
     if TEST_DEVICE != "cuda":
         pytest.skip("compiled kernels on a GPU (GRADOPS_TEST_DEVICE=cuda)")
+    import gradops
     from gradops.bench.overhead import kernels_launched
 
-    declared = {fn.__name__ for fn in _launch.DECLARED}
-    for name, call in _calls(TEST_DEVICE):
-        monkeypatch.setattr(_launch, "ENABLED", False)
-        expected = call()
-        launched = collections.Counter(k for k in kernels_launched(call) if k in declared)
-        assert launched, name
-        monkeypatch.setattr(_launch, "ENABLED", True)
-        call()  # binds each signature
-        before = _launch.bound_launch_counts()
-        got = call()
-        after = _launch.bound_launch_counts()
-        bound = collections.Counter({k: after[k] - before.get(k, 0) for k in after if after[k] > before.get(k, 0)})
-        assert bound == launched, f"{name}: every launch of a repeated call bound: {bound} != {launched}"
-        assert len(got) == len(expected)
-        for i, (a, e) in enumerate(zip(got, expected)):
-            assert a.dtype == e.dtype and a.shape == e.shape and torch.equal(_bits(a), _bits(e)), (name, i)
+    with gradops.use_backend("triton"):
+        for name, call in _calls(TEST_DEVICE):
+            monkeypatch.setattr(_launch, "ENABLED", False)
+            expected = call()
+            declared = {fn.__name__ for fn in _launch.DECLARED}  # (the kernel modules are imported by now)
+            launched = collections.Counter(k for k in kernels_launched(call) if k in declared)
+            assert launched, name
+            monkeypatch.setattr(_launch, "ENABLED", True)
+            call()  # binds each signature
+            before = _launch.bound_launch_counts()
+            got = call()
+            after = _launch.bound_launch_counts()
+            bound = collections.Counter({k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)})
+            assert bound == launched, f"{name}: every launch of a repeated call bound: {bound} != {launched}"
+            assert len(got) == len(expected)
+            for i, (a, e) in enumerate(zip(got, expected)):
+                assert a.dtype == e.dtype and a.shape == e.shape and torch.equal(_bits(a), _bits(e)), (name, i)
+
+def test_gradops_info_says_whether_bound_launches_are_on(monkeypatch):
+    monkeypatch.setattr(_launch, "ENABLED", False)
+    assert "off" in _launch.describe() and _launch.ENV in _launch.describe()
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    monkeypatch.setattr(_launch, "VERSION_OK", False)
+    assert "off" in _launch.describe() and triton.__version__ in _launch.describe()
+    monkeypatch.setattr(_launch, "VERSION_OK", True)
+    assert " on " in _launch.describe()
+
+
+def test_bench_overhead_times_the_other_launch_path_on_a_gpu(monkeypatch):
+    from argparse import Namespace
+
+    from gradops.bench import overhead
+
+    assert overhead.other_launch_path("cpu") is None  # (launches stubbed: nothing to compare)
+    assert overhead.impl_names(Namespace(device="cpu")) == ["gradops", "torch", "floor"]
+    monkeypatch.setattr(_launch, "VERSION_OK", True)
+    monkeypatch.setattr(_launch, "ENABLED", False)
+    assert overhead.other_launch_path("cuda") == ("bound", True)
+    assert overhead.impl_names(Namespace(device="cuda")) == ["gradops", "torch", "floor", "bound"]
+    seen = []
+    switched = overhead._launching(lambda: seen.append(_launch.ENABLED), True)
+    switched()
+    assert seen == [True] and _launch.ENABLED is False
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    assert overhead.other_launch_path("cuda") == ("jit", False)
+    monkeypatch.setattr(_launch, "VERSION_OK", False)
+    assert overhead.other_launch_path("cuda") is None
