@@ -11,7 +11,7 @@ launch hooks it is given, as the real one does before and after the launch (the 
 itself, the same on both paths, is what is left out). So the times are the Python of a
 launch on each path, and their difference is what the bound path saves. Times are CPU time
 of this thread (``time.thread_time``, steadier than wall time on a shared machine), the best
-of ``--repeat`` rounds of ``--number`` launches.
+of ``--repeat`` rounds of ``--number`` launches, the paths taking turns within each round.
 
     python benchmarks/launch_cost.py                                  # the installed triton
     PYTHONPATH=.ci/triton-3.6 python benchmarks/launch_cost.py        # triton 3.6 beside it
@@ -88,9 +88,10 @@ def stand_ins():
 
 
 def gradops_launches():
-    """(label, kernel, grid, args, kwargs) of the launches of a few gradops calls on small
-    CPU tensors, recorded without running them."""
-    from gradops.kernels import floyd_attention, layer_norm, nsa_compress, rms_norm
+    """(label, kernel, grid, args, kwargs) of the first launch of each kernel in a few gradops
+    calls on small CPU tensors (norms forward and backward, NSA forward and backward, Floyd
+    forward and backward by each strategy), recorded without running them."""
+    from gradops.kernels import floyd_attention, floyd_config, layer_norm, nsa_compress, rms_norm
 
     recorded = []
 
@@ -99,71 +100,103 @@ def gradops_launches():
 
     def calls():
         gen = torch.Generator().manual_seed(0)
-        x = torch.randn(8, 64, generator=gen)
+        x = torch.randn(8, 64, generator=gen).to(torch.bfloat16)
         w = torch.randn(64, generator=gen)
-        yield "rms_norm fwd", lambda: rms_norm.rms_norm(x, w, 1e-6)
         rstd = torch.rand(8, generator=gen) + 0.5
-        yield "rms_norm bwd", lambda: rms_norm.rms_norm_grad(x, x, rstd, w)
         mean = torch.randn(8, generator=gen)
+        yield "rms_norm fwd", lambda: rms_norm.rms_norm(x, w, 1e-6)
+        yield "rms_norm bwd", lambda: rms_norm.rms_norm_grad(x, x, rstd, w, grad_dtype=w.dtype)
+        yield "layer_norm fwd", lambda: layer_norm.layer_norm(x, w, w, 1e-5)
         yield "layer_norm bwd", lambda: layer_norm.layer_norm_backward(x, x, mean, rstd, w, (True, True, True))
         xs = torch.randn(100, 4, 16, generator=gen)
         nw = torch.randn(32, 4, generator=gen)
+        out = torch.randn(3, 4, 16, generator=gen)
         yield "nsa fwd", lambda: nsa_compress.nsa_compress(xs, nw, 32, 16, [0, 40, 100], 3)
-        q = torch.randn(1, 2, 16, 16, 16, generator=gen)
-        yield "floyd fused fwd", lambda: floyd_attention._fused_forward(q, q, q, q, q, None, 0.25)
+        yield "nsa bwd", lambda: nsa_compress.nsa_compress_grad(out, xs, nw, 32, 16, [0, 40, 100], 3)
+        q = torch.randn(1, 2, 16, 16, 16, generator=gen).to(torch.bfloat16)
+        stat = torch.zeros(1, 2, 16, 16)
+        for strategy in ("fused", "hybrid", "chunked"):
+            def floyd(strategy=strategy):
+                floyd_config.STRATEGY = strategy
+                floyd_attention.floyd_attention(q, q, q, q, q, None, 0.25)
+                floyd_attention.floyd_attention_grad(q, q, q, q, q, q, q, stat, stat, None, 0.25)
+            yield f"floyd {strategy}", floyd
 
-    saved = jit.JITFunction.run
+    saved, strategy = jit.JITFunction.run, None
     jit.JITFunction.run = record
     try:
-        launches = []
+        from gradops.kernels import floyd_config
+
+        strategy = floyd_config.STRATEGY
+        launches, seen = [], set()
         for label, call in calls():
             del recorded[:]
             call()
-            launches += [(f"{label}: {k.fn.__name__}", k, grid, args, kwargs) for k, grid, args, kwargs in recorded]
+            for k, grid, args, kwargs in recorded:
+                if k.fn not in seen:
+                    seen.add(k.fn)
+                    launches.append((f"{label}: {k.fn.__name__}", k, grid, args, kwargs))
     finally:
         jit.JITFunction.run = saved
+        floyd_config.STRATEGY = strategy
     return launches
 
 
-def best_us(fn, number: int, repeat: int) -> float:
-    return min(timeit.repeat(fn, number=number, repeat=repeat, timer=time.thread_time)) / number * 1e6
+def interleaved_best_us(fns: dict, number: int, repeat: int) -> dict:
+    """Microseconds per call of each function, the best of ``repeat`` rounds of ``number``
+    calls; the functions take turns within each round, so a busy spell of a shared machine
+    falls on all of them alike."""
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            best[name] = min(best[name], timeit.timeit(fn, number=number, timer=time.thread_time) / number * 1e6)
+    return best
+
+
+def switched(call, on: bool):
+    def launch():
+        _launch.ENABLED = on
+        call()
+    return launch
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--number", type=int, default=5000, help="launches per round (default 5000)")
-    p.add_argument("--repeat", type=int, default=7, help="rounds; the best is kept (default 7)")
+    p.add_argument("--number", type=int, default=2000, help="launches per round (default 2000)")
+    p.add_argument("--repeat", type=int, default=15, help="rounds; the best is kept (default 15)")
     args = p.parse_args(argv)
     if not _launch.VERSION_OK:
         print(f"triton {triton.__version__}: bound launches are not written for it ({_launch.TRITON_READ})")
         return 1
     print(f"triton {triton.__version__}, torch {torch.__version__}; us per launch (CPU time, best of "
-          f"{args.repeat} x {args.number})")
+          f"{args.repeat} x {args.number}, taking turns)")
     print(f"{'launch':48} {'args':>4} {'JIT':>7} {'bound':>7} {'saved':>6} {'binder':>7} {'+key':>7}")
     was = _launch.ENABLED
     with stand_ins():
-        for label, kernel, grid, a, kw in gradops_launches():
-            launch = kernel[grid]
-            _launch.ENABLED = False
-            launch(*a, **kw)  # compiles (stands in) and fills the JIT's caches
-            jit_us = best_us(lambda: launch(*a, **kw), args.number, args.repeat)
-            _launch.ENABLED = True
-            launch(*a, **kw)  # binds
-            before = _launch.DECLARED[kernel.fn].bound
-            bound_us = best_us(lambda: launch(*a, **kw), args.number, args.repeat)
-            assert _launch.DECLARED[kernel.fn].bound > before, f"{label}: no bound launch"
+        try:
+            for label, kernel, grid, a, kw in gradops_launches():
+                launch = kernel[grid]
+                _launch.ENABLED = False
+                launch(*a, **kw)  # compiles (stands in) and fills the JIT's caches
+                _launch.ENABLED = True
+                launch(*a, **kw)  # binds
+                before = _launch.DECLARED[kernel.fn].bound
+                launch(*a, **kw)
+                assert _launch.DECLARED[kernel.fn].bound == before + 1, f"{label}: not bound"
+                binder, key_cache = kernel.device_caches[0][4], {}
+
+                def binder_and_key():
+                    _, specialization, options = binder(*a, **kw)
+                    return jit.compute_cache_key(key_cache, specialization, options)
+
+                us = interleaved_best_us({"jit": switched(lambda: launch(*a, **kw), False),
+                                          "bound": switched(lambda: launch(*a, **kw), True),
+                                          "binder": lambda: binder(*a, **kw), "key": binder_and_key},
+                                         args.number, args.repeat)
+                print(f"{label:48} {len(a):>4} {us['jit']:7.2f} {us['bound']:7.2f} {1 - us['bound'] / us['jit']:6.0%} "
+                      f"{us['binder']:7.2f} {us['key']:7.2f}")
+        finally:
             _launch.ENABLED = was
-            binder = kernel.device_caches[0][4]
-            key_cache = {}
-            binder_us = best_us(lambda: binder(*a, **kw), args.number, args.repeat)
-
-            def binder_and_key():
-                _, specialization, options = binder(*a, **kw)
-                return jit.compute_cache_key(key_cache, specialization, options)
-
-            key_us = best_us(binder_and_key, args.number, args.repeat)
-            print(f"{label:48} {len(a):>4} {jit_us:7.2f} {bound_us:7.2f} {1 - bound_us / jit_us:6.0%} "
-                  f"{binder_us:7.2f} {key_us:7.2f}")
     return 0
 
 

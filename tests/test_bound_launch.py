@@ -352,6 +352,26 @@ def test_interpreted_kernels_are_left_as_they_are():
         assert "run" not in vars(rms_norm._rms_fwd_fused_kernel)
 
 
+@needs_read_triton
+def test_gradops_own_launches_bind_with_a_stand_in_gpu():
+    # benchmarks/launch_cost.py launches gradops' kernels, compiled JITFunctions (in a process
+    # without the interpreter), with the arguments gradops' calls give them: each launch of a
+    # norm, NSA and each Floyd strategy's kernels must bind (the script checks each), and it
+    # measures both paths (the figures in docs/backends.md)
+    import subprocess
+    import sys
+
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the stand-in GPU is for a CPU run; on a GPU test_bound_launches_on_cuda_... runs the real one")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "launch_cost.py"), "--number", "2",
+                           "--repeat", "1"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = [line.split(":")[1].split()[0] for line in proc.stdout.splitlines() if ": _" in line]
+    assert {"_rms_fwd_fused_kernel", "_ln_bwd_fused_kernel", "_sum_rows_kernel", "_nsa_compress_bwd_kernel",
+            "_fwd_kernel", "_bwd_dkv_kernel", "_gemm_kernel", "_rows_backward", "_grad_rows"} <= set(rows), proc.stdout
+
+
 def _is_triton_jit(decorator) -> bool:
     node = decorator.func if isinstance(decorator, ast.Call) else decorator
     return isinstance(node, ast.Attribute) and node.attr == "jit" and getattr(node.value, "id", "") == "triton"

@@ -1,68 +1,69 @@
-"""Bound launches: a kernel's later calls of a signature go straight to the specialisation
-Triton compiled for it, without ``JITFunction.run``'s per-call bookkeeping (issue 44).
+"""Bound launches: after the first launch of a signature, a kernel launches the
+specialisation Triton compiled for it directly, without ``JITFunction.run``'s per-call
+bookkeeping (issue 44).
 
-``kernel[grid](*args, **kwargs)`` calls ``JITFunction.run``, which on every launch looks up
-the device and stream, runs its generated binder (a ``native_specialize_impl`` call per
-argument, a dict of all parameters), builds the cache key (``compute_cache_key``: the
-specialisation and ``str`` of the options), looks up the compiled kernel, checks the
-globals the kernel read, builds ``launch_metadata`` and calls the compiled kernel's launcher,
-which calls the launch hook chains. On an H200 host (cProfile of 600 norm launches,
+``kernel[grid](*args, **kwargs)`` calls ``JITFunction.run``, which on every launch asks for
+the device and stream, runs its generated binder (``native_specialize_impl`` per argument,
+a dict of every parameter), builds the cache key (``compute_cache_key``: the specialisation
+and ``str`` of the options), looks the compiled kernel up, checks the globals the kernel
+read, builds ``launch_metadata`` and calls the kernel's launcher, which calls the (empty)
+launch hook chains. On an H200 host (cProfile of 600 norm launches,
 benchmarks/results/nvidia-h200-2026-11-28/profile.txt) the launcher took 0.018 s of
-``JITFunction.run``'s 0.059: about 70 % of a launch's host time is bookkeeping.
+``JITFunction.run``'s 0.059: about 70 % of a launch's host time is that bookkeeping.
 
-A kernel defined under :func:`bind_launches` (above ``@triton.jit``) keeps that path for the
-first call of each *signature*: the call compiles (or finds) and launches its specialisation,
-and the ``CompiledKernel`` it returns is *bound* to the call's key. A later call with the
-same key calls that kernel's launcher directly, with what ``JITFunction.run`` would pass it:
-the grid, the current stream, ``kernel.function``, ``kernel.packed_metadata`` and every
-argument in parameter order (the positional ones, then the keyword constexprs and the
-parameters' defaults, fixed per key), with ``None`` for the launch metadata and both hooks
-(the launcher skips a ``None`` hook; the JIT path is taken whenever a hook is registered).
+A kernel defined under :func:`bind_launches` (above ``@triton.jit``) launches through
+:meth:`_Launches.run`. The first launch of each *signature* (key, below) goes through
+``JITFunction.run``, which compiles or finds the specialisation and launches it; the
+``CompiledKernel`` it returns is *bound* to the key. A later launch with that key calls the
+kernel's launcher as ``JITFunction.run`` calls it: ``kernel.run(grid0, grid1, grid2, stream,
+kernel.function, kernel.packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``,
+the arguments being every parameter in order (the positional ones, then the keyword
+constexprs and the defaults, fixed per key), with ``None`` for the metadata and both hooks
+(the launcher calls no ``None`` hook; while a hook is registered the JIT launches).
 
-The key is everything ``JITFunction.run`` specialises on, computed as it does:
-- the current device (``driver.active.get_current_device()``; the stream is read per call);
+The key is what ``JITFunction.run`` specialises on, computed as it computes it:
+- the current device (``driver.active.get_current_device()``; the stream is read per launch);
 - each positional argument through the binder's own ``native_specialize_impl(backend, arg,
-  is_const, specialize, align)``, with the flags the binder passes for that parameter
-  (``do_not_specialize``, ``do_not_specialize_on_alignment``): a tensor's dtype and its data
-  pointer's 16-byte alignment, an integer's type (i32, i64, u64), divisibility by 16 and
-  equality to 1 (type only for a ``do_not_specialize`` one, like the float64 words of
-  ``_scalar_args``), a bool, a float, None;
-- the keyword arguments (constexprs and launch options: num_warps, num_stages, maxnreg,
-  enable_fp_fusion, ...), by name, value *and type* (True and 1 are equal in a dict key but
-  compile differently);
-- what ``JITFunction.run`` adds to the options from outside the call: the kernel's ``debug``,
-  ``knobs.runtime.debug``, ``knobs.compilation.instrumentation_mode`` and, in 3.9,
+  is_const, specialize, align)``, with the binder's flags for its parameter: a tensor's dtype
+  and its data pointer's 16-byte alignment; an integer's type (i32, i64, u64), divisibility
+  by 16 and equality to 1, or its type alone when the parameter is ``do_not_specialize`` (the
+  float64 words of ``_scalar_args``); a bool, a float or None by its type;
+- the keyword arguments (constexprs; launch options: num_warps, num_stages, maxnreg,
+  enable_fp_fusion, ...) by name, value and type (the JIT's key holds the options' ``str``:
+  ``True`` and ``1`` are one dict key there, two JIT keys);
+- what ``JITFunction.run`` takes into the options from elsewhere: the kernel's ``debug``,
+  ``knobs.runtime.debug``, ``knobs.compilation.instrumentation_mode`` and (3.9)
   ``knobs.compilation.fpsan_homomorphic_casts``.
-Two calls with one key therefore have one JIT cache key, and the JIT would launch the
-specialisation bound to it. A call is bound only when its shape makes that argument sound:
-no constexpr passed by position, no runtime parameter passed by keyword, keyword values
-whose equality means equal ``str`` (bool, int, str, None, ``tl.dtype``), a tuple grid. Every
-other call, a warm-up, and a call while a pre-run hook, a launch hook or (3.9) a stages
-inspection hook is set, runs ``JITFunction.run``. The globals a kernel read when compiled are
-checked on every bound launch as the JIT checks them (a changed one goes to the JIT, which
-raises).
+So two launches with one key have one JIT key, and the JIT would launch the kernel bound to
+it. A launch is bound only where that holds by construction: a tuple grid, no constexpr
+passed by position, no runtime parameter by keyword, keyword values whose equality means
+equal ``str`` (bool, int, str, None, ``tl.dtype``). Everything else, a warm-up, and a launch
+while a pre-run hook, a launch hook or (3.9) a stages-inspection hook is set, goes to
+``JITFunction.run``; so does a bound launch whose kernel's globals changed (the JIT raises).
 
 It relies on Triton internals, not public API, read in Triton 3.6 (the GPU image's) and 3.9
-(CI's): ``runtime/jit.py`` (``JITFunction.run``, ``KernelInterface.__getitem__`` calling
-``self.run``, ``device_caches[device] == (kernel_cache, key_cache, target, backend,
-binder)``, ``KernelParam`` flags, ``native_specialize_impl``, ``pre_run_hooks``,
-``used_global_vals``), ``compiler/compiler.py`` (``CompiledKernel.run``, ``.function``,
-``.packed_metadata``), ``knobs.py`` (the options above, the ``HookChain`` launch hooks) and
-``runtime/driver.py`` (``driver.active``). The two versions differ here only in the 3.9
-knobs above and in 3.6 resolving async-compile futures (never bound: not a CompiledKernel).
-So it is gated on those versions (:data:`TRITON_READ`); elsewhere :func:`bind_launches`
-leaves the kernel as it is. Under the interpreter (``TRITON_INTERPRET=1``) kernels are
-``InterpretedFunction`` objects, also left as they are.
+(CI's): ``runtime/jit.py`` (``JITFunction.run`` and its launch call above, ``__getitem__``
+calling ``self.run``, ``device_caches[device] == (kernel_cache, key_cache, target, backend,
+binder)``, the binder's ``native_specialize_impl`` and ``KernelParam`` flags,
+``pre_run_hooks``, ``used_global_vals``), ``compiler/compiler.py`` (``CompiledKernel.run``,
+``.function``, ``.packed_metadata``), ``knobs.py`` (the options above; the launch hooks,
+``HookChain``s) and ``runtime/driver.py`` (``driver.active``). Between the two, only the 3.9
+knobs above differ, and async compiles: 3.6 returns the resolved ``CompiledKernel`` (bound
+like any), 3.9 its cache's entry (a pending compile is not a ``CompiledKernel``: not bound).
+Hence the gate, :data:`TRITON_READ`: on another Triton :func:`bind_launches` leaves the
+kernel as it is, as it leaves the interpreter's ``InterpretedFunction`` (``TRITON_INTERPRET=1``).
 
-The hook is an instance attribute: the kernel stays a plain ``JITFunction`` (what torch's
-``wrap_triton`` and Inductor take, ``_traceable``) whose ``run`` is :meth:`_Launches.run`.
-Whoever replaces ``JITFunction.run`` on the class (``gradops.bench.overhead.stubbed_launches``,
-the tests' ``record_launches``) gets every launch, bound or not: a bound launch happens only
-while ``JITFunction.run`` is Triton's own.
+The kernel stays a plain ``JITFunction`` (what torch's ``wrap_triton`` and Inductor take,
+``_traceable``): :meth:`_Launches.run` is an instance attribute. Whoever replaces
+``JITFunction.run`` on the class (``gradops.bench.overhead.stubbed_launches``, the tests'
+``record_launches``) gets every launch: a launch is bound only while ``JITFunction.run`` is
+Triton's own.
 
-The switch: :data:`ENABLED`, from ``GRADOPS_BOUND_LAUNCH`` (``1`` on; unset or ``0`` off),
-read per call. Off by default until a GPU run shows the bound path bitwise equal to the JIT
-path and faster (``tests/test_bound_launch.py``, ``gradops bench overhead``'s ``bound`` rows).
+The switch: :data:`ENABLED`, read per launch, from ``GRADOPS_BOUND_LAUNCH`` (``1``: on; unset,
+``0`` or anything but 1/true/yes/on: off). Off by default until a GPU run shows the bound path bitwise equal to the
+JIT's and faster (``tests/test_bound_launch.py``; ``gradops bench overhead``'s ``bound``
+records). On a CPU it takes 36 to 43 % off the Python of a launch (docs/backends.md, "Kernel
+launches"; ``benchmarks/launch_cost.py``).
 """
 from __future__ import annotations
 
@@ -71,11 +72,12 @@ from itertools import repeat
 from typing import Dict, Optional
 
 import triton
+import triton.language as tl
 
 from .._versions import release
 
 ENV = "GRADOPS_BOUND_LAUNCH"
-ENABLED: bool = os.environ.get(ENV, "0") not in ("", "0")
+ENABLED: bool = os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 # (major, minor) of the Triton releases whose internals this module was written against.
 TRITON_READ = ((3, 6), (3, 9))
@@ -101,7 +103,7 @@ except ImportError:  # another layout of Triton than the versions read: the JIT 
 # its _Launches where its launches are bound, else None.
 DECLARED: Dict[object, "Optional[_Launches]"] = {}
 
-# Types of keyword values for which equal value and type mean equal str() (the JIT's key)
+# Types of keyword values whose equal value and type mean equal str() (the JIT's key), with tl.dtype
 _KEYED = frozenset((bool, int, str, type(None)))
 _MISSING = object()
 
@@ -122,7 +124,7 @@ def bind_launches(kernel):
 def describe() -> str:
     """One line for ``gradops info``: the switch and, when on, whether this Triton is gated in."""
     if not ENABLED:
-        return f"bound launches off (the JIT's path every launch; {ENV}=1 turns them on)"
+        return f"bound launches off (every launch through JITFunction.run; {ENV}=1 turns them on)"
     if not VERSION_OK:
         return (f"bound launches asked for ({ENV}) but off: written against triton "
                 f"{', '.join('%d.%d' % v for v in TRITON_READ)}, this is {triton.__version__}")
@@ -164,7 +166,7 @@ def _tail(params, nargs: int, kwargs: dict) -> Optional[tuple]:
     defaults), or None where the call's shape does not let its key stand for the JIT's."""
     if nargs > len(params) or any(p.is_constexpr for p in params[:nargs]):
         return None
-    if any(type(value) not in _KEYED and not isinstance(value, triton.language.dtype) for value in kwargs.values()):
+    if any(type(value) not in _KEYED and not isinstance(value, tl.dtype) for value in kwargs.values()):
         return None
     tail = []
     for p in params[nargs:]:
