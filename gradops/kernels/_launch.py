@@ -62,7 +62,7 @@ Triton's own.
 The switch: :data:`ENABLED`, read per launch, from ``GRADOPS_BOUND_LAUNCH`` (``1``: on; unset,
 ``0`` or anything but 1/true/yes/on: off). Off by default until a GPU run shows the bound path bitwise equal to the
 JIT's and faster (``tests/test_bound_launch.py``; ``gradops bench overhead``'s ``bound``
-records). On a CPU it takes 36 to 43 % off the Python of a launch (docs/backends.md, "Kernel
+records). On a CPU it takes 35 to 56 % off the Python of a launch (docs/backends.md, "Kernel
 launches"; ``benchmarks/launch_cost.py``).
 """
 from __future__ import annotations
