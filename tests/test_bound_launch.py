@@ -394,7 +394,8 @@ def test_every_kernel_gradops_launches_binds_its_launches():
             if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
                 host_uses.add(node.value.id)
             if isinstance(node, ast.Call):
-                host_uses.update(a.id for a in [*node.args, *(k.value for k in node.keywords)] if isinstance(a, ast.Name))
+                passed = [*node.args, *(k.value for k in node.keywords)]
+                host_uses.update(a.id for a in passed if isinstance(a, ast.Name))
     launched = {key: decorators for key, decorators in jit_defs.items() if key[1] in host_uses}
     assert len(launched) >= 20, launched  # (the rule still finds the kernels)
     unbound = [key for key, decorators in launched.items() if decorators[0] != "bind_launches"]
