@@ -59,11 +59,11 @@ The kernel stays a plain ``JITFunction`` (what torch's ``wrap_triton`` and Induc
 ``record_launches``) gets every launch: a launch is bound only while ``JITFunction.run`` is
 Triton's own.
 
-The switch: :data:`ENABLED`, read per launch, from ``GRADOPS_BOUND_LAUNCH`` (``1``: on; unset,
-``0`` or anything but 1/true/yes/on: off). Off by default until a GPU run shows the bound path bitwise equal to the
-JIT's and faster (``tests/test_bound_launch.py``; ``gradops bench overhead``'s ``bound``
-records). On a CPU it takes 35 to 56 % off the Python of a launch (docs/backends.md, "Kernel
-launches"; ``benchmarks/launch_cost.py``).
+The switch: :data:`ENABLED`, read per launch, set at import from ``GRADOPS_BOUND_LAUNCH``
+(1, true, yes or on: on; unset or anything else: off). Off by default until a GPU run shows
+the bound path bitwise equal to the JIT's and faster (``tests/test_bound_launch.py``;
+``gradops bench overhead``'s ``bound`` records). On a CPU it takes 35 to 56 % off the Python
+of a launch (docs/backends.md, "Kernel launches"; ``benchmarks/launch_cost.py``).
 """
 from __future__ import annotations
 
