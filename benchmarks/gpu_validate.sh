@@ -25,8 +25,9 @@ OUT=${OUT:-$PWD/gpu-out}
 CALL_SECONDS=${CALL_SECONDS:-480}
 TESTS_SECONDS=${TESTS_SECONDS:-240}  # the tests' share of an `all` call
 # `all`'s tests: every case of the Triton backend, and the kernel, compile, CUDA-graph and
-# host-sync tests, the Floyd memory strategies' own, the launch budgets, the HuggingFace patching,
-# the exact-zero and non-finite checks of docs/gpu.md and the kernels' float64 scalars (a pytest
+# host-sync tests (bound launches' among them: test_bound_launch.py's cuda test), the Floyd memory
+# strategies' own, the launch budgets, the HuggingFace patching, the exact-zero and non-finite
+# checks of docs/gpu.md and the kernels' float64 scalars (a pytest
 # -k expression over the test ids); `tests` runs the whole suite.
 GPU_TESTS=${GPU_TESTS:-"triton or kernels or compile or cuda or host_sync or hybrid or chunked or roofline
 or launch_budget or patch_hf or single_pivot or one_hot or non_finite or double_benchmark or width_one
@@ -34,7 +35,7 @@ or constant_rows or scalar_args"}
 # `all` runs these files first (pytest keeps the order of the paths it is given; xdist hands the
 # tests out in it), so that a run cut at TESTS_SECONDS loses the least: what never ran on a GPU,
 # then the rest in name order
-GPU_FIRST="test_floyd_hybrid.py test_floyd_memory_strategies.py test_floyd_attention.py test_floydnet_real.py
+GPU_FIRST="test_bound_launch.py test_floyd_hybrid.py test_floyd_memory_strategies.py test_floyd_attention.py test_floydnet_real.py
 test_floyd_chunked.py test_triton_ops.py test_compile.py test_launch_budget.py test_no_host_sync.py test_patch_hf.py
 test_kernels_norm.py test_layer_norm.py test_precision.py test_nsa_compress.py test_kernels_floyd.py
 test_kernels_nsa.py test_floyd_roofline.py test_pivotal.py test_bench_cuda.py"

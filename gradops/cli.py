@@ -86,6 +86,9 @@ def cmd_info(args) -> int:
 
             if _interpreter.APPLIED:
                 print(f"  Triton interpreter: {_interpreter.APPLIED}")
+        from .kernels import _launch
+
+        print(f"  compiled kernels' launches: {_launch.describe()}")
     else:
         print(f"triton not installed ({selftest.TRITON_INSTALL_HINT})")
     print(f"tested: torch {_versions.tested_range('torch')}, triton {_versions.tested_range('triton')} "

@@ -12,6 +12,11 @@ launch of every Triton kernel (compiled or interpreted) with a recorder that ret
 once, so what is timed is gradops' Python around the launches: argument checks, configs,
 allocations, views, autograd. The floor stubs its launches the same way, so the ratio
 ours / floor is the Python gradops adds per launch budget (goal: within 2x).
+
+On a GPU each of our entry points is also timed on the other launch path (``bound``, or
+``jit`` when ``GRADOPS_BOUND_LAUNCH`` is on): the same calls with ``gradops.kernels._launch``'s
+switch flipped, so that one run says what bound launches save (docs/backends.md, "Kernel
+launches"); its record counts the launches one call made through the bound path.
 """
 from __future__ import annotations
 
@@ -311,6 +316,9 @@ def floyd_entry_points(device: str) -> Dict[str, tuple]:
             else:
                 impls["floydnet"] = _fwd_bwd(lambda inputs=inputs, mask=mask: floydnet.pivotal_attention(
                     *inputs, attn_mask=mask), inputs, dy)
+        other = other_launch_path(device)
+        if other is not None:
+            impls[other[0]] = _launching(impls[OURS], other[1])
         case = dict(B=b, H=h, L=grid, D=d, dtype="bfloat16", mask="pair")
         found[FLOYD_OPS[FLOYD_GRIDS.index(grid)]] = (case, impls)
     return found
@@ -335,7 +343,41 @@ def cases(args) -> List[tuple]:
 
 
 def impl_names(args) -> List[str]:
-    return [OURS, "torch", "floor"]
+    other = other_launch_path(args.device)
+    return [OURS, "torch", "floor"] + ([other[0]] if other else [])
+
+
+def other_launch_path(device: str):
+    """(record name, switch value) of the launch path our calls do not take, timed beside them
+    on a GPU (on a CPU the launches are stubbed: there is no launch to compare); None where
+    there is none (a CPU, or a Triton that bound launches are not written for)."""
+    from ..kernels import _launch
+
+    if device != "cuda" or not _launch.VERSION_OK:
+        return None
+    return ("jit", False) if _launch.ENABLED else ("bound", True)
+
+
+def _launching(call: Callable[[], object], bound: bool) -> Callable[[], object]:
+    """``call`` with bound launches switched to ``bound`` while it runs."""
+    from ..kernels import _launch
+
+    def switched():
+        was, _launch.ENABLED = _launch.ENABLED, bound
+        try:
+            return call()
+        finally:
+            _launch.ENABLED = was
+    return switched
+
+
+def bound_launches_of(call: Callable[[], object]) -> int:
+    """How many of the launches one call of ``call`` made went through the bound path."""
+    from ..kernels import _launch
+
+    before = sum(_launch.bound_launch_counts().values())
+    call()
+    return sum(_launch.bound_launch_counts().values()) - before
 
 
 def optional_peers(device: str) -> Dict[str, str]:
@@ -383,7 +425,7 @@ def entry_points(device: str, dtype: torch.dtype):
     with stubbed_launches():  # its shape and dtype
         nsa_dy = torch.ones_like(GF.nsa_compress(xs, nsa_w, 32, 16, ends))
 
-    return {
+    timed = {
         "F.rms_norm fwd+bwd": {
             OURS: _fwd_bwd(lambda: GF.rms_norm(x, (n,), w, 1e-6), (x, w), dy),
             "torch": _fwd_bwd(lambda: F.rms_norm(x, (n,), w, 1e-6), (x, w), dy),
@@ -418,6 +460,12 @@ def entry_points(device: str, dtype: torch.dtype):
         "F.nsa_compress fwd+bwd": {
             OURS: _fwd_bwd(lambda: GF.nsa_compress(xs, nsa_w, 32, 16, ends), (xs, nsa_w), nsa_dy)},
     }
+    other = other_launch_path(device)
+    if other is not None:
+        name, bound = other
+        for impls in timed.values():
+            impls[name] = _launching(impls[OURS], bound)
+    return timed
 
 
 def _timed_calls(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
@@ -457,6 +505,7 @@ def run(args) -> Run:
     result.meta["backend_ours"] = "triton, launches stubbed (Python only)" if on_cpu else "triton"
     result.meta["shape"] = list(SHAPE)
     result.meta["calls_per_rep"] = CALLS_PER_REP
+    other = other_launch_path(args.device)
     with gradops.use_backend("triton"):
         calls = [(op, {"M": SHAPE[0], "N": SHAPE[1], "dtype": dtype_name}, impls)
                  for dtype_name in args.dtypes
@@ -482,8 +531,10 @@ def run(args) -> Run:
                 if name in failed:
                     result.add(Record(op, case, name, [], error=failed[name]))
                 else:
-                    launches = kernels_launched(impls[name])
-                    result.add(Record(op, case, name, times[name], extra={"launches": launches}))
+                    extra = {"launches": kernels_launched(impls[name])}
+                    if other is not None and name == other[0]:
+                        extra["bound_launches"] = bound_launches_of(impls[name])
+                    result.add(Record(op, case, name, times[name], extra=extra))
     return result
 
 
@@ -516,6 +567,8 @@ def main(argv=None) -> int:
         launches = row["extra"].get("launches")
         if launches is not None and row["impl"] == OURS:
             print(f"launches per call, {row['op']}: {len(launches)} ({', '.join(launches)})")
+        if "bound_launches" in row["extra"]:
+            print(f"bound launches per call, {row['op']} ({row['impl']}): {row['extra']['bound_launches']}")
     return result.exit_status()
 
 

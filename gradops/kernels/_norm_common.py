@@ -10,6 +10,7 @@ import triton.language as tl
 
 from ..ops._checks import stat_dtype
 from . import norm_config
+from ._launch import bind_launches
 from ._traceable import traced, tracing_launches
 
 
@@ -103,6 +104,7 @@ def div_rn(a, b, ACC: tl.constexpr):
         return a / b
 
 
+@bind_launches
 @triton.jit
 def _sum_rows_kernel(P, OUT_A, OUT_B, R, N, N_A, stride_p,
                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):

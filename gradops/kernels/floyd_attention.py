@@ -64,6 +64,7 @@ import triton.language as tl
 from . import floyd_chunked, floyd_hybrid
 from ._floyd_common import (_ACC, _NEG_FLT_MAX, _TL, FLT_MAX, SCALE_ARGS, _mask_arg, _scale_bits, _unpack_scale,
                             dot_constexprs)
+from ._launch import bind_launches
 from .floyd_config import FUSED_MAX_HEAD_DIM, floyd_config, forced_strategy, total_memory
 from .floyd_config import settings as config_settings
 from .floyd_strategy import launch_seconds, strategy
@@ -162,6 +163,7 @@ def _program_tile(pid, tiles_a, tiles_b, GROUP: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
+@bind_launches
 @triton.jit(do_not_specialize=SCALE_ARGS)
 def _fwd_kernel(
     q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, out_ptr, max_ptr, sum_ptr,
@@ -284,6 +286,7 @@ def _dq_pivot_tile(k0, q, q_by_m, dy, dy_by_m, mx, inv_sum, scale, n_idx, m_idx,
     return k1_t, k2_t, user | ~live, p, dp
 
 
+@bind_launches
 @triton.jit(do_not_specialize=SCALE_ARGS)
 def _bwd_dq_kernel(
     q_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, mask_ptr, dy_ptr, max_ptr, sum_ptr,
@@ -356,6 +359,7 @@ def _bwd_dq_kernel(
     _store3(dq_ptr + b * sdq_b + h * sdq_h, dq, n_idx, m_idx, d_idx, sdq_n, sdq_m, sdq_d, N, M, D)
 
 
+@bind_launches
 @triton.jit(do_not_specialize=SCALE_ARGS)
 def _bwd_dkv_kernel(
     q_ptr, dy_ptr, own_k_ptr, own_v_ptr, other_k_ptr, other_v_ptr, mask_ptr, max_ptr, sum_ptr,
@@ -573,16 +577,17 @@ class Launches:
         self._layouts = tuple(_layout(t) for t in (q, k1, v1, k2, v2))
         self._mask = None if mask is None else _layout(mask)
         self._dtype, self._device, self._scale = q.dtype, q.device, scale
-        self._settings = self._run = None
+        self._runs = {}  # settings -> the launches made under them (a benchmark switches back and forth)
 
     def current(self):
         """The launches of this signature under today's settings: an object with ``forward`` and
         ``backward`` as this one's (a caller that keeps it runs a forward's backward with the
         forward's launches whatever settings change in between)."""
         settings = (config_settings(), launch_seconds())
-        if settings != self._settings:
-            self._run, self._settings = self._make(), settings
-        return self._run
+        run = self._runs.get(settings)
+        if run is None:
+            run = self._runs[settings] = self._make()
+        return run
 
     def _make(self):
         (b, h, n, m, d), (_, _, _, k, _) = self._layouts[0][0], self._layouts[1][0]

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from ._floyd_common import _NEG_FLT_MAX, SCALE_ARGS, _mask_arg, _scale_bits, _unpack_scale, tile_max
 from ._floyd_memory import Backward, chunks, flat, forward_outputs
+from ._launch import bind_launches
 from .floyd_gemm import Product, by_m as _by_m, gemm
 from .floyd_config import chunk_budget, chunk_plan, pair_bytes, row_config, small_grid, total_memory
 
@@ -102,6 +103,7 @@ def _store(ptr, x, r, k_idx, inside, K):
     tl.store(ptr + r[:, None] * K + k_idx[None, :], x.to(ptr.dtype.element_ty), mask=inside)
 
 
+@bind_launches
 @triton.jit(do_not_specialize=NOT_SPECIALISED["_softmax_rows"])
 def _softmax_rows(
     s_ptr, mask_ptr, p_ptr, max_ptr, sum_ptr, smk_b, smk_n, smk_k, sst_g, sst_n, sst_m,
@@ -162,6 +164,7 @@ def _store_grads(p_ptr, ds_ptr, p, dp, dr, user, r, k_idx, inside, K, scale, HAS
     _store(ds_ptr, ds, r, k_idx, inside, K)
 
 
+@bind_launches
 @triton.jit(do_not_specialize=NOT_SPECIALISED["_grad_rows"])
 def _grad_rows(
     s_ptr, dp_ptr, mask_ptr, max_ptr, sum_ptr, p_ptr, ds_ptr, smk_b, smk_n, smk_k, sst_g, sst_n, sst_m,

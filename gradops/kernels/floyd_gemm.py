@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ._floyd_common import dot_constexprs
+from ._launch import bind_launches
 from .floyd_config import gemm_config
 
 
@@ -112,6 +113,7 @@ def _gemm_tile(
     _store_result(out_ptr, lo_ptr, offs, acc, inside, HALF_BITS)
 
 
+@bind_launches
 @triton.jit
 def _gemm_kernel(
     B1,

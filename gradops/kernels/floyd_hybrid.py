@@ -58,6 +58,7 @@ import triton.language as tl
 
 from ._floyd_common import _NEG_FLT_MAX, SCALE_ARGS, _mask_arg, _scale_bits, _unpack_scale, dot_constexprs, tile_max
 from ._floyd_memory import Backward, chunks, flat, forward_outputs
+from ._launch import bind_launches
 from .floyd_config import (chunk_budget, half_bits, hybrid_config, hybrid_pair_bytes, plan_rows, small_grid,
                            total_memory)
 from .floyd_gemm import Product, by_m, gemm, load_half
@@ -178,6 +179,7 @@ def _over_half(ptr, x, m_loc, k_idx, inside, K, P_SPREAD: tl.constexpr):
     tl.store(ptr + m_loc[:, None] * (K * P_SPREAD) + k_idx[None, :], x, mask=inside)
 
 
+@bind_launches
 @triton.jit(do_not_specialize=NOT_SPECIALISED)
 def _rows_forward(
     q_ptr, k1_ptr, v1_ptr, s2_hi, s2_lo, p_ptr, mask_ptr, max_ptr, sum_ptr, y1_ptr,
@@ -252,6 +254,7 @@ def _probs_and_dp(k0, q, dy, k1_base, v1_base, sk2, sk3, sv2, sv3, s2_hi, s2_lo,
     return p, dp, user, inside, k_idx, k1
 
 
+@bind_launches
 @triton.jit(do_not_specialize=NOT_SPECIALISED)
 def _rows_backward(
     q_ptr, dy_ptr, k1_ptr, v1_ptr, s2_hi, s2_lo, dp2_hi, dp2_lo, p_ptr, ds_ptr, mask_ptr, max_ptr, sum_ptr,

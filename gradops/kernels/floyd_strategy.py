@@ -15,13 +15,15 @@ from dataclasses import replace
 
 import torch
 
+from . import _launch
 from . import floyd_config as config
 from . import floyd_roofline as roofline
 
 
 def launch_seconds() -> float:
-    """The host cost of a launch the rule weighs: the bound launcher's where it is on."""
-    return roofline.LAUNCH_SECONDS
+    """The host cost of a launch the rule weighs: the bound launcher's where it is on
+    (``_launch.ENABLED`` on a Triton it was written for)."""
+    return roofline.BOUND_LAUNCH_SECONDS if _launch.ENABLED and _launch.VERSION_OK else roofline.LAUNCH_SECONDS
 
 
 def strategy(b: int, h: int, n: int, m: int, k: int, d: int, element_size: int, memory: int = roofline.H100.memory

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ..ops._checks import stat_dtype
 from . import norm_config
+from ._launch import bind_launches
 from ._norm_common import (
     as_rows,
     div_rn,
@@ -43,6 +44,7 @@ from ._traceable import launcher
 
 
 # --------------------------------------------------------------------------- forward
+@bind_launches
 @triton.jit(do_not_specialize=word_args("eps"))
 def _ln_fwd_fused_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low,
                          tiles_per_program, num_programs,
@@ -87,6 +89,7 @@ def _ln_fwd_fused_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r,
         tl.store(Rstd + rows, rstd.to(Rstd.dtype.element_ty), mask=rmask)
 
 
+@bind_launches
 @triton.jit(do_not_specialize=word_args("eps"))
 def _ln_fwd_wide_kernel(X, R, H, Y, W, B, Mean, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low,
                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, ACC: tl.constexpr,
@@ -186,6 +189,7 @@ def layer_norm(x, weight, bias, eps, residual=None, h_out=None):
 
 
 # -------------------------------------------------------------------------- backward
+@bind_launches
 @triton.jit
 def _ln_bwd_fused_kernel(DY, X, W, Mean, Rstd, DRES, DX, DW_P, DB_P,
                          M, N, stride_dy, stride_x, stride_dres, stride_dx, stride_p, tiles_per_program,
@@ -240,6 +244,7 @@ def _ln_bwd_fused_kernel(DY, X, W, Mean, Rstd, DRES, DX, DW_P, DB_P,
         tl.store(DB_P + pid.to(tl.int64) * stride_p + cols, acc_db, mask=cmask)
 
 
+@bind_launches
 @triton.jit
 def _ln_bwd_row_sums_kernel(DY, X, W, Mean, Rstd, C1, C2, N, stride_dy, stride_x, segment_blocks, num_segments,
                             HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -269,6 +274,7 @@ def _ln_bwd_row_sums_kernel(DY, X, W, Mean, Rstd, C1, C2, N, stride_dy, stride_x
     tl.store(C2 + row * num_segments + seg, tl.sum(s2, axis=0))
 
 
+@bind_launches
 @triton.jit
 def _ln_bwd_cols_kernel(DY, X, W, Mean, Rstd, C1, C2, DRES, DX, DW, DB,
                         M, N, stride_dy, stride_x, stride_dres, stride_dx, row_tiles, num_segments,
@@ -410,6 +416,7 @@ def _ascendc_row_factors(var, s_x1x2, s_x1, s_x2, eps, H, ACC: tl.constexpr):
     return r, pd_var, pd_mean, inv_h
 
 
+@bind_launches
 @triton.jit(do_not_specialize=word_args("eps"))
 def _ln_grad_fused_kernel(DY, X, Var, Mean, Gamma, PDX, RES, M, H,
                           stride_dy, stride_x, stride_pdx, stride_res, eps_high, eps_low,
@@ -441,6 +448,7 @@ def _ln_grad_fused_kernel(DY, X, Var, Mean, Gamma, PDX, RES, M, H,
         tl.store(x_ptr, x2.to(X.dtype.element_ty), mask=mask)
 
 
+@bind_launches
 @triton.jit
 def _ln_grad_row_sums_kernel(DY, X, Mean, Gamma, S, H, stride_dy, stride_x,
                              ACC: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
@@ -466,6 +474,7 @@ def _ln_grad_row_sums_kernel(DY, X, Mean, Gamma, S, H, stride_dy, stride_x,
     tl.store(S + row * 3 + 2, tl.sum(s2, axis=0))
 
 
+@bind_launches
 @triton.jit(do_not_specialize=word_args("eps"))
 def _ln_grad_cols_kernel(DY, X, Var, Mean, Gamma, S, PDX, RES, M, H,
                          stride_dy, stride_x, stride_pdx, stride_res, eps_high, eps_low,
@@ -544,6 +553,7 @@ def layer_norm_grad(dy, x, variance, mean, gamma, eps, reuse_source):
     return pd_x, res
 
 
+@bind_launches
 @triton.jit
 def _ln_grad_beta_kernel(RES, DY, PG_P, PB_P, M, N, stride_res, stride_dy, stride_p,
                          tiles_per_group, num_row_groups,

@@ -36,6 +36,7 @@ import triton.language as tl
 from ..errors import ACLNN_ERR_INNER, AclnnError
 from ..reference.nsa_compress import packing_tables
 from . import nsa_config
+from ._launch import bind_launches
 from .nsa_config import BackwardConfig, ForwardConfig, cdiv, next_pow2
 
 _TL_ACC = {torch.float64: tl.float64}
@@ -59,6 +60,7 @@ def _last_le(table_ptr, value, lo, hi, steps):
     return lo
 
 
+@bind_launches
 @triton.jit
 def _nsa_compress_fwd_kernel(
     x_ptr, w_ptr, out_ptr, cu_seqlens_ptr, cu_blocks_ptr,
@@ -101,6 +103,7 @@ def _nsa_compress_fwd_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@bind_launches
 @triton.jit
 def _nsa_compress_bwd_kernel(
     dout_ptr, x_ptr, w_ptr, dx_ptr, part_ptr,
@@ -235,6 +238,7 @@ def _nsa_compress_bwd_kernel(
                  mask=part_ok[:, :, None] & h_ok[None, None, :])
 
 
+@bind_launches
 @triton.jit
 def _sum_rows_kernel(part_ptr, out_ptr, num_rows, width,
                      BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr, ACC: tl.constexpr):

@@ -21,12 +21,14 @@ import triton.language as tl
 
 from ..ops._checks import stat_dtype
 from . import norm_config
+from ._launch import bind_launches
 from ._norm_common import as_rows, dx_target, fused_launch, load_input, row_stride, sum_partial_rows, tl_acc, vector
 from ._scalar_args import float64_bits, unpack_float64, word_args
 from ._traceable import launcher
 
 
 # --------------------------------------------------------------------------- forward
+@bind_launches
 @triton.jit(do_not_specialize=word_args("eps", "offset"))
 def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low,
                           offset_high, offset_low, tiles_per_program, num_programs,
@@ -61,6 +63,7 @@ def _rms_fwd_fused_kernel(X, R, H, Y, W, Rstd, M, N, stride_x, stride_r, stride_
         tl.store(Rstd + rows, rstd.to(Rstd.dtype.element_ty), mask=rmask)
 
 
+@bind_launches
 @triton.jit(do_not_specialize=word_args("eps", "offset"))
 def _rms_fwd_wide_kernel(X, R, H, Y, W, Rstd, N, stride_x, stride_r, stride_h, stride_y, eps_high, eps_low,
                          offset_high, offset_low,
@@ -126,6 +129,7 @@ def rms_norm(x, gamma, eps, offset=0.0, round_xhat=False, residual=None, h_out=N
 
 
 # -------------------------------------------------------------------------- backward
+@bind_launches
 @triton.jit(do_not_specialize=word_args("offset"))
 def _rms_bwd_fused_kernel(DY, X, W, Rstd, DRES, DX, DW_P, M, N,
                           stride_dy, stride_x, stride_dres, stride_dx, stride_p, offset_high, offset_low,
@@ -168,6 +172,7 @@ def _rms_bwd_fused_kernel(DY, X, W, Rstd, DRES, DX, DW_P, M, N,
     tl.store(DW_P + pid.to(tl.int64) * stride_p + cols, acc_dw, mask=cmask)
 
 
+@bind_launches
 @triton.jit(do_not_specialize=word_args("offset"))
 def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset_high, offset_low, segment_blocks, num_segments,
                              HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -190,6 +195,7 @@ def _rms_bwd_row_sums_kernel(DY, X, W, C, N, stride_dy, stride_x, offset_high, o
     tl.store(C + row * num_segments + seg, tl.sum(s, axis=0))
 
 
+@bind_launches
 @triton.jit(do_not_specialize=word_args("offset"))
 def _rms_bwd_cols_kernel(DY, X, W, Rstd, C, DRES, DX, DW, M, N,
                          stride_dy, stride_x, stride_dres, stride_dx, offset_high, offset_low, row_tiles, num_segments,
