@@ -163,7 +163,7 @@ def test_io_bytes_and_the_memory_bound_ratio(monkeypatch):
     # the default budget: the chunked strategy's on this machine (a forced one where set)
     this_machine = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_this = floyd_config.chunk_budget(floyd_config.total_memory(this_machine),
-                                        floyd_config.pair_bytes(4, 8, 2) * 2 * 3)
+                                        floyd_config.pair_bytes(4, 8, 2) * 2 * 3, True)  # (a small grid)
     assert floyd.memory_bound("floyd_bwd", shape, 2) == (inputs, inputs + outputs + on_this)
     monkeypatch.setattr(floyd_config, "CHUNK_BUDGET_BYTES", 2 ** 31)
     assert floyd.memory_bound("floyd_bwd", shape, 2) == (inputs, inputs + outputs + 2 ** 31)

@@ -402,16 +402,19 @@ def test_chunk_budget_follows_the_device_and_the_problem(monkeypatch):
     h100 = 81559 << 20
     bh, n, k, d = 8, 512, 512, 128
     problem = bh * n * n * config.pair_bytes(k, d, 2)
-    assert config.chunk_budget(h100, problem) == h100 // config.CHUNK_MEMORY_DIVISOR < problem // 3
-    assert config.chunk_budget(h100, 3 * 10 ** 9) == 10 ** 9  # the problem's third, under the device's share
-    assert config.chunk_budget(10 ** 6, problem) == config.chunk_budget(h100, 10) == config.MIN_CHUNK_BUDGET_BYTES
-    plan = config.chunk_plan(bh, n, n, k, 2, config.chunk_budget(h100, problem), head_dim=d)
+    assert config.chunk_budget(h100, problem, False) == h100 // config.CHUNK_MEMORY_DIVISOR < problem // 3
+    assert config.chunk_budget(h100, 3 * 10 ** 9, False) == 10 ** 9  # the problem's third, under the device's share
+    assert config.chunk_budget(h100, 3 * 10 ** 8, True) == 3 * 10 ** 8  # a small grid's problem is not divided
+    assert config.chunk_budget(h100, 3 * 10 ** 9, True) == h100 // config.CHUNK_MEMORY_DIVISOR  # (the share still)
+    assert (config.chunk_budget(10 ** 6, problem, False) == config.chunk_budget(h100, 10, False)
+            == config.MIN_CHUNK_BUDGET_BYTES)
+    plan = config.chunk_plan(bh, n, n, k, 2, config.chunk_budget(h100, problem, False), head_dim=d)
     assert plan == config.ChunkPlan(1, 384, 512) and plan.count(bh, n, n) == 16
     workspace = plan.block_n * n * config.pair_bytes(k, d, 2) + 2 * k * n * d * 4  # + the float32 dK2/dV2 sums
     outputs = 6 * bh * n * n * d * 2  # Y and the five gradients
     assert workspace + outputs < 4.5 * 2 ** 30
     monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", 12345)
-    assert config.chunk_budget(h100, problem) == 12345
+    assert config.chunk_budget(h100, problem, False) == config.chunk_budget(h100, problem, True) == 12345
     cpu = torch.device("cpu")
     assert config.total_memory(cpu) > 2 ** 28
     # a call's plan reads the total, not the free memory: the same plan whatever is allocated

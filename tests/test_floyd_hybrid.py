@@ -362,7 +362,7 @@ def test_h100_plan_at_the_headline_shape(monkeypatch):
     h100 = 81559 << 20
     bh, n, k, d = 8, 512, 512, 128
     pair = config.hybrid_pair_bytes(k, d, torch.bfloat16)
-    plan = config.plan_rows(bh, n, n, pair, config.chunk_budget(h100, bh * n * n * pair))
+    plan = config.plan_rows(bh, n, n, pair, config.chunk_budget(h100, bh * n * n * pair, False))
     assert plan == config.ChunkPlan(1, n, n) and plan.count(bh, n, n) == 8
     assert 7 * plan.count(bh, n, n) <= 64
     tensor = bh * n * n * d * 2  # every input, Y and each gradient: 0.5 GiB

@@ -207,13 +207,14 @@ def test_half_inputs_compute_in_float32(backend, dtype, tol):
 @pytest.mark.parametrize("family", ["layer_norm", "rms_norm", "nsa_compress", "floyd_attention"])
 def test_backward_is_the_library_operator(backend, family, monkeypatch):
     """Autograd reaches gradops' backward operator (prepare_*_grad/_backward; for the norms the
-    backend's computation, which both their prepare and the eager path run), once per backward."""
+    backend's computation, which both their prepare and the eager path run; for Floyd attention,
+    whose eager call this is, the planned backward of ops.floyd_attention), once per backward."""
     calls = []
     backend_module = importlib.import_module(f"gradops.{'kernels' if backend == 'triton' else 'reference'}.{family}")
     module, name = {"layer_norm": (backend_module, "layer_norm_backward"),
                     "rms_norm": (backend_module, "rms_norm_grad"),
                     "nsa_compress": (nsa_ops, "prepare_nsa_compress_grad"),
-                    "floyd_attention": (floyd_ops, "prepare_floyd_attention_grad")}[family]
+                    "floyd_attention": (floyd_ops, "run_planned_floyd_attention_grad")}[family]
     real = getattr(module, name)
 
     def spy(*args, **kwargs):
