@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from . import floyd_chunked, floyd_hybrid
-from ._floyd_common import (_ACC, _NEG_FLT_MAX, _TL, FLT_MAX, SCALE_ARGS, _mask_arg, _scale_bits, _unpack_scale,
+from ._floyd_common import (_ACC, _NEG_FLT_MAX, _TL, FLT_MAX, SCALE_ARGS, _scale_bits, _unpack_scale,
                             dot_constexprs)
 from ._launch import bind_launches
 from .floyd_config import FUSED_MAX_HEAD_DIM, floyd_config, forced_strategy, total_memory
