@@ -583,7 +583,8 @@ def compile_check(dtype: torch.dtype, head_dim: int, arch: int = 90) -> List[dic
                 sig[arg] = "i32"
                 continue
             if arg.endswith("_ptr"):
-                sig[arg] = "*u8" if arg == "mask_ptr" else acc if arg in ("max_ptr", "sum_ptr", "dr_ptr") else ptr
+                # the mask: the bool tensor itself (floyd_attention._Fused), as the JIT types it
+                sig[arg] = "*i1" if arg == "mask_ptr" else acc if arg in ("max_ptr", "sum_ptr", "dr_ptr") else ptr
             else:
                 sig[arg] = "i32"
             attrs[(idx,)] = [["tt.divisibility", 16]]

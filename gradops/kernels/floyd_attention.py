@@ -655,7 +655,7 @@ class _Fused:
         self._dims = (B, H, N, M, K, D)
         self._shapes = dict(q=(B, H, N, M, D), k1=(B, H, N, K, D), k2=(B, H, K, M, D), stat=(B, H, N, M))
         self._has_mask = mask is not None
-        # the mask is read as bytes (_mask_arg), strides (b, n, k) of its [B, 1, N, 1, K]
+        # the mask's strides (b, n, k) of its [B, 1, N, 1, K]
         self._mask_strides = (mask[1][0], mask[1][2], mask[1][4]) if mask is not None else (0, 0, 0)
         out, stat = _contiguous(self._shapes["q"]), _contiguous(self._shapes["stat"])
         cfg = floyd_config("fwd", D, dtype.itemsize)
@@ -668,8 +668,9 @@ class _Fused:
 
     @staticmethod
     def _mask_pointer(mask, like):
-        """The mask's bytes as the kernels read them (``_mask_arg``'s tensor: its strides are planned)."""
-        return like if mask is None else mask.view(torch.uint8)
+        """The mask as the kernels take it: the bool tensor itself (Triton loads a bool pointer's
+        bytes: its int1 loads are int8 loads), any tensor where there is none (never read)."""
+        return like if mask is None else mask
 
     def forward(self, q, k1, v1, k2, v2, mask):
         dev = self._device

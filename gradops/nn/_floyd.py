@@ -107,7 +107,9 @@ class _FloydFunction(torch.autograd.Function):
             with autocast_off(q):
                 grads = _floyd_ops.run_planned_floyd_attention_grad(ctx.launches, dy, q, k1, v1, k2, v2, smax, ssum,
                                                                     mask)
-        return tuple(g if need else None for g, need in zip(grads, needs)) + (None, None)
+        dq, dk1, dv1, dk2, dv2 = grads
+        return (dq if needs[0] else None, dk1 if needs[1] else None, dv1 if needs[2] else None,
+                dk2 if needs[3] else None, dv2 if needs[4] else None, None, None)
 
 
 def autocast_inputs(tensors):

@@ -22,6 +22,9 @@ import torch
 
 from .. import _backend
 
+_is_compiling = torch.compiler.is_compiling
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
+
 MAX_PLANS = 4096  # a model has a handful of norm signatures; this only bounds a pathological caller
 _plans: dict = {}
 
@@ -36,23 +39,25 @@ def signature(op: str, backend, tensors: Sequence[Optional[torch.Tensor]], attrs
     ``placement``: the checks choose the backend module, so the key holds the default backend
     and whether the Triton interpreter is on (False: checks that only resolve ``backend``,
     which the caller passes resolved)."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return None
-    key = [op, backend]
-    if placement:
-        key += (_backend.default_backend(), _backend.triton_interpreter_on())
+    key = [op, backend, _backend.default_backend(), _backend.triton_interpreter_on()] if placement else [op, backend]
+    append = key.append  # (a call's hot path: every norm and Floyd call computes its key)
     for t in tensors:
         if t is None:
-            key.append(None)
-        elif type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
-            key += (t.shape, t.stride(), t.dtype, t.device)
+            append(None)
+        elif type(t) is _TENSOR or type(t) is _PARAMETER:
+            append(t.shape)
+            append(t.stride())
+            append(t.dtype)
+            append(t.device)
         else:
             return None
     for a in attrs:
         part = _attr_key(a)
         if part is None:
             return None
-        key.append(part)
+        append(part)
     return tuple(key)
 
 
