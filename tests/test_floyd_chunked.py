@@ -311,12 +311,11 @@ def test_head_dim_past_256_runs_chunked_on_the_triton_backend(rule, dtype, devic
     check_against_oracle((out, mx, sm, grads), inputs, dy, mask, dtype)
 
 
-@pytest.mark.parametrize("forced,dtype,d", [("fused", torch.float16, 300), ("fused", torch.float32, 257),
-                                            ("chunked", torch.float64, 129), (None, torch.float64, 129)])
+@pytest.mark.parametrize("forced,dtype,d", [("chunked", torch.float64, 129), (None, torch.float64, 129)])
 def test_head_dim_past_the_fused_limit_is_refused_where_only_fused_runs(monkeypatch, forced, dtype, d, device):
-    """Where the fused kernels must run the call (forced, or float64, which is always fused)
-    a head dim past their limit is refused with ACLNN_ERR_PARAM_INVALID, naming the head dim;
-    "auto" falls back to the reference there."""
+    """Where the fused kernels must run the call (float64, which is always fused) a head dim
+    past their limit is refused with ACLNN_ERR_PARAM_INVALID, naming the head dim; "auto"
+    falls back to the reference there."""
     monkeypatch.setattr(config, "STRATEGY", forced)
     monkeypatch.delenv("GRADOPS_FLOYD_STRATEGY", raising=False)
     inputs, dy, _ = make_inputs(1, 1, 2, 3, 4, d, dtype, device)
@@ -330,6 +329,24 @@ def test_head_dim_past_the_fused_limit_is_refused_where_only_fused_runs(monkeypa
         return
     auto = gradops.floyd_attention(*inputs, None, 1.0, backend="auto")
     assert torch.equal(auto[0], out)
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.float16, 300), (torch.float32, 257)])
+def test_a_forced_fused_strategy_past_its_widest_head_runs_chunked(monkeypatch, dtype, d, device):
+    """A forced strategy runs every call it can take: past the fused kernels' widest head the
+    chunked strategy runs (as past the hybrid row kernels'), with no refusal that a call
+    signature planned before the strategy was forced would skip (ops/ remembers what the
+    kernels can take per signature)."""
+    monkeypatch.delenv("GRADOPS_FLOYD_STRATEGY", raising=False)
+    inputs, dy, mask = make_inputs(1, 1, 2, 3, 4, d, dtype, device)
+    planned = gradops.floyd_attention(*inputs, mask, SCALE, backend="triton")  # remembered, unforced
+    monkeypatch.setattr(config, "STRATEGY", "fused")
+    assert kernels.unsupported(inputs[0]) is None and floyd_strategy.strategy(1, 1, 2, 3, 4, d, dtype.itemsize) == \
+        "chunked"
+    out, mx, sm = gradops.floyd_attention(*inputs, mask, SCALE, backend="triton")
+    assert torch.equal(out, planned[0])
+    grads = gradops.floyd_attention_grad(dy, *inputs, out, mx, sm, mask, SCALE, backend="triton")
+    check_against_oracle((out, mx, sm, grads), inputs, dy, mask, dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -510,8 +510,12 @@ def run(args) -> Run:
         calls = [(op, {"M": SHAPE[0], "N": SHAPE[1], "dtype": dtype_name}, impls)
                  for dtype_name in args.dtypes
                  for op, impls in entry_points(args.device, harness.DTYPES[dtype_name]).items()]
-        with stubbed_launches() if on_cpu else contextlib.nullcontext():
-            calls += [(op, case, impls) for op, (case, impls) in floyd_entry_points(args.device).items()]
+        try:
+            with stubbed_launches() if on_cpu else contextlib.nullcontext():
+                calls += [(op, case, impls) for op, (case, impls) in floyd_entry_points(args.device).items()]
+        except Exception as e:  # the Floyd rows' failure is their record, not the run's end
+            for op in FLOYD_OPS:
+                result.add(Record(op, {}, OURS, [], error=f"{type(e).__name__}: {e}"[:300]))
         for op, case, impls in calls:
             if result.out_of_time():
                 for impl in impls:

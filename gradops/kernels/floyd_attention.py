@@ -65,9 +65,9 @@ from . import floyd_chunked, floyd_hybrid
 from ._floyd_common import (_ACC, _NEG_FLT_MAX, _TL, FLT_MAX, SCALE_ARGS, _scale_bits, _unpack_scale,
                             dot_constexprs)
 from ._launch import bind_launches
-from .floyd_config import FUSED_MAX_HEAD_DIM, floyd_config, forced_strategy, total_memory
+from .floyd_config import FUSED_MAX_HEAD_DIM, floyd_config, total_memory
 from .floyd_config import settings as config_settings
-from .floyd_strategy import launch_seconds, strategy
+from .floyd_strategy import strategy
 
 
 
@@ -507,16 +507,16 @@ def _triton_version() -> tuple:
 
 
 def unsupported(q) -> "str | None":
-    """Why the Triton backend cannot take a call on ``q`` (None when it can). The chunked
-    strategy takes any head dim; the fused kernels, which run every float64 call (and any
-    call while ``floyd_config`` forces "fused"), not past these: beyond them a program's
-    tiles exceed an H100's shared memory even at the smallest tile of floyd_config's table.
-    Triton before 3.9 fails to compile the float64 kernels for a GPU (its LLVM lowering of
-    the batched float64 dots; docs/kernels-floyd.md, Limits)."""
+    """Why the Triton backend cannot take a call on ``q`` (None when it can): a function of
+    the call alone, no setting (ops/ remembers its answer per call signature). The chunked
+    strategy takes any head dim (a forced "fused" past the fused kernels' widest runs it:
+    floyd_strategy); the fused kernels, which run every float64 call, not past these: beyond
+    them a program's tiles exceed an H100's shared memory even at the smallest tile of
+    floyd_config's table. Triton before 3.9 fails to compile the float64 kernels for a GPU
+    (its LLVM lowering of the batched float64 dots; docs/kernels-floyd.md, Limits)."""
     d = q.shape[-1]
-    fused_only = q.dtype == torch.float64 or forced_strategy() == "fused"
     limit = FUSED_MAX_HEAD_DIM[q.dtype.itemsize]
-    if fused_only and d > limit:
+    if q.dtype == torch.float64 and d > limit:
         return f"head dim D = {d} > {limit} for {str(q.dtype).replace('torch.', '')} inputs in the fused kernels"
     if q.dtype == torch.float64 and q.device.type == "cuda" and _triton_version() < (3, 9):
         return f"float64 inputs on a GPU need triton >= 3.9 (installed: {triton.__version__})"
@@ -571,7 +571,7 @@ class Launches:
     """What a call signature's forward and backward launch, by the strategy the rule gives it
     (:func:`plan`). It holds the signature's metadata, never a tensor, and is remade when a
     setting that the launches depend on changes (``floyd_config.settings``: a strategy forced,
-    the halves' bits, the chunk budget, the tiles; the launch cost the rule weighs)."""
+    the halves' bits, the chunk budget, the tiles)."""
 
     def __init__(self, q, k1, v1, k2, v2, mask, scale):
         self._layouts = tuple(_layout(t) for t in (q, k1, v1, k2, v2))
@@ -581,9 +581,11 @@ class Launches:
 
     def current(self):
         """The launches of this signature under today's settings: an object with ``forward`` and
-        ``backward`` as this one's (a caller that keeps it runs a forward's backward with the
-        forward's launches whatever settings change in between)."""
-        settings = (config_settings(), launch_seconds())
+        ``backward`` as this one's. A caller that keeps it runs a forward's backward with the
+        forward's strategy (and the fused kernels' tiles, worked out in it) whatever settings
+        change in between; the memory strategies read the halves' bits and the chunk budget at
+        each call, so their backward must run under the forward's (floyd_config.HALF_BITS)."""
+        settings = config_settings()
         run = self._runs.get(settings)
         if run is None:
             run = self._runs[settings] = self._make()

@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._backend import requested
 from ..ops import floyd_attention as _floyd_ops
 from ..ops._checks import check_float_attr, require_tensor
 from ._custom_ops import (DTENSOR_HANDLERS, autocast_eligible, autocast_off, backend_arg, double_backward_error,
@@ -125,11 +126,26 @@ def autocast_inputs(tensors):
     return tuple(t.to(dtype) if autocast_eligible(t, device_type) else t for t in tensors)
 
 
-def eager_call(q, k1, v1, k2, v2, mask, scale: float, backend: str):
+def _check_call(op, q, k1, v1, k2, v2, mask, scale) -> float:
+    """The functional's own checks (before the operator's): tensors where tensors belong, a
+    float scale; returns the scale."""
+    for name, t in (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2)):
+        require_tensor(op, name, t)
+    require_tensor(op, "mask", mask, optional=True)
+    return check_float_attr(op, "scale", scale)
+
+
+def eager_call(q, k1, v1, k2, v2, mask, scale, backend):
     """The remembered call of ``floyd_attention`` (plan, scale, backend) for tensors that take the
-    eager path, the autocast casts done (:func:`autocast_inputs`); checks and plans a call
-    signature met for the first time."""
-    plan = _floyd_ops.plan_floyd_attention(q, k1, v1, k2, v2, mask, scale, backend=backend)
+    eager path, the autocast casts done (:func:`autocast_inputs`); ``backend`` as the caller
+    gave it. A call signature met for the first time is checked as the custom op's path checks
+    it (the functional's checks, the backend's name, the operator's), then planned."""
+    op = "floyd_attention"
+    backend = requested(backend)
+    plan = _floyd_ops.remembered_floyd_attention(q, k1, v1, k2, v2, mask, scale, backend)
+    if plan is None:
+        _check_call(op, q, k1, v1, k2, v2, mask, scale)
+        plan = _floyd_ops.plan_floyd_attention(q, k1, v1, k2, v2, mask, scale, backend=backend_arg(op, backend))
     return plan, plan.scale, backend
 
 
@@ -148,18 +164,15 @@ def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, m
     For FloydNet's argument order, default scale and general masks use
     :func:`gradops.pivotal_attention`.
     """
-    op = "floyd_attention"
-    backend = backend_arg(op, backend)
     if takes_eager_path(q):
         q, k1, v1, k2, v2 = autocast_inputs((q, k1, v1, k2, v2))
         return run_eager(q, k1, v1, k2, v2, mask, eager_call(q, k1, v1, k2, v2, mask, scale, backend))
-    for name, t in (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2)):
-        require_tensor(op, name, t)
-    require_tensor(op, "mask", mask, optional=True)
-    scale = check_float_attr(op, "scale", scale)
+    op = "floyd_attention"
+    scale = _check_call(op, q, k1, v1, k2, v2, mask, scale)
     if type(q).__name__ == "DTensor":  # its rule is registered on first use (importing DTensor takes ~1 s)
         DTENSOR_HANDLERS["floyd_attention"]()
-    out, _, _ = transformed(torch.ops.gradops.floyd_attention)(q, k1, v1, k2, v2, mask, scale, backend)
+    out, _, _ = transformed(torch.ops.gradops.floyd_attention)(q, k1, v1, k2, v2, mask, scale,
+                                                               backend_arg(op, backend))
     return out
 
 

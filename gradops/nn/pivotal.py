@@ -43,7 +43,6 @@ import torch
 import torch.nn.functional as torch_F
 from torch.utils.checkpoint import checkpoint
 
-from .._backend import requested
 from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
 from ..ops import _plans
 from ..ops._checks import check_float_attr, dtype_name, require_tensor, short_repr
@@ -260,8 +259,7 @@ def pivotal_attention(
         return _fused(q_ik, k_ij, k_jk, v_ij, v_jk, call.mask, call.scale)
     cast = autocast_inputs((q_ik, k_ij, k_jk, v_ij, v_jk))
     fused = _FusedCall(call.mask is attn_mask or attn_mask is None, q_ik.shape[0], q_ik.shape[2], k_ij.shape[3],
-                       eager_call(cast[0], cast[1], cast[3], cast[2], cast[4], call.mask, call.scale,
-                                  requested(None)))
+                       eager_call(cast[0], cast[1], cast[3], cast[2], cast[4], call.mask, call.scale, None))
     return _plans.remember(key, fused).run(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask)
 
 

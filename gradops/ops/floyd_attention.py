@@ -101,10 +101,20 @@ class FloydPlan(NamedTuple):
     scale: float  # as checked
 
 
+def _key(op, q, k1, v1, k2, v2, mask, scale, backend):
+    return _plans.signature(op, backend, (q, k1, v1, k2, v2, mask), (scale,))
+
+
+def remembered_floyd_attention(q, k1, v1, k2, v2, mask, scale, backend, op="floyd_attention"):
+    """The plan :func:`plan_floyd_attention` remembered for this call signature, or None (a
+    signature not checked yet: the caller checks it, then plans)."""
+    return _plans.lookup(_key(op, q, k1, v1, k2, v2, mask, scale, backend))
+
+
 def plan_floyd_attention(q, k1, v1, k2, v2, mask=None, scale=1.0, *, backend=None,
                          op="floyd_attention") -> FloydPlan:
     """Checks a ``floyd_attention`` call (once per call signature) and plans it."""
-    key = _plans.signature(op, backend, (q, k1, v1, k2, v2, mask), (scale,))
+    key = _key(op, q, k1, v1, k2, v2, mask, scale, backend)
     plan = _plans.lookup(key)
     if plan is not None:
         return plan
@@ -181,9 +191,10 @@ def prepare_floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softma
     kv2_dtype = stat_dtype(q.dtype) if kv2_partial else q.dtype
 
     def run():
-        bool_mask = _as_bool_mask(mask)
-        return impl.plan(q, k1, v1, k2, v2, bool_mask, scale).backward(dy, q, k1, v1, k2, v2, smax, ssum, bool_mask,
-                                                                       kv2_dtype)
+        # the launches the forward's signature planned (remembered: a compiled graph's backward
+        # op runs this every step)
+        launches = plan_floyd_attention(q, k1, v1, k2, v2, mask, scale, backend=backend, op=op).launches
+        return launches.backward(dy, q, k1, v1, k2, v2, smax, ssum, _as_bool_mask(mask), kv2_dtype)
 
     outputs = (tuple((tuple(t.shape), q.dtype) for t in (q, k1, v1))
                + tuple((tuple(t.shape), kv2_dtype) for t in (k2, v2)))
