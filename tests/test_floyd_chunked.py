@@ -47,14 +47,14 @@ def spy(monkeypatch):
     monkeypatch.setattr(config, "STRATEGY", "chunked")
     monkeypatch.delenv("GRADOPS_FLOYD_STRATEGY", raising=False)
     seen = Spy()
-    real_plan = chunked.chunk_plan
+    real_plan = chunked.strategy_plan
 
     def plan(*args, **kwargs):
         result = real_plan(*args, **kwargs)
         seen.plans.append((args, kwargs, result))
         return result
 
-    monkeypatch.setattr(chunked, "chunk_plan", plan)
+    monkeypatch.setattr(chunked, "strategy_plan", plan)
     def recorded(name, real):
         def launcher(*args, **kwargs):
             seen.launches.append(name)

@@ -51,14 +51,14 @@ def spy(monkeypatch):
     monkeypatch.delenv("GRADOPS_FLOYD_STRATEGY", raising=False)
     monkeypatch.delenv("GRADOPS_FLOYD_HALF_BITS", raising=False)
     seen = Spy()
-    real_plan = hybrid.plan_rows
+    real_plan = hybrid.strategy_plan
 
     def plan(*args, **kwargs):
         result = real_plan(*args, **kwargs)
         seen.plans.append((args, result))
         return result
 
-    monkeypatch.setattr(hybrid, "plan_rows", plan)
+    monkeypatch.setattr(hybrid, "strategy_plan", plan)
 
     def recorded(name, real):
         def launcher(*args, **kwargs):

@@ -48,15 +48,15 @@ class Memory:
         monkeypatch.delenv("GRADOPS_FLOYD_STRATEGY", raising=False)
         monkeypatch.delenv("GRADOPS_FLOYD_HALF_BITS", raising=False)
         hybrid = self.strategy == "hybrid"
-        module, planner = (floyd_hybrid, "plan_rows") if hybrid else (floyd_chunked, "chunk_plan")
-        real_plan = getattr(module, planner)
+        module = floyd_hybrid if hybrid else floyd_chunked
+        real_plan = module.strategy_plan
 
         def plan(*args, **kwargs):
             result = real_plan(*args, **kwargs)
             self.plans.append(result)
             return result
 
-        monkeypatch.setattr(module, planner, plan)
+        monkeypatch.setattr(module, "strategy_plan", plan)
         for launcher in ("forward", "backward"):
             def recorded(*args, _real=getattr(module, launcher), _name=launcher, **kwargs):
                 self.launches.append(_name)

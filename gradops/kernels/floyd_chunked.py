@@ -45,7 +45,7 @@ from ._floyd_common import _NEG_FLT_MAX, SCALE_ARGS, _mask_arg, _scale_bits, _un
 from ._floyd_memory import Backward, chunks, flat, forward_outputs
 from ._launch import bind_launches
 from .floyd_gemm import Product, by_m as _by_m, gemm
-from .floyd_config import chunk_budget, chunk_plan, pair_bytes, row_config, small_grid, total_memory
+from .floyd_config import chunk_budget, row_config, small_grid, strategy_plan, total_memory
 
 
 # Integer arguments of the row kernels the JIT must not specialise: those that change from chunk
@@ -214,9 +214,8 @@ def _plan(q, k):
     if q.dtype == torch.float64:  # the dispatcher keeps float64 on the fused kernels
         raise TypeError("the chunked Floyd strategy takes float16, bfloat16 and float32 inputs")
     bh, n, m, d = q.shape[0] * q.shape[1], q.shape[2], q.shape[3], q.shape[4]
-    es = q.element_size()
-    budget = chunk_budget(total_memory(q.device), bh * n * m * pair_bytes(k, d, es), small_grid(n, m, k))
-    return chunk_plan(bh, n, m, k, es, budget, head_dim=d)
+    memory, small = total_memory(q.device), small_grid(n, m, k)
+    return strategy_plan("chunked", bh, n, m, k, d, q.dtype, lambda problem: chunk_budget(memory, problem, small))
 
 
 class _Workspace:

@@ -56,7 +56,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import triton
@@ -308,6 +308,16 @@ class ChunkPlan:
 def _round_down_16(x: int) -> int:
     """Multiples of 16 keep the GEMMs' rows aligned to the tensor-core tiles."""
     return x - x % 16 if x >= 32 else x
+
+
+def strategy_plan(name: str, bh: int, n: int, m: int, k: int, d: int, dtype: torch.dtype,
+                  budget: Callable[[int], int]) -> ChunkPlan:
+    """The chunks the memory strategy ``name`` ("hybrid" or "chunked") walks a call in: rows of
+    its workspace (:func:`hybrid_pair_bytes` or :func:`pair_bytes`) as many as ``budget(the whole
+    problem's workspace bytes)`` holds (:func:`plan_rows`). The launchers, the roofline and the
+    rule's one-chunk test all plan here."""
+    pair = hybrid_pair_bytes(k, d, dtype) if name == "hybrid" else pair_bytes(k, d, dtype.itemsize)
+    return plan_rows(bh, n, m, pair, budget(bh * n * m * pair))
 
 
 def chunk_plan(bh: int, n: int, m: int, k: int, element_size: int, budget: int, *, head_dim: int = 0) -> ChunkPlan:

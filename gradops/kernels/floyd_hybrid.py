@@ -59,8 +59,7 @@ import triton.language as tl
 from ._floyd_common import _NEG_FLT_MAX, SCALE_ARGS, _mask_arg, _scale_bits, _unpack_scale, dot_constexprs, tile_max
 from ._floyd_memory import Backward, chunks, flat, forward_outputs
 from ._launch import bind_launches
-from .floyd_config import (chunk_budget, half_bits, hybrid_config, hybrid_pair_bytes, plan_rows, small_grid,
-                           total_memory)
+from .floyd_config import chunk_budget, half_bits, hybrid_config, small_grid, strategy_plan, total_memory
 from .floyd_gemm import Product, by_m, gemm, load_half
 
 # Integer arguments of the row kernels the JIT must not specialise: the chunk's sizes and first
@@ -323,8 +322,8 @@ def _plan(q, k):
     dtype and the device's total memory, so that a forward and its backward walk the same
     chunks (their S2 GEMMs then compute bitwise the same halves)."""
     bh, n, m, d = q.shape[0] * q.shape[1], q.shape[2], q.shape[3], q.shape[4]
-    pair = hybrid_pair_bytes(k, d, q.dtype)
-    return plan_rows(bh, n, m, pair, chunk_budget(total_memory(q.device), bh * n * m * pair, small_grid(n, m, k)))
+    memory, small = total_memory(q.device), small_grid(n, m, k)
+    return strategy_plan("hybrid", bh, n, m, k, d, q.dtype, lambda problem: chunk_budget(memory, problem, small))
 
 
 def p_spread(dtype: torch.dtype) -> int:

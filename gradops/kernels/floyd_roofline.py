@@ -185,8 +185,7 @@ def _hybrid(b, h, n, m, k, d, dtype, masked, budget) -> Dict[str, List[Launch]]:
     hb = config.half_bits(dtype) // 8
     cfg = config.hybrid_config(d, dtype)
     bm, bk, bd = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["BLOCK_D"]
-    pair = config.hybrid_pair_bytes(k, d, dtype)  # as floyd_hybrid._plan
-    plan = config.plan_rows(b * h, n, m, pair, budget(b * h * n * m * pair))
+    plan = config.strategy_plan("hybrid", b * h, n, m, k, d, dtype, budget)
     fwd, bwd = [], []
     for g, cn, cm, z, n_ends, m_ends in _chunks(plan, b, h, n, m, k, d, e, 4, masked):
         half, probs = z.scores * hb, z.scores * e
@@ -223,7 +222,7 @@ def _hybrid(b, h, n, m, k, d, dtype, masked, budget) -> Dict[str, List[Launch]]:
 def _chunked(b, h, n, m, k, d, dtype, masked, budget) -> Dict[str, List[Launch]]:
     e = dtype.itemsize
     passes = 1 if config.row_config(k)["ONE_TILE"] else 2
-    plan = config.chunk_plan(b * h, n, m, k, e, budget(b * h * n * m * config.pair_bytes(k, d, e)), head_dim=d)
+    plan = config.strategy_plan("chunked", b * h, n, m, k, d, dtype, budget)
     fwd, bwd = [], []
     for g, cn, cm, z, n_ends, m_ends in _chunks(plan, b, h, n, m, k, d, e, 4, masked):
         s, probs = z.scores * 4, z.scores * e

@@ -51,13 +51,9 @@ def launches_once(name: str, shape, dtype: torch.dtype, memory: int) -> bool:
     if name == "fused":
         return True
     b, h, n, m, k, d = shape
-    if name == "hybrid":
-        pair = config.hybrid_pair_bytes(k, d, dtype)
-        plan = config.plan_rows(b * h, n, m, pair, config.device_budget(memory, b * h * n * m * pair, True))
-    else:
-        e = dtype.itemsize
-        budget = config.device_budget(memory, b * h * n * m * config.pair_bytes(k, d, e), True)
-        plan = config.chunk_plan(b * h, n, m, k, e, budget, head_dim=d)
+    small = config.small_grid(n, m, k)
+    plan = config.strategy_plan(name, b * h, n, m, k, d, dtype,
+                                lambda problem: config.device_budget(memory, problem, small))
     return plan.count(b * h, n, m) == 1
 
 
