@@ -9,6 +9,7 @@ import torch
 
 import gradops
 import gradops.nn.functional as GF
+from gradops.bench.floyd_accuracy import pair_mask
 from gradops.bench.overhead import kernels_launched, stubbed_launches
 from gradops.kernels import floyd_config, norm_config
 from helpers import nsa_problem, rand
@@ -269,11 +270,7 @@ def floyd_step(b, h, grid, d, masked, device, broadcast=False):
     else:
         inputs = [torch.randn(b, h, grid, grid, d, generator=gen).to(device=device, dtype=torch.bfloat16)
                   .requires_grad_() for _ in range(5)]
-    mask = None
-    if masked:
-        pair = torch.ones(b, grid, grid, dtype=torch.bool)
-        pair[:, grid - grid // 10:, :] = pair[:, :, grid - grid // 10:] = False
-        mask = (~pair[:, None, :, None, :]).to(device)
+    mask = pair_mask(b, grid, grid).to(device) if masked else None
 
     def forward():
         return gradops.pivotal_attention(*inputs, attn_mask=mask)

@@ -260,7 +260,7 @@ class _FloorReplay(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         record = ctx.record
-        ctx.saved_tensors
+        _ = ctx.saved_tensors  # (a backward reads what its forward saved)
         grads = [torch.empty(shape, dtype=dtype, device=dy.device) for shape, dtype in record.grads]
         for kernel, grid, args, kwargs in record.backward:
             kernel[grid](*args, **kwargs)
@@ -289,6 +289,8 @@ def floyd_entry_points(device: str) -> Dict[str, tuple]:
     CPU's einsums, not a host)."""
     import gradops
 
+    from .floyd_accuracy import pair_mask
+
     b, h, d = FLOYD_SHAPE["B"], FLOYD_SHAPE["H"], FLOYD_SHAPE["D"]
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(0)
@@ -296,9 +298,7 @@ def floyd_entry_points(device: str) -> Dict[str, tuple]:
     for grid in FLOYD_GRIDS:
         inputs = [torch.randn(b, h, grid, grid, d, generator=gen).to(device=dev, dtype=torch.bfloat16)
                   .requires_grad_() for _ in range(5)]
-        pair = torch.ones(b, grid, grid)
-        pair[:, grid - grid // 10:, :] = pair[:, :, grid - grid // 10:] = 0  # the last tenth padding
-        mask = (~(pair[:, None, :, None, :].bool())).to(dev)  # FloydNet's attn_mask, [B,1,N,1,N]
+        mask = pair_mask(b, grid, grid).to(dev)  # FloydNet's attn_mask of a padded grid, [B,1,N,1,N]
         dy = torch.randn(b, h, grid, grid, d, generator=gen).to(device=dev, dtype=torch.bfloat16)
 
         def ours(inputs=inputs, mask=mask):
