@@ -8,7 +8,9 @@ docs/distributed.md: the sharding, the collectives and their volume, memory per 
 - :class:`RowShardedBlock`: a ``floydnet.PivotalAttentionBlock`` run on this rank's rows;
 - :func:`collective_bytes`: the bytes this rank hands to those collectives, tallied;
 - DTensors sharded ``Shard(2)`` on a 1-D mesh go through ``gradops.nn.functional.floyd_attention``
-  and ``gradops.pivotal_attention`` (fused path) with no special call (``dtensor.py``).
+  and ``gradops.pivotal_attention`` (fused path) with no special call (``dtensor.py``);
+- the norms and NSA compression take DTensors too (``sharding.py``: row-sharded norms, head-sharded
+  NSA), so tensor and sequence parallelism run a model patched with gradops.
 
 nn sits below this package and never imports it: importing it (``import gradops`` does) hands
 nn the DTensor calls (``gradops.nn._custom_ops.DTENSOR_HANDLERS``).
@@ -22,12 +24,13 @@ from .grid import pivotal_attention, transpose_rows
 __all__ = ["floyd_attention", "pivotal_attention", "transpose_rows", "RowShardedBlock", "collective_bytes"]
 
 
-# What nn hands a DTensor call to. dtensor.py imports DTensor, about a second: the first DTensor
-# call imports it, not this package.
-def _register_floyd_dtensor_rule():
-    from . import dtensor
+# What nn hands a DTensor call to. dtensor.py and sharding.py import DTensor, about a second:
+# the first DTensor call imports it, not this package.
+def _register_dtensor_rules():
+    from . import dtensor, sharding
 
     dtensor.register()
+    sharding.register()
 
 
 def _pivotal_attention_on_dtensors(*args):
@@ -36,5 +39,5 @@ def _pivotal_attention_on_dtensors(*args):
     return dtensor.pivotal_attention(*args)
 
 
-DTENSOR_HANDLERS["floyd_attention"] = _register_floyd_dtensor_rule
+DTENSOR_HANDLERS["rules"] = _register_dtensor_rules
 DTENSOR_HANDLERS["pivotal_attention"] = _pivotal_attention_on_dtensors

@@ -135,13 +135,32 @@ def register_autocast(op_name: str, cast_to_autocast_dtype: bool):
         LIB.impl(op_name, kernel, key_name, with_keyset=True)
 
 
-# DTensor arguments: floyd_attention and pivotal_attention run them row-sharded, which is
-# gradops.distributed's work. It builds on nn (nn never imports it) and, when it is imported
-# (``import gradops`` imports it), registers here what a DTensor call is handed to:
-# "floyd_attention": registers the Floyd ops' DTensor rule (once), after which the ops run as
-# on any tensor; "pivotal_attention": the call itself. DTensor, about a second to import, is
-# imported only once the first DTensor arrives.
+# DTensor arguments are gradops.distributed's work: the ops' sharding rules (the norms' and
+# NSA's row and head shards, Floyd's row-sharded rule) and pivotal_attention's row-sharded call.
+# It builds on nn (nn never imports it) and, when it is imported (``import gradops`` imports
+# it), registers here what a DTensor call is handed to: "rules": registers every gradops op's
+# DTensor rule not yet registered, after which the ops run on DTensors as on any tensor;
+# "pivotal_attention": the call itself. DTensor, about a second to import, is imported only
+# once the first DTensor arrives.
 DTENSOR_HANDLERS: Dict[str, Callable] = {}
+
+
+def register_dtensor_rules_for(t) -> None:
+    """Before a gradops op meets ``t``: the ops' DTensor rules, registered when ``t`` is a
+    DTensor (a no-op once they are: a later call registers only ops defined since, the Triton
+    norm ops, which the first traced CUDA call defines)."""
+    if type(t).__name__ == "DTensor":  # (no import of DTensor to ask isinstance)
+        _register_dtensor_rules()
+
+
+def _register_dtensor_rules() -> None:
+    DTENSOR_HANDLERS["rules"]()
+
+
+# Under torch.compile dynamo runs it for real while tracing rather than tracing it (it returns
+# nothing the graph needs): what ``torch.compiler.assume_constant_result`` marks, marked
+# without importing dynamo (see _triton_ops)
+_register_dtensor_rules._dynamo_marked_constant = True
 
 
 # --------------------------------------------------------------------------------------------

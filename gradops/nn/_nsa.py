@@ -10,7 +10,7 @@ from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
 from ..ops import nsa_compress as _nsa_ops
 from ..ops._checks import check_int_attr, require_tensor
 from ._custom_ops import (backend_arg, double_backward_error, empty_like_spec, fresh, no_autocast, register_autocast,
-                          takes_eager_path)
+                          register_dtensor_rules_for, takes_eager_path)
 from ._transforms import refuse_batched, register_folded_vmap, transformable, transformed
 
 def _nsa_forward(x, weight, block_size, stride, seq_lens, seq_lens_type, backend):
@@ -186,6 +186,7 @@ def nsa_compress(x: Tensor, weight: Tensor, block_size: int, stride: int,
     code = _nsa_ops.seq_lens_type_code(op, seq_lens_type)
     type_name = "lengths" if code == 1 else "cumsum"
     backend = backend_arg(op, backend)
+    register_dtensor_rules_for(x)
     if isinstance(seq_lens, Tensor) and torch.compiler.is_compiling():
         require_tensor(op, "seq_lens", seq_lens)
         return transformed(torch.ops.gradops.nsa_compress_seqlens_tensor)(x, weight, block_size, stride, seq_lens,

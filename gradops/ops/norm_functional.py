@@ -140,7 +140,8 @@ def _ones(input, shape):
     """The constant gamma of a call without a weight: float32 beside half input (in CANN's
     dtype table), float32/float64 input keep their own."""
     dtype = stat_dtype(input.dtype) if input.is_floating_point() else torch.float32
-    return torch.ones(shape, dtype=dtype, device=input.device)
+    # (new_ones: beside a DTensor input, a DTensor replicated on its mesh)
+    return input.new_ones(shape, dtype=dtype)
 
 
 def _check_args(op, input, residual, normalized_shape, weight, bias, eps, *, status, eps_optional):
