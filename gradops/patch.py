@@ -212,6 +212,17 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+def _sharded_placements(params) -> Optional[str]:
+    """The placements of the first DTensor parameter that is not replicated, else None. Tensor
+    and sequence parallelism replicate a norm's weight (``SequenceParallel``): such a module is
+    replaced as any other, since the replacement holds the same parameters and hooks, and
+    gradops' norms take DTensors (``gradops.distributed.sharding``)."""
+    for p in params:
+        if _is_dtensor(p) and not all(placement.is_replicate() for placement in p.placements):
+            return f"placements {tuple(p.placements)}"
+    return None
+
+
 def _why_not(module: nn.Module, kind: _Kind) -> Optional[str]:
     """Why a module of a known class cannot be replaced as it is (None: it can)."""
     cls = type(module)
@@ -231,8 +242,11 @@ def _why_not(module: nn.Module, kind: _Kind) -> Optional[str]:
     params = [p for p in module._parameters.values() if p is not None]
     if any(not isinstance(p, nn.Parameter) for p in params):
         return "its weight is not an nn.Parameter"
-    if any(_is_dtensor(p) for p in params):
-        return "its parameters are DTensors (sharded by FSDP2 or tensor parallelism): patch before sharding"
+    sharded = _sharded_placements(params)
+    if sharded is not None:
+        return (f"its parameters are sharded DTensors ({sharded}): FSDP2 keeps the module object it wraps and "
+                f"swaps the parameters on it at every forward, so a replacement would compute with the shards: "
+                f"patch before fully_shard")
     if any(not p.is_floating_point() for p in params):
         return f"its parameters are {params[0].dtype}, not a floating dtype"
     if cls in _TORCH_KINDS:
@@ -248,9 +262,21 @@ def _why_not(module: nn.Module, kind: _Kind) -> Optional[str]:
     return None
 
 
+def _fully_sharded_class(cls: type) -> Optional[type]:
+    """The class FSDP2's ``fully_shard`` wrapped, where ``cls`` is the class it made
+    (``FSDP<name>`` with the bases ``(FSDPModule, <class>)``), else None."""
+    bases = cls.__bases__
+    return bases[1] if len(bases) == 2 and bases[0].__name__ == "FSDPModule" else None
+
+
 def _not_served(module: nn.Module) -> Optional[str]:
     """Why a module that looks like a norm is left (None: it does not look like one)."""
     cls = type(module)
+    wrapped = _fully_sharded_class(cls)
+    if wrapped is not None and (_TORCH_KINDS.get(wrapped) or _hf_kind(wrapped)):
+        return (f"FSDP2's fully_shard wrapped it (class {cls.__name__}): FSDP2 swaps the parameters on the module "
+                f"object it wraps at every forward, so a replacement would compute with the shards: patch before "
+                f"fully_shard")
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         base = "torch.nn.LayerNorm" if isinstance(module, nn.LayerNorm) else "torch.nn.RMSNorm"
         return (f"a subclass of {base}, not the class itself: only torch's own class is replaced (a subclass may "

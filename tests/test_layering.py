@@ -190,7 +190,7 @@ def test_importing_gradops_hands_nn_its_dtensor_calls_without_importing_dtensor(
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=PACKAGE.parent, check=True).stdout
     handlers, before, after = json.loads(out)
-    assert handlers == ["pivotal_attention", "rules"]
+    assert handlers == ["pivotal_attention", "rules", "same_mesh"]
     assert after == before, "import gradops imported torch.distributed.tensor"
 
 

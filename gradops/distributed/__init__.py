@@ -33,6 +33,12 @@ def _register_dtensor_rules():
     sharding.register()
 
 
+def _same_mesh(op, tensors):
+    from .sharding import same_mesh
+
+    same_mesh(op, tensors)
+
+
 def _pivotal_attention_on_dtensors(*args):
     from . import dtensor
 
@@ -40,4 +46,5 @@ def _pivotal_attention_on_dtensors(*args):
 
 
 DTENSOR_HANDLERS["rules"] = _register_dtensor_rules
+DTENSOR_HANDLERS["same_mesh"] = _same_mesh
 DTENSOR_HANDLERS["pivotal_attention"] = _pivotal_attention_on_dtensors

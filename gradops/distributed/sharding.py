@@ -36,6 +36,8 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
+from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
+
 _R = Replicate()
 _registered: Set[str] = set()
 
@@ -144,3 +146,21 @@ def register() -> List[str]:
         _registered.add(name)
         new.append(name)
     return new
+
+
+def same_mesh(op: str, tensors: Dict[str, object]) -> None:
+    """A call's tensors (name -> tensor or None) are DTensors on one device mesh, or it is
+    refused with ``AclnnError`` naming the first that is not (DTensor would raise a
+    RuntimeError, after the call's other checks)."""
+    meshes = []
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, DTensor):
+            raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: {name} is a plain tensor beside DTensor arguments, "
+                                                      f"expected a DTensor on their mesh (distribute_tensor, or "
+                                                      f"DTensor.from_local with Replicate())")
+        if meshes and t.device_mesh != meshes[0][1]:
+            raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: {name} is on the device mesh {t.device_mesh}, "
+                                                      f"{meshes[0][0]} on {meshes[0][1]}, expected one mesh")
+        meshes.append((name, t.device_mesh))

@@ -33,12 +33,14 @@ The modules that define ops deliberately avoid ``from __future__ import annotati
 ``custom_op`` reads the type hints to build each operator's schema.
 """
 import contextlib
+import sys
 from typing import Callable, Dict
 
 import torch
 from torch import Tensor
 
 from .._backend import _check_name, requested
+from ..errors import AclnnError
 
 LIB = torch.library.Library("gradops", "FRAGMENT")
 
@@ -140,21 +142,54 @@ def register_autocast(op_name: str, cast_to_autocast_dtype: bool):
 # It builds on nn (nn never imports it) and, when it is imported (``import gradops`` imports
 # it), registers here what a DTensor call is handed to: "rules": registers every gradops op's
 # DTensor rule not yet registered, after which the ops run on DTensors as on any tensor;
-# "pivotal_attention": the call itself. DTensor, about a second to import, is imported only
-# once the first DTensor arrives.
+# "same_mesh": checks a call's tensors are DTensors on one mesh; "pivotal_attention": the call
+# itself. DTensor, about a second to import, is imported only once the first DTensor arrives.
 DTENSOR_HANDLERS: Dict[str, Callable] = {}
 
 
-def register_dtensor_rules_for(t) -> None:
-    """Before a gradops op meets ``t``: the ops' DTensor rules, registered when ``t`` is a
-    DTensor (a no-op once they are: a later call registers only ops defined since, the Triton
-    norm ops, which the first traced CUDA call defines)."""
-    if type(t).__name__ == "DTensor":  # (no import of DTensor to ask isinstance)
-        _register_dtensor_rules()
+def dtensor_arguments(op: str, tensors: Dict[str, object]) -> bool:
+    """Before a gradops op meets a call's tensors (name -> tensor or None): whether any is a
+    DTensor. Then the ops' DTensor rules are registered (a no-op once they are), and every
+    tensor is checked to be a DTensor on one mesh (``AclnnError`` 161002 naming the first that
+    is not: DTensor's own error would be a RuntimeError). False, and nothing done, where none
+    is a DTensor (no import of DTensor to tell)."""
+    if not any(type(t).__name__ == "DTensor" for t in tensors.values()):
+        return False
+    _register_dtensor_rules()
+    if not torch.compiler.is_compiling():  # (traced, DTensor's checks run when the graph is made)
+        DTENSOR_HANDLERS["same_mesh"](op, tensors)
+    return True
+
+
+@contextlib.contextmanager
+def _aclnn_errors_unwrapped():
+    try:
+        yield
+    except RuntimeError as error:
+        cause = error.__cause__
+        while cause is not None and not isinstance(cause, AclnnError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise cause from None
+
+
+def dtensor_errors(dtensors: bool):
+    """Around an op's call on DTensors (``dtensors``, as :func:`dtensor_arguments` said): the
+    op's checks run in DTensor's sharding propagation (its fake implementation, on the global
+    shapes), which wraps their ``AclnnError`` in a RuntimeError; this raises the AclnnError."""
+    return _aclnn_errors_unwrapped() if dtensors else _NOTHING
 
 
 def _register_dtensor_rules() -> None:
     DTENSOR_HANDLERS["rules"]()
+
+
+def register_dtensor_rules_of_new_ops() -> None:
+    """Ops defined after DTensor arguments have been seen (the Triton norm ops) get their
+    DTensor rules at once. (Where DTensor is not imported, no DTensor exists yet.)"""
+    if "torch.distributed.tensor" in sys.modules:
+        _register_dtensor_rules()
 
 
 # Under torch.compile dynamo runs it for real while tracing rather than tracing it (it returns

@@ -2,7 +2,7 @@
 autograd and autocast rules (see ``_custom_ops``), and the eager path, which runs the call's
 remembered plan (``gradops.ops.floyd_attention.plan_floyd_attention``) in an autograd.Function
 without the ops' dispatch. DTensor inputs go to the row-sharded rule of
-``gradops.distributed`` (``_custom_ops.register_dtensor_rules_for``)."""
+``gradops.distributed`` (``_custom_ops.dtensor_arguments``)."""
 from typing import Optional, Tuple
 
 import torch
@@ -11,8 +11,8 @@ from torch import Tensor
 from .._backend import requested
 from ..ops import floyd_attention as _floyd_ops
 from ..ops._checks import check_float_attr, require_tensor
-from ._custom_ops import (autocast_eligible, autocast_off, backend_arg, double_backward_error, empty_like_spec, fresh,
-                          no_autocast, register_autocast, register_dtensor_rules_for, takes_eager_path)
+from ._custom_ops import (autocast_eligible, autocast_off, backend_arg, double_backward_error, dtensor_arguments,
+                          empty_like_spec, fresh, no_autocast, register_autocast, takes_eager_path)
 from ._transforms import register_folded_vmap, transformable, transformed
 
 @torch.library.custom_op("gradops::floyd_attention", mutates_args=())
@@ -169,7 +169,7 @@ def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, m
         return run_eager(q, k1, v1, k2, v2, mask, eager_call(q, k1, v1, k2, v2, mask, scale, backend))
     op = "floyd_attention"
     scale = _check_call(op, q, k1, v1, k2, v2, mask, scale)
-    register_dtensor_rules_for(q)
+    dtensor_arguments(op, {"q": q, "k1": k1, "v1": v1, "k2": k2, "v2": v2, "mask": mask})
     out, _, _ = transformed(torch.ops.gradops.floyd_attention)(q, k1, v1, k2, v2, mask, scale,
                                                                backend_arg(op, backend))
     return out

@@ -12,7 +12,7 @@ from ..ops import rms_norm as _rms_ops
 from ..ops._checks import renamed_errors
 from ..ops.norm_functional import NORM_NAMES, layer_norm_call, rms_norm_call
 from ._custom_ops import (NOT_COMPUTED, autocast_off, double_backward_error, empty_like_spec, fresh, no_autocast,
-                          register_autocast, register_dtensor_rules_for, takes_eager_path)
+                          dtensor_arguments, dtensor_errors, register_autocast, takes_eager_path)
 from ._transforms import register_rows_vmap, transformable, transformed
 from ._triton_ops import register_triton_op_parts, takes_triton_op
 
@@ -165,13 +165,14 @@ def _layer_norm(op: str, input, residual, normalized_shape, weight, bias, eps, b
     """layer_norm and fused_add_layer_norm: (y, h), h None without a residual."""
     eager = takes_eager_path(input)
     call = layer_norm_call(op, input, residual, normalized_shape, weight, bias, eps, backend, eager=eager)
+    dtensors = dtensor_arguments(op, {"input": input, "residual": residual, "weight": weight, "bias": bias})
     if eager:
         out = _LayerNormFunction.apply(input, residual, weight, bias, call)
         return out if residual is not None else (out, None)
     traced = (torch.ops.gradops.triton_layer_norm if takes_triton_op(input, call.backend)
               else torch.ops.gradops.layer_norm)
-    register_dtensor_rules_for(input)  # (after the Triton op, which may be defined only now)
-    out = transformed(traced)(input, residual, list(call.normalized_shape), weight, bias, call.eps, call.backend)
+    with dtensor_errors(dtensors):
+        out = transformed(traced)(input, residual, list(call.normalized_shape), weight, bias, call.eps, call.backend)
     return out[0], (out[-1] if residual is not None else None)
 
 
@@ -319,6 +320,7 @@ def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, c
     eager = takes_eager_path(input)
     call = rms_norm_call(op, input, residual, normalized_shape, weight, eps, offset, casting_mode, backend,
                          eager=eager)
+    dtensors = dtensor_arguments(op, {"input": input, "residual": residual, "weight": weight})
     gamma = weight if call.gamma is None else call.gamma
     if eager:
         out = _RmsNormFunction.apply(input, residual, gamma, call)
@@ -326,8 +328,8 @@ def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, c
     else:
         traced = (torch.ops.gradops.triton_rms_norm if takes_triton_op(input, call.backend)
                   else torch.ops.gradops.rms_norm)
-        register_dtensor_rules_for(input)  # (after the Triton op, which may be defined only now)
-        out = transformed(traced)(input, residual, gamma, call.eps, call.offset, casting_mode, call.backend)
+        with dtensor_errors(dtensors):
+            out = transformed(traced)(input, residual, gamma, call.eps, call.offset, casting_mode, call.backend)
         y, h = out[0], (out[-1] if residual is not None else None)
     if call.scale_offset is not None:  # the operator returned Llama's rounded x-hat (see RmsNormCall)
         y = (weight + call.scale_offset if call.scale_offset else weight) * y

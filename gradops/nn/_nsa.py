@@ -9,8 +9,8 @@ from torch import Tensor
 from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
 from ..ops import nsa_compress as _nsa_ops
 from ..ops._checks import check_int_attr, require_tensor
-from ._custom_ops import (backend_arg, double_backward_error, empty_like_spec, fresh, no_autocast, register_autocast,
-                          register_dtensor_rules_for, takes_eager_path)
+from ._custom_ops import (backend_arg, double_backward_error, dtensor_arguments, dtensor_errors, empty_like_spec, fresh,
+                          no_autocast, register_autocast, takes_eager_path)
 from ._transforms import refuse_batched, register_folded_vmap, transformable, transformed
 
 def _nsa_forward(x, weight, block_size, stride, seq_lens, seq_lens_type, backend):
@@ -186,7 +186,9 @@ def nsa_compress(x: Tensor, weight: Tensor, block_size: int, stride: int,
     code = _nsa_ops.seq_lens_type_code(op, seq_lens_type)
     type_name = "lengths" if code == 1 else "cumsum"
     backend = backend_arg(op, backend)
-    register_dtensor_rules_for(x)
+    # (seq_lens is not a DTensor argument: as a list it is none, and a tensor is read on the
+    # host, except under torch.compile, where beside DTensors it must be a replicated DTensor)
+    dtensors = dtensor_arguments(op, {"x": x, "weight": weight})
     if isinstance(seq_lens, Tensor) and torch.compiler.is_compiling():
         require_tensor(op, "seq_lens", seq_lens)
         return transformed(torch.ops.gradops.nsa_compress_seqlens_tensor)(x, weight, block_size, stride, seq_lens,
@@ -195,7 +197,9 @@ def nsa_compress(x: Tensor, weight: Tensor, block_size: int, stride: int,
     seq_lens = _nsa_ops.seq_lens_to_list(op, seq_lens)
     if takes_eager_path(x) and not torch.is_autocast_enabled(x.device.type):  # (autocast casts through the op)
         return _NsaCompressFunction.apply(x, weight, block_size, stride, seq_lens, type_name, backend)
-    return transformed(torch.ops.gradops.nsa_compress)(x, weight, block_size, stride, seq_lens, type_name, backend)
+    with dtensor_errors(dtensors):
+        return transformed(torch.ops.gradops.nsa_compress)(x, weight, block_size, stride, seq_lens, type_name,
+                                                           backend)
 
 
 # matmul-like: the forwards take the autocast dtype, the backwards what autograd hands them

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .._backend import triton_available, triton_interpreter_on
-from ._custom_ops import register_autocast
+from ._custom_ops import register_autocast, register_dtensor_rules_of_new_ops
 
 _TRITON_OPS: Optional[bool] = None  # registered; None: not tried yet (see _register_triton_ops)
 _TRITON_OPS_LOCK = threading.Lock()
@@ -131,4 +131,5 @@ def _define_triton_ops() -> None:
 
         kernels_of["gradops::triton_layer_norm"] = [kln._ln_fwd_fused_kernel, kln._ln_fwd_wide_kernel]
         kernels_of["gradops::triton_rms_norm"] = [krn._rms_fwd_fused_kernel, krn._rms_fwd_wide_kernel]
+    register_dtensor_rules_of_new_ops()
     _TRITON_OPS = True
