@@ -23,7 +23,10 @@ with a process-group timeout, so that a failing rank fails its peers instead of 
 they save what they computed, and the tests compare it here.
 """
 import contextlib
+import json
 import os
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -543,16 +546,15 @@ def _worker(rank, port, world, out_dir):
     init_gloo(rank, world, port, PG_TIMEOUT_S)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        results = {
-            "cache": _cache(mesh),  # first: no call before it may have filled DTensor's cache
-            "norms": _norm_calls(mesh, BACKENDS, DTYPES),
-            "nsa": _nsa_calls(mesh, BACKENDS, DTYPES),
-            "blocks": _sequence_parallel_blocks(mesh, world, rank, BACKENDS, DTYPES),
-            "errors": _errors(mesh),
-        }
-        if world == 2:  # (the world of 4 trains the Llama-like model instead)
+        results = {}
+        if world == 2:  # first: the process's first DTensor call of a gradops op is traced by dynamo
             results["compiled"] = _compiled_block(mesh, world, rank)
-        if world == 4:  # a 2x2 mesh
+        results["cache"] = _cache(mesh)  # before the calls that would fill DTensor's cache for it
+        results["norms"] = _norm_calls(mesh, BACKENDS, DTYPES)
+        results["nsa"] = _nsa_calls(mesh, BACKENDS, DTYPES)
+        results["blocks"] = _sequence_parallel_blocks(mesh, world, rank, BACKENDS, DTYPES)
+        results["errors"] = _errors(mesh)
+        if world == 4:  # a 2x2 mesh (the world of 2 compiles instead)
             results["llama"] = {backend: _train_llama(backend) for backend in BACKENDS}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -759,3 +761,26 @@ def test_patch_refuses_fully_sharded_norms_and_says_why():
     assert len(report) == 0 and [entry.name for entry in report.left] == ["0", "1.0"]
     assert all("patch before fully_shard" in entry.reason for entry in report.left)
     assert "FSDPRMSNorm" in report.left[0].reason and "Shard(dim=0)" in report.left[1].reason
+
+
+def test_the_triton_norm_ops_get_their_rules_whenever_they_are_defined():
+    """The Triton norm ops (what Inductor compiles on a GPU) are defined by the first traced
+    CUDA call, which may come after the first DTensor call registered the rules: they get
+    theirs then. A fresh process, so that the order is this one."""
+    code = ("import json, torch, gradops\n"
+            "from gradops.nn import _triton_ops\n"
+            "from gradops.nn._custom_ops import DTENSOR_HANDLERS\n"
+            "DTENSOR_HANDLERS['rules']()  # what the first DTensor call does\n"
+            "from torch.distributed.tensor import DTensor\n"
+            "rules = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs\n"
+            "before = sorted(str(op) for op in rules if op.namespace == 'gradops')\n"
+            "defined = _triton_ops._register_triton_ops()\n"
+            "after = sorted(str(op) for op in rules if op.namespace == 'gradops')\n"
+            "print(json.dumps([before, defined, after]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    before, defined, after = json.loads(out.stdout.strip().splitlines()[-1])
+    ops = [f"gradops.{name}.default" for name in ("layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward",
+                                                  "nsa_compress", "nsa_compress_backward", "nsa_compress_seqlens_tensor",
+                                                  "nsa_compress_seqlens_tensor_backward")]
+    assert before == sorted(ops)
+    assert defined and after == sorted(ops + ["gradops.triton_layer_norm.default", "gradops.triton_rms_norm.default"])
