@@ -442,8 +442,9 @@ def test_keyword_filters_and_argument_errors():
 
 def test_sharded_or_flattened_norms_are_left():
     """Patching after sharding would leave the sharder holding the original modules: a norm
-    whose weight is a DTensor (FSDP2, tensor parallelism) or was flattened away (FSDP1 with
-    use_orig_params=False puts a plain tensor in the Parameter's place) is left, saying so."""
+    whose weight is a sharded DTensor (FSDP2) or was flattened away (FSDP1 with
+    use_orig_params=False puts a plain tensor in the Parameter's place) is left, saying so.
+    (A replicated DTensor weight, tensor parallelism's, is replaced: test_distributed_dtensor.)"""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -462,7 +463,7 @@ def test_sharded_or_flattened_norms_are_left():
     finally:
         dist.destroy_process_group()
     assert len(report) == 0
-    assert "DTensor" in report.left[0].reason and "FSDP" in report.left[1].reason
+    assert "sharded DTensors" in report.left[0].reason and "FSDP" in report.left[1].reason
 
 
 def test_hooks_are_carried_over():
