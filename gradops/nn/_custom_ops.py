@@ -153,7 +153,10 @@ def dtensor_arguments(op: str, tensors: Dict[str, object]) -> bool:
     tensor is checked to be a DTensor on one mesh (``AclnnError`` 161002 naming the first that
     is not: DTensor's own error would be a RuntimeError). False, and nothing done, where none
     is a DTensor (no import of DTensor to tell)."""
-    if not any(type(t).__name__ == "DTensor" for t in tensors.values()):
+    for t in tensors.values():  # (a loop: any() over a generator costs an eager call twice this)
+        if type(t).__name__ == "DTensor":
+            break
+    else:
         return False
     _register_dtensor_rules()
     if not torch.compiler.is_compiling():  # (traced, DTensor's checks run when the graph is made)
