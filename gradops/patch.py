@@ -244,9 +244,9 @@ def _why_not(module: nn.Module, kind: _Kind) -> Optional[str]:
         return "its weight is not an nn.Parameter"
     sharded = _sharded_placements(params)
     if sharded is not None:
-        return (f"its parameters are sharded DTensors ({sharded}): FSDP2 keeps the module object it wraps and "
-                f"swaps the parameters on it at every forward, so a replacement would compute with the shards: "
-                f"patch before fully_shard")
+        return (f"its parameters are sharded DTensors ({sharded}): FSDP2, which shards a norm's weight, keeps the "
+                f"module object it wraps and swaps the parameters on it at every forward, so a replacement would "
+                f"compute with the shards: patch before fully_shard (or whatever sharded them)")
     if any(not p.is_floating_point() for p in params):
         return f"its parameters are {params[0].dtype}, not a floating dtype"
     if cls in _TORCH_KINDS:

@@ -1,5 +1,5 @@
 """Spawning gloo workers on the loopback interface for the suite's multi-process tests
-(test_ddp.py, test_distributed_floyd.py): each worker saves what it computed to a file, and
+(test_ddp.py, test_distributed_floyd.py, test_distributed_dtensor.py): each worker saves what it computed to a file, and
 the test process compares."""
 import datetime
 import os
@@ -68,3 +68,21 @@ def once_per_session(tmp_path_factory, name: str, compute):
 
 def load_ranks(out_dir, world: int):
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def outcomes(attempts: dict) -> dict:
+    """Each attempt's outcome, to be compared in the test process: None where it returned,
+    (status, message) where it raised AclnnError, ("not AclnnError", what) where it raised
+    anything else (which the tests fail on)."""
+    from gradops.errors import AclnnError
+
+    outcome = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            outcome[name] = None
+        except AclnnError as error:
+            outcome[name] = (error.status, str(error))
+        except Exception as error:  # noqa: BLE001  (recorded: the test fails on any type but AclnnError)
+            outcome[name] = ("not AclnnError", f"{type(error).__name__}: {error}")
+    return outcome

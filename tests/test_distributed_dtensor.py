@@ -38,10 +38,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradops
 import gradops.nn.functional as GF
-from gradops.errors import AclnnError
 from gradops.oracles import TOLERANCE, rel_error
 from conftest import TEST_DEVICE
-from spawn import init_gloo, load_ranks, once_per_session, run_workers
+from spawn import init_gloo, load_ranks, once_per_session, outcomes, run_workers
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="W ranks need W GPUs under NCCL; the gloo runs are "
                                                              "the CPU suite's")
@@ -53,6 +52,7 @@ DTYPES = (torch.float64, torch.bfloat16)
 B, S, H, HIDDEN = 4, 6, 16, 32  # 4 ranks: S uneven (2, 2, 1, 1)
 EPS = 1e-6
 PLACEMENTS = ("Shard(0)", "Shard(1)", "Shard(-1)", "Replicate()")
+GATHER = "c10d_functional.all_gather_into_tensor"
 
 
 def _row_shard(case, placement):
@@ -64,7 +64,7 @@ def _row_shard(case, placement):
 def _placement(name):
     from torch.distributed.tensor import Replicate, Shard
 
-    return {"Shard(0)": Shard(0), "Shard(1)": Shard(1), "Shard(-1)": Shard(2), "Replicate()": Replicate()}[name]
+    return {"Shard(0)": Shard(0), "Shard(1)": Shard(1), "Shard(-1)": Shard(-1), "Replicate()": Replicate()}[name]
 
 
 def _draw(shape, seed, dtype=torch.float64):
@@ -150,6 +150,7 @@ def _norm_calls(mesh, backends, dtypes):
                     results[backend, dtype, case, placement] = {
                         "outs": [o.full_tensor() for o in outs],
                         "grads": [None if g is None else g.full_tensor() for g in grads],
+                        "in placements": str(xd.placements),  # (Shard(-1) becomes Shard(dim=2))
                         "out placements": [str(o.placements) for o in outs],
                         "weight grad placements": None if grads[2] is None else str(grads[2].placements),
                         "collectives": _counted_collectives(comm),
@@ -500,17 +501,11 @@ def _errors(mesh):
         "rms_norm: plain residual": lambda: GF.fused_add_rms_norm(xd, r, (H,), wd),
         "nsa_compress: plain weight": lambda: GF.nsa_compress(nxd, nw, NSA_BLOCK, NSA_STRIDE, NSA_SEQ),
         "layer_norm: weight shape": lambda: GF.layer_norm(xd, (H,), distribute_tensor(w[:-1], mesh, [Replicate()])),
+        "nsa_compress: DTensor seq_lens": lambda: GF.nsa_compress(
+            nxd, distribute_tensor(nw, mesh, [_placement("Shard(1)")]), NSA_BLOCK, NSA_STRIDE,
+            distribute_tensor(torch.tensor(NSA_SEQ), mesh, [Replicate()])),
     }
-    outcome = {}
-    for name, attempt in attempts.items():
-        try:
-            attempt()
-            outcome[name] = None
-        except AclnnError as error:
-            outcome[name] = (error.status, str(error))
-        except Exception as error:  # noqa: BLE001  (recorded: the test fails on any type but AclnnError)
-            outcome[name] = ("not AclnnError", f"{type(error).__name__}: {error}")
-    return outcome
+    return outcomes(attempts)
 
 
 def _cache(mesh):
@@ -534,6 +529,27 @@ def _cache(mesh):
     return out
 
 
+FUSED_CASES = ("fused_add_layer_norm", "fused_add_rms_norm")
+
+
+def _one_output_used(mesh):
+    """The fused adds with a gradient for y only, then for h only (a last layer drops h): the
+    gradients of x, the residual and the weight, whole."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    (x, r, w, b), dys = norm_inputs(torch.float64)
+    out = {}
+    for case in FUSED_CASES:
+        for used in (0, 1):
+            xd, rd = (distribute_tensor(t, mesh, [_placement("Shard(1)")]).requires_grad_() for t in (x, r))
+            wd, bd = (distribute_tensor(t, mesh, [Replicate()]).requires_grad_() for t in (w, b))
+            output = NORM_CASES[case][0](xd, rd, wd, bd)[used]
+            grads = torch.autograd.grad(output, (xd, rd, wd), distribute_tensor(dys[used], mesh, output.placements),
+                                        allow_unused=True)
+            out[case, used] = [None if g is None else g.full_tensor() for g in grads]
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # The workers
 
@@ -554,6 +570,7 @@ def _worker(rank, port, world, out_dir):
         results["nsa"] = _nsa_calls(mesh, BACKENDS, DTYPES)
         results["blocks"] = _sequence_parallel_blocks(mesh, world, rank, BACKENDS, DTYPES)
         results["errors"] = _errors(mesh)
+        results["one output used"] = _one_output_used(mesh)
         if world == 4:  # a 2x2 mesh (the world of 2 compiles instead)
             results["llama"] = {backend: _train_llama(backend) for backend in BACKENDS}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -640,12 +657,12 @@ def test_norm_calls_on_every_placement(world_results, case, dtype, backend):
             # a row shard stays one, with the weight's gradient a Partial sum; a sharded normalized
             # dim is redistributed (replicated, or moved to a row dim), and the weight's gradient is
             # then whatever that gives
-            if _row_shard(case, placement):
-                assert set(run["out placements"]) == {str((_placement(placement),))}, (where, run["out placements"])
-                if run["weight grad placements"] is not None:
+            if _row_shard(case, placement) or placement == "Replicate()":
+                assert set(run["out placements"]) == {run["in placements"]}, (where, run["out placements"])
+                if run["weight grad placements"] is not None and placement != "Replicate()":
                     assert run["weight grad placements"] == "(Partial(sum),)", where
             else:
-                assert str((_placement(placement),)) not in run["out placements"] or placement == "Replicate()"
+                assert run["in placements"] not in run["out placements"], (where, run["out placements"])
 
 
 @pytest.mark.parametrize("case", list(NORM_CASES))
@@ -657,8 +674,11 @@ def test_row_shards_add_no_collective(world_results, case):
                 continue
             if _row_shard(case, placement) or placement == "Replicate()":
                 assert run["collectives"] == {} and run["backward collectives"] == {}, (placement, run)
-            else:  # the normalized dim is redistributed: all-gathered, or moved by an all-to-all
-                assert run["collectives"], (placement, run)
+            else:  # a normalized dim sharded: each sharded input gathered (x and the residual of a fused
+                # add), and x again in the backward, where the op saved x as the caller holds it
+                fused = case.startswith("fused_add")
+                assert run["collectives"] == {GATHER: 2 if fused else 1}, (placement, run["collectives"])
+                assert run["backward collectives"] == ({} if fused else {GATHER: 1}), run["backward collectives"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -675,7 +695,24 @@ def test_nsa_compress_on_heads_and_tokens(world_results, backend, dtype):
         assert heads["placements"] == ["(Shard(dim=1),)"] * 3
         assert heads["collectives"] == {} and heads["backward collectives"] == {}
         assert r["nsa"][backend, dtype, "replicated"]["collectives"] == {}
-        assert r["nsa"][backend, dtype, "tokens"]["collectives"]  # a block may span two ranks' tokens
+        tokens = r["nsa"][backend, dtype, "tokens"]  # gathered: a block may span two ranks' tokens
+        assert tokens["collectives"] == tokens["backward collectives"] == {GATHER: 1}
+
+
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_fused_adds_with_one_output_used(world_results, case):
+    _, results = world_results
+    (x, r, w, b), dys = norm_inputs(torch.float64)
+    for used in (0, 1):
+        leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+        output = NORM_CASES[case][1](*leaves)[used]
+        expected = torch.autograd.grad(output, leaves[:3], dys[used], allow_unused=True)
+        for rank, r_ in enumerate(results):
+            for name, actual, grad in zip(("x", "residual", "weight"), r_["one output used"][case, used], expected):
+                if grad is None:  # h alone does not reach the weight: torch says None, the fused node zeros
+                    assert actual is None or not actual.any(), (rank, used, name)
+                else:
+                    _close(actual, grad, torch.float64, f"rank {rank}, output {used} used: {name}'s gradient")
 
 
 def test_errors_are_aclnn_errors(world_results):
@@ -684,7 +721,8 @@ def test_errors_are_aclnn_errors(world_results):
              "layer_norm: plain input": "input is a plain tensor beside DTensor",
              "rms_norm: plain residual": "residual is a plain tensor beside DTensor",
              "nsa_compress: plain weight": "weight is a plain tensor beside DTensor",
-             "layer_norm: weight shape": "weight has shape (15,)"}
+             "layer_norm: weight shape": "weight has shape (15,)",
+             "nsa_compress: DTensor seq_lens": "seq_lens is a DTensor"}
     for r in results:
         for name, word in words.items():
             status, message = r["errors"][name]
@@ -769,8 +807,8 @@ def test_the_triton_norm_ops_get_their_rules_whenever_they_are_defined():
     theirs then. A fresh process, so that the order is this one."""
     code = ("import json, torch, gradops\n"
             "from gradops.nn import _triton_ops\n"
-            "from gradops.nn._custom_ops import DTENSOR_HANDLERS\n"
-            "DTENSOR_HANDLERS['rules']()  # what the first DTensor call does\n"
+            "from gradops.nn import _custom_ops\n"
+            "_custom_ops._register_dtensor_rules()  # what the first DTensor call does\n"
             "from torch.distributed.tensor import DTensor\n"
             "rules = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs\n"
             "before = sorted(str(op) for op in rules if op.namespace == 'gradops')\n"
@@ -780,7 +818,6 @@ def test_the_triton_norm_ops_get_their_rules_whenever_they_are_defined():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     before, defined, after = json.loads(out.stdout.strip().splitlines()[-1])
     ops = [f"gradops.{name}.default" for name in ("layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward",
-                                                  "nsa_compress", "nsa_compress_backward", "nsa_compress_seqlens_tensor",
-                                                  "nsa_compress_seqlens_tensor_backward")]
+                                                  "nsa_compress", "nsa_compress_backward")]
     assert before == sorted(ops)
     assert defined and after == sorted(ops + ["gradops.triton_layer_norm.default", "gradops.triton_rms_norm.default"])

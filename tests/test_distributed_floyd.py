@@ -21,12 +21,11 @@ import gradops
 import gradops.distributed as GD
 import gradops.nn.functional as GF
 from gradops import oracles
-from gradops.errors import AclnnError
 from gradops.ops import floyd_attention as floyd_ops
 from gradops.oracles import TOLERANCE, rel_error
 from conftest import TEST_DEVICE
 from memory_harness import Allocations
-from spawn import init_gloo, load_ranks, once_per_session, run_workers
+from spawn import init_gloo, load_ranks, once_per_session, outcomes, run_workers
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="W ranks need W GPUs under NCCL; the gloo runs are "
                                                              "the CPU suite's")
@@ -182,15 +181,7 @@ def _errors(world, rank):
                                                      dropout=0.1 if rank == 0 else 0.0),
         "dtensor rows": lambda: _dtensor_with_wrong_global_rows(leaves),
     }
-    outcome = {}
-    for name, call in attempts.items():
-        try:
-            call()
-            outcome[name] = None
-        except AclnnError as error:
-            outcome[name] = (error.status, str(error))
-        except Exception as error:  # noqa: BLE001  (recorded: the test fails on any type but AclnnError)
-            outcome[name] = ("not AclnnError", f"{type(error).__name__}: {error}")
+    outcome = outcomes(attempts)
     outcome["valid after"] = run_case(case, world, rank)
     return outcome
 

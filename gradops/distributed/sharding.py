@@ -30,7 +30,7 @@ gradients not asked for). Every argument is put into the cache key instead.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, Optional, Set
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -85,22 +85,15 @@ def _rms_norm_backward(dy, dresidual, x, rstd, gamma, offset, casting_mode, back
 _HEADS = Shard(1)  # x [T, N, D] and weight [block_size, N]: N is dim 1 of both
 
 
-def _seq_lens_placement(seq_lens):
-    """A list of ints is no tensor; the tensor of the compiled op's twin is replicated."""
-    return None if isinstance(seq_lens, (list, tuple)) else _R
-
-
 def _nsa_compress(x, weight, block_size, stride, seq_lens, seq_lens_type, backend):
-    lens = _seq_lens_placement(seq_lens)
-    return [([p], [p, p, None, None, lens, None, None]) for p in (_R, _HEADS)]
+    return [([p], [p, p, None, None, None, None, None]) for p in (_R, _HEADS)]
 
 
 def _nsa_compress_backward(dout, x, weight, block_size, stride, seq_lens, seq_lens_type, backend):
-    lens = _seq_lens_placement(seq_lens)
-    return [([p, p], [p, p, p, None, None, lens, None, None]) for p in (_R, _HEADS)]
+    return [([p, p], [p, p, p, None, None, None, None, None]) for p in (_R, _HEADS)]
 
 
-# gradops op -> its rule. The Triton norm ops take their custom op's arguments.
+# gradops op -> its rule (the Triton norm ops take their custom op's arguments)
 RULES: Dict[str, Callable] = {
     "layer_norm": _layer_norm,
     "triton_layer_norm": _layer_norm,
@@ -109,10 +102,10 @@ RULES: Dict[str, Callable] = {
     "triton_rms_norm": _rms_norm,
     "rms_norm_backward": _rms_norm_backward,
     "nsa_compress": _nsa_compress,
-    "nsa_compress_seqlens_tensor": _nsa_compress,
     "nsa_compress_backward": _nsa_compress_backward,
-    "nsa_compress_seqlens_tensor_backward": _nsa_compress_backward,
 }
+# (NSA's twin ops taking seq_lens as a tensor, for torch.compile, have no rule: the output's
+# size is data-dependent there, which DTensor cannot shard; nn refuses such a call on DTensors)
 
 
 def _defined(name: str) -> Optional[torch._ops.OpOverload]:
@@ -123,18 +116,18 @@ def _defined(name: str) -> Optional[torch._ops.OpOverload]:
 
 
 def _keyed_by_every_argument(op) -> None:
-    """See the module's docstring: the propagator's cache key of ``op`` holds all its arguments."""
+    """See the module's docstring: the propagator's cache key of ``op`` holds all its arguments.
+    (torch 2.11's cache needs it; 2.13's keys every argument already. It writes a private
+    table: drop it with 2.11.)"""
     from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.op_to_schema_info[op] = RuntimeSchemaInfo(static_argnum=1, needs_pytree=True)
 
 
-def register() -> List[str]:
+def register() -> None:
     """Registers the rule of every gradops op defined so far that has none yet (the Triton ops
-    may come later: each DTensor call of a norm or NSA registers what is new). Returns the
-    names registered by this call."""
-    new = []
+    may come later, and get theirs when they are defined)."""
     for name, rule in RULES.items():
         if name in _registered:
             continue
@@ -144,15 +137,13 @@ def register() -> List[str]:
         register_sharding(op)(rule)
         _keyed_by_every_argument(op)
         _registered.add(name)
-        new.append(name)
-    return new
 
 
 def same_mesh(op: str, tensors: Dict[str, object]) -> None:
     """A call's tensors (name -> tensor or None) are DTensors on one device mesh, or it is
     refused with ``AclnnError`` naming the first that is not (DTensor would raise a
     RuntimeError, after the call's other checks)."""
-    meshes = []
+    first = None  # (name, mesh) of the first DTensor
     for name, t in tensors.items():
         if t is None:
             continue
@@ -160,7 +151,8 @@ def same_mesh(op: str, tensors: Dict[str, object]) -> None:
             raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: {name} is a plain tensor beside DTensor arguments, "
                                                       f"expected a DTensor on their mesh (distribute_tensor, or "
                                                       f"DTensor.from_local with Replicate())")
-        if meshes and t.device_mesh != meshes[0][1]:
+        if first is None:
+            first = (name, t.device_mesh)
+        elif t.device_mesh != first[1]:
             raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: {name} is on the device mesh {t.device_mesh}, "
-                                                      f"{meshes[0][0]} on {meshes[0][1]}, expected one mesh")
-        meshes.append((name, t.device_mesh))
+                                                      f"{first[0]} on {first[1]}, expected one mesh")

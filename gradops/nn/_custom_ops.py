@@ -33,8 +33,7 @@ The modules that define ops deliberately avoid ``from __future__ import annotati
 ``custom_op`` reads the type hints to build each operator's schema.
 """
 import contextlib
-import sys
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 import torch
 from torch import Tensor
@@ -147,20 +146,21 @@ def register_autocast(op_name: str, cast_to_autocast_dtype: bool):
 DTENSOR_HANDLERS: Dict[str, Callable] = {}
 
 
-def dtensor_arguments(op: str, tensors: Dict[str, object]) -> bool:
-    """Before a gradops op meets a call's tensors (name -> tensor or None): whether any is a
-    DTensor. Then the ops' DTensor rules are registered (a no-op once they are), and every
+def dtensor_arguments(op: str, names: Tuple[str, ...], tensors: tuple) -> bool:
+    """Before a gradops op meets a call's tensors (each None or a tensor, named by ``names``):
+    whether any is a DTensor. Then the ops' DTensor rules are registered (once), and every
     tensor is checked to be a DTensor on one mesh (``AclnnError`` 161002 naming the first that
     is not: DTensor's own error would be a RuntimeError). False, and nothing done, where none
-    is a DTensor (no import of DTensor to tell)."""
-    for t in tensors.values():  # (a loop: any() over a generator costs an eager call twice this)
+    is a DTensor (no import of DTensor to tell). Every eager norm call pays this: tuples and a
+    loop (a dict, or any() over a generator, cost it twice as much)."""
+    for t in tensors:
         if type(t).__name__ == "DTensor":
             break
     else:
         return False
     _register_dtensor_rules()
     if not torch.compiler.is_compiling():  # (traced, DTensor's checks run when the graph is made)
-        DTENSOR_HANDLERS["same_mesh"](op, tensors)
+        DTENSOR_HANDLERS["same_mesh"](op, dict(zip(names, tensors)))
     return True
 
 
@@ -184,15 +184,21 @@ def dtensor_errors(dtensors: bool):
     return _aclnn_errors_unwrapped() if dtensors else _NOTHING
 
 
+_dtensor_rules_registered = False
+
+
 def _register_dtensor_rules() -> None:
-    DTENSOR_HANDLERS["rules"]()
+    global _dtensor_rules_registered
+    if not _dtensor_rules_registered:
+        DTENSOR_HANDLERS["rules"]()
+        _dtensor_rules_registered = True
 
 
 def register_dtensor_rules_of_new_ops() -> None:
-    """Ops defined after DTensor arguments have been seen (the Triton norm ops) get their
-    DTensor rules at once. (Where DTensor is not imported, no DTensor exists yet.)"""
-    if "torch.distributed.tensor" in sys.modules:
-        _register_dtensor_rules()
+    """Ops defined after the first DTensor call registered the rules (the Triton norm ops, on
+    the first traced CUDA call) get their DTensor rules at once."""
+    if _dtensor_rules_registered:
+        DTENSOR_HANDLERS["rules"]()
 
 
 # Under torch.compile dynamo runs it for real while tracing rather than tracing it (it returns

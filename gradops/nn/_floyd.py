@@ -169,7 +169,7 @@ def floyd_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, m
         return run_eager(q, k1, v1, k2, v2, mask, eager_call(q, k1, v1, k2, v2, mask, scale, backend))
     op = "floyd_attention"
     scale = _check_call(op, q, k1, v1, k2, v2, mask, scale)
-    dtensor_arguments(op, {"q": q, "k1": k1, "v1": v1, "k2": k2, "v2": v2, "mask": mask})
+    dtensor_arguments(op, ("q", "k1", "v1", "k2", "v2", "mask"), (q, k1, v1, k2, v2, mask))
     out, _, _ = transformed(torch.ops.gradops.floyd_attention)(q, k1, v1, k2, v2, mask, scale,
                                                                backend_arg(op, backend))
     return out

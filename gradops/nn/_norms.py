@@ -85,6 +85,8 @@ def _layer_norm_setup(ctx, inputs, output):
     ctx.has_residual = residual is not None
     if not ctx.has_residual:
         ctx.mark_non_differentiable(h)
+    else:  # an unused output's gradient stays None: not zeros of a plain tensor beside DTensors
+        ctx.set_materialize_grads(False)
     # the backward needs what was normalised: h with a residual, else x
     ctx.save_for_backward(h if ctx.has_residual else x, weight, bias, mean, rstd)
     ctx.normalized_shape = normalized_shape
@@ -161,11 +163,14 @@ class _LayerNormFunction(torch.autograd.Function):
         return _layer_norm_grads(ctx, dy, dh, need_x, need_res, need_w, need_b, ctx.plan) + (None,)
 
 
+_LAYER_NORM_TENSORS = ("input", "residual", "weight", "bias")
+
+
 def _layer_norm(op: str, input, residual, normalized_shape, weight, bias, eps, backend):
     """layer_norm and fused_add_layer_norm: (y, h), h None without a residual."""
     eager = takes_eager_path(input)
     call = layer_norm_call(op, input, residual, normalized_shape, weight, bias, eps, backend, eager=eager)
-    dtensors = dtensor_arguments(op, {"input": input, "residual": residual, "weight": weight, "bias": bias})
+    dtensors = dtensor_arguments(op, _LAYER_NORM_TENSORS, (input, residual, weight, bias))
     if eager:
         out = _LayerNormFunction.apply(input, residual, weight, bias, call)
         return out if residual is not None else (out, None)
@@ -250,6 +255,8 @@ def _rms_norm_setup(ctx, inputs, output):
     ctx.has_residual = residual is not None
     if not ctx.has_residual:
         ctx.mark_non_differentiable(h)
+    else:  # as LayerNorm's
+        ctx.set_materialize_grads(False)
     ctx.save_for_backward(h if ctx.has_residual else x, gamma, rstd)
     ctx.offset = offset
     ctx.casting_mode = casting_mode
@@ -315,12 +322,15 @@ class _RmsNormFunction(torch.autograd.Function):
         return _rms_norm_grads(ctx, dy, dh, need_x, need_res, need_gamma, ctx.plan) + (None,)
 
 
+_RMS_NORM_TENSORS = ("input", "residual", "weight")
+
+
 def _rms_norm(op: str, input, residual, normalized_shape, weight, eps, offset, casting_mode, backend):
     """rms_norm and fused_add_rms_norm: (y, h), h None without a residual."""
     eager = takes_eager_path(input)
     call = rms_norm_call(op, input, residual, normalized_shape, weight, eps, offset, casting_mode, backend,
                          eager=eager)
-    dtensors = dtensor_arguments(op, {"input": input, "residual": residual, "weight": weight})
+    dtensors = dtensor_arguments(op, _RMS_NORM_TENSORS, (input, residual, weight))
     gamma = weight if call.gamma is None else call.gamma
     if eager:
         out = _RmsNormFunction.apply(input, residual, gamma, call)

@@ -162,6 +162,20 @@ for _name in ("nsa_compress", "nsa_compress_seqlens_tensor"):
     register_folded_vmap(f"{_name}_backward", 1, unbatchable=("seq_lens",))
 
 
+def _check_dtensor_seq_lens(op: str, seq_lens) -> None:
+    """seq_lens beside DTensor arguments: a list, or a plain tensor read on the host. Under
+    torch.compile a tensor's values make the output's size data-dependent, which DTensor's
+    sharding propagation does not take; a DTensor cannot be read on the host at all."""
+    if type(seq_lens).__name__ == "DTensor":
+        raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: seq_lens is a DTensor, expected a list of ints or a plain "
+                                                  f"tensor (its values are read on the host)")
+    if isinstance(seq_lens, Tensor) and torch.compiler.is_compiling():
+        raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: seq_lens is a tensor beside DTensor arguments under "
+                                                  f"torch.compile, expected a list of ints (a tensor's values would "
+                                                  f"make the output's size data-dependent, which DTensor cannot "
+                                                  f"shard)")
+
+
 def nsa_compress(x: Tensor, weight: Tensor, block_size: int, stride: int,
                  seq_lens: Union[Sequence[int], Tensor], seq_lens_type: str = "cumsum", *,
                  backend: Optional[str] = None) -> Tensor:
@@ -186,9 +200,9 @@ def nsa_compress(x: Tensor, weight: Tensor, block_size: int, stride: int,
     code = _nsa_ops.seq_lens_type_code(op, seq_lens_type)
     type_name = "lengths" if code == 1 else "cumsum"
     backend = backend_arg(op, backend)
-    # (seq_lens is not a DTensor argument: as a list it is none, and a tensor is read on the
-    # host, except under torch.compile, where beside DTensors it must be a replicated DTensor)
-    dtensors = dtensor_arguments(op, {"x": x, "weight": weight})
+    dtensors = dtensor_arguments(op, ("x", "weight"), (x, weight))
+    if dtensors:
+        _check_dtensor_seq_lens(op, seq_lens)
     if isinstance(seq_lens, Tensor) and torch.compiler.is_compiling():
         require_tensor(op, "seq_lens", seq_lens)
         return transformed(torch.ops.gradops.nsa_compress_seqlens_tensor)(x, weight, block_size, stride, seq_lens,
