@@ -212,6 +212,12 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+# Why a norm FSDP2 sharded is left (FSDP2 is what shards a norm's weight: tensor and sequence
+# parallelism replicate it)
+_FSDP2_SWAPS = ("FSDP2 keeps the module object it wraps and swaps the parameters on it at every forward, so a "
+                "replacement would compute with the shards: patch before fully_shard")
+
+
 def _sharded_placements(params) -> Optional[str]:
     """The placements of the first DTensor parameter that is not replicated, else None. Tensor
     and sequence parallelism replicate a norm's weight (``SequenceParallel``): such a module is
@@ -244,9 +250,7 @@ def _why_not(module: nn.Module, kind: _Kind) -> Optional[str]:
         return "its weight is not an nn.Parameter"
     sharded = _sharded_placements(params)
     if sharded is not None:
-        return (f"its parameters are sharded DTensors ({sharded}): FSDP2, which shards a norm's weight, keeps the "
-                f"module object it wraps and swaps the parameters on it at every forward, so a replacement would "
-                f"compute with the shards: patch before fully_shard (or whatever sharded them)")
+        return f"its parameters are sharded DTensors ({sharded}): {_FSDP2_SWAPS} (or whatever sharded them)"
     if any(not p.is_floating_point() for p in params):
         return f"its parameters are {params[0].dtype}, not a floating dtype"
     if cls in _TORCH_KINDS:
@@ -274,9 +278,7 @@ def _not_served(module: nn.Module) -> Optional[str]:
     cls = type(module)
     wrapped = _fully_sharded_class(cls)
     if wrapped is not None and (_TORCH_KINDS.get(wrapped) or _hf_kind(wrapped)):
-        return (f"FSDP2's fully_shard wrapped it (class {cls.__name__}): FSDP2 swaps the parameters on the module "
-                f"object it wraps at every forward, so a replacement would compute with the shards: patch before "
-                f"fully_shard")
+        return f"FSDP2's fully_shard wrapped it (class {cls.__name__}): {_FSDP2_SWAPS}"
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         base = "torch.nn.LayerNorm" if isinstance(module, nn.LayerNorm) else "torch.nn.RMSNorm"
         return (f"a subclass of {base}, not the class itself: only torch's own class is replaced (a subclass may "

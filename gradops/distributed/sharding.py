@@ -23,10 +23,11 @@ the cheapest of them, and calls the op on the local tensors, which runs gradops'
 
 Floyd attention has its own row-sharded rule (``dtensor.py``), registered with these.
 
-One caveat of ``register_sharding`` is corrected here: it caches an op's decision under its
-tensor arguments and its first ``int`` argument onwards, and these ops' placements also
-depend on list and bool arguments (``normalized_shape``; ``output_mask``, which empties
-gradients not asked for). Every argument is put into the cache key instead.
+One caveat of ``register_sharding`` under torch 2.11 is corrected here: DTensor caches an
+op's decision under its tensor arguments and, as ``register_sharding`` declares it, its
+arguments from the first ``int`` one on, and these ops' placements also depend on list and
+bool arguments (``normalized_shape``; ``output_mask``, which empties gradients not asked for).
+Every argument is put into the cache key instead (torch 2.13 keys them all already).
 """
 from __future__ import annotations
 
