@@ -501,6 +501,10 @@ def _errors(mesh):
         "rms_norm: plain residual": lambda: GF.fused_add_rms_norm(xd, r, (H,), wd),
         "nsa_compress: plain weight": lambda: GF.nsa_compress(nxd, nw, NSA_BLOCK, NSA_STRIDE, NSA_SEQ),
         "layer_norm: weight shape": lambda: GF.layer_norm(xd, (H,), distribute_tensor(w[:-1], mesh, [Replicate()])),
+        # Floyd's row-sharded path checks its arguments with the same rule
+        "pivotal_attention: plain attn_mask": lambda: gradops.pivotal_attention(
+            *(distribute_tensor(_draw((1, 1, 4, 4, 4), 20 + i), mesh, [_placement("Shard(1)")]) for i in range(5)),
+            attn_mask=torch.zeros(1, 1, 4, 1, 4, dtype=torch.bool)),
         "nsa_compress: DTensor seq_lens": lambda: GF.nsa_compress(
             nxd, distribute_tensor(nw, mesh, [_placement("Shard(1)")]), NSA_BLOCK, NSA_STRIDE,
             distribute_tensor(torch.tensor(NSA_SEQ), mesh, [Replicate()])),
@@ -722,7 +726,8 @@ def test_errors_are_aclnn_errors(world_results):
              "rms_norm: plain residual": "residual is a plain tensor beside DTensor",
              "nsa_compress: plain weight": "weight is a plain tensor beside DTensor",
              "layer_norm: weight shape": "weight has shape (15,)",
-             "nsa_compress: DTensor seq_lens": "seq_lens is a DTensor"}
+             "nsa_compress: DTensor seq_lens": "seq_lens is a DTensor",
+             "pivotal_attention: plain attn_mask": "attn_mask is a plain tensor beside DTensor"}
     for r in results:
         for name, word in words.items():
             status, message = r["errors"][name]

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
 from ._collectives import refuse
+from .sharding import same_mesh
 from .floyd import OP, RowPlan, agree, row_sharded_backward, row_sharded_forward
 
 try:
@@ -31,25 +32,21 @@ except ImportError:  # torch < 2.5: no public DTensor
 _registered = False
 
 
-def _mesh_of(op: str, tensors):
-    meshes = {t.device_mesh for t in tensors if isinstance(t, DTensor)}
-    if len(meshes) != 1:
-        raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: the DTensor arguments are on {len(meshes)} device meshes, "
-                                                  f"expected one")
-    mesh = meshes.pop()
+def _mesh_of(op: str, names, tensors):
+    """The one 1-D mesh of a call's DTensor arguments (``sharding.same_mesh``: every tensor a
+    DTensor on one mesh, or AclnnError naming the first that is not)."""
+    same_mesh(op, dict(zip(names, tensors)))
+    mesh = next(t.device_mesh for t in tensors if t is not None)
     if mesh.ndim != 1:
         raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: the DTensor arguments are on a {mesh.ndim}-D mesh, "
                                                   f"expected a 1-D mesh (rows over its ranks)")
     return mesh
 
 
-def _local_rows(op: str, name: str, t, mesh):
+def _local_rows(t, mesh):
     """This rank's rows (dim 2) of a DTensor argument; None stays None."""
     if t is None:
         return None
-    if not isinstance(t, DTensor):
-        raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{op}: {name} is a plain tensor beside DTensor arguments, "
-                                                  f"expected a DTensor on their mesh")
     if t.placements != (Shard(2),):
         t = t.redistribute(mesh, [Shard(2)])
     return t.to_local()
@@ -80,9 +77,8 @@ def _arguments(func, args, kwargs):
 
 def _forward_rule(_mode, func, _types, args, kwargs=None):
     q, k1, v1, k2, v2, mask, scale, backend = _arguments(func, args, kwargs)
-    mesh = _mesh_of(OP, (q, k1, v1, k2, v2, mask))
-    names = ("q", "k1", "v1", "k2", "v2", "mask")
-    local = [_local_rows(OP, name, t, mesh) for name, t in zip(names, (q, k1, v1, k2, v2, mask))]
+    mesh = _mesh_of(OP, ("q", "k1", "v1", "k2", "v2", "mask"), (q, k1, v1, k2, v2, mask))
+    local = [_local_rows(t, mesh) for t in (q, k1, v1, k2, v2, mask)]
     plan = _plan(*local, scale, backend, q, k2, mesh)
     out, smax, ssum = row_sharded_forward(*local, scale, plan, backend)
     b, h, n, m, _ = q.shape
@@ -91,9 +87,9 @@ def _forward_rule(_mode, func, _types, args, kwargs=None):
 
 def _backward_rule(_mode, func, _types, args, kwargs=None):
     dy, q, k1, v1, k2, v2, out, smax, ssum, mask, scale, backend = _arguments(func, args, kwargs)
-    mesh = _mesh_of(OP, (dy, q, k1, v1, k2, v2, out, smax, ssum, mask))
-    names = ("dy", "q", "k1", "v1", "k2", "v2", "out", "softmax_max", "softmax_sum", "mask")
-    local = [_local_rows(OP, name, t, mesh) for name, t in zip(names, (dy, q, k1, v1, k2, v2, out, smax, ssum, mask))]
+    tensors = (dy, q, k1, v1, k2, v2, out, smax, ssum, mask)
+    mesh = _mesh_of(OP, ("dy", "q", "k1", "v1", "k2", "v2", "out", "softmax_max", "softmax_sum", "mask"), tensors)
+    local = [_local_rows(t, mesh) for t in tensors]
     plan = _plan(*local[1:6], local[9], scale, backend, q, k2, mesh)
     grads = row_sharded_backward(*local, scale, plan, backend)
     return tuple(_as_dtensor(g, mesh, t.shape) for g, t in zip(grads, (q, k1, v1, k2, v2)))
@@ -108,14 +104,10 @@ def pivotal_attention(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, i
     from .grid import PIVOTAL_OP, pivotal_attention as row_sharded
 
     tensors = (q_ik, k_ij, k_jk, v_ij, v_jk)
-    mesh = _mesh_of(PIVOTAL_OP, tensors + (attn_mask,))
-    names = ("q_ik", "k_ij", "k_jk", "v_ij", "v_jk")
-    local = [_local_rows(PIVOTAL_OP, name, t, mesh) for name, t in zip(names, tensors)]
+    mesh = _mesh_of(PIVOTAL_OP, ("q_ik", "k_ij", "k_jk", "v_ij", "v_jk", "attn_mask"), tensors + (attn_mask,))
+    local = [_local_rows(t, mesh) for t in tensors]
     mask = None
     if attn_mask is not None:
-        if not isinstance(attn_mask, DTensor):
-            raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{PIVOTAL_OP}: attn_mask is a plain tensor beside DTensor "
-                                                      f"arguments, expected a DTensor on their mesh")
         rows = attn_mask.dim() - 3
         placement = Shard(rows) if rows >= 0 and attn_mask.shape[rows] > 1 else Replicate()
         mask = attn_mask.redistribute(mesh, [placement]).to_local()
