@@ -1,6 +1,8 @@
 """gradops: fast, exact backward operators for transformer training (LayerNorm, RMSNorm,
-DeepSeek NSA compression, FloydNet pivotal attention), with CANN-compatible APIs."""
+DeepSeek NSA compression, FloydNet pivotal attention and 3-pivot attention), with CANN-compatible APIs."""
 from .api import (
+    floyd3_attention,
+    floyd3_attention_grad,
     floyd_attention,
     floyd_attention_grad,
     layer_norm,
@@ -27,6 +29,7 @@ from .errors import (
 from . import aclnn, ascendc, nn, torch_npu  # noqa: E402  (after the API: they build on it)
 from . import distributed  # noqa: E402,F401  (it hands nn the DTensor calls: see its docstring)
 from .nn.pivotal import pivotal_attention  # noqa: E402
+from .nn.pivotal3 import pivotal_attention3  # noqa: E402
 from .patch import patch, unpatch  # noqa: E402  (gradops.patch the function; the module stays importable)
 
 __version__ = "0.1.0"
@@ -50,7 +53,10 @@ __all__ = [
     "nsa_compress_grad",
     "floyd_attention",
     "floyd_attention_grad",
+    "floyd3_attention",
+    "floyd3_attention_grad",
     "pivotal_attention",
+    "pivotal_attention3",
     "patch",
     "unpatch",
     "use_backend",

@@ -1,6 +1,7 @@
 """Backend choice: the one place that decides which implementation runs a call.
 
-Each operator family (``layer_norm``, ``rms_norm``, ``nsa_compress``, ``floyd_attention``)
+Each operator family (``layer_norm``, ``rms_norm``, ``nsa_compress``, ``floyd_attention``,
+``floyd3_attention``)
 has a module under ``gradops/reference/`` (plain PyTorch, any device, any float dtype) and,
 once its kernels exist, a module of the same name under ``gradops/kernels/`` (Triton).
 Both expose the same functions with the same canonical arguments (see docs/backends.md);
@@ -19,7 +20,7 @@ import torch
 from .errors import ACLNN_ERR_PARAM_INVALID, AclnnError, AclnnTypeError
 
 BACKENDS = ("auto", "reference", "triton")
-FAMILIES = ("layer_norm", "rms_norm", "nsa_compress", "floyd_attention")
+FAMILIES = ("layer_norm", "rms_norm", "nsa_compress", "floyd_attention", "floyd3_attention")
 
 # What backend=None means: "auto" unless set_default_backend/use_backend chose otherwise. One
 # process-wide value (like torch.backends flags), so that autograd's backward threads and

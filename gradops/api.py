@@ -4,6 +4,7 @@ computes on the chosen backend. ``backend``: None/"auto" (Triton kernels for CUD
 where they exist, else the PyTorch reference), "reference" or "triton"."""
 from __future__ import annotations
 
+from .ops.floyd3_attention import prepare_floyd3_attention, prepare_floyd3_attention_grad
 from .ops.floyd_attention import prepare_floyd_attention, prepare_floyd_attention_grad
 from .ops.layer_norm import (
     prepare_layer_norm,
@@ -95,3 +96,18 @@ def floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, m
     compact ``[B,H,N,M]`` or CANN's ``[B,H,N,M,8]``."""
     return prepare_floyd_attention_grad(dy, q, k1, v1, k2, v2, out, softmax_max, softmax_sum, mask, scale,
                                         backend=backend).run()
+
+
+def floyd3_attention(q, k1, v1, k2, v2, k3, v3, mask=None, scale=1.0, *, backend=None):
+    """3-Floyd (3-pivot) attention: ``(out, softmax_max, softmax_sum)`` with statistics
+    ``[B,H,I,J,K]``. q ``[B,H,I,J,K,D]``, k1/v1 ``[B,H,P,J,K,D]``, k2/v2 ``[B,H,I,P,K,D]``,
+    k3/v3 ``[B,H,I,J,P,D]``; mask bool/uint8 broadcastable to ``[B,1,I,J,K,P]`` (True = pivot
+    removed). ``s = scale * q.(k1 + k2 + k3)``, softmax over the pivot p."""
+    return prepare_floyd3_attention(q, k1, v1, k2, v2, k3, v3, mask, scale, backend=backend).run()
+
+
+def floyd3_attention_grad(dy, q, k1, v1, k2, v2, k3, v3, out, softmax_max, softmax_sum, mask=None, scale=1.0, *,
+                          backend=None):
+    """Gradients of :func:`floyd3_attention`: ``(dq, dk1, dv1, dk2, dv2, dk3, dv3)`` in q's dtype."""
+    return prepare_floyd3_attention_grad(dy, q, k1, v1, k2, v2, k3, v3, out, softmax_max, softmax_sum, mask, scale,
+                                         backend=backend).run()

@@ -135,6 +135,37 @@ def floyd_attention_backward(dy, q, k1, v1, k2, v2, mask=None, scale=1.0):
     return tuple(_grads(y, dy, leaves))
 
 
+def floyd3_scores(q, k1, k2, k3, mask, scale):
+    """``[B,H,I,J,K,P]`` scores of 3-Floyd in float64, masked ones -FLT_MAX; ``mask``
+    broadcastable to them."""
+    s = (torch.einsum("bhijkd,bhpjkd->bhijkp", q, k1) + torch.einsum("bhijkd,bhipkd->bhijkp", q, k2)
+         + torch.einsum("bhijkd,bhijpd->bhijkp", q, k3)) * scale
+    return s if mask is None else s.masked_fill(mask.to(s.device).bool(), -FLT_MAX)
+
+
+def _floyd3_values(p, v1, v2, v3):
+    return (torch.einsum("bhijkp,bhpjkd->bhijkd", p, v1) + torch.einsum("bhijkp,bhipkd->bhijkd", p, v2)
+            + torch.einsum("bhijkp,bhijpd->bhijkd", p, v3))
+
+
+def floyd3_attention(q, k1, v1, k2, v2, k3, v3, mask=None, scale=1.0):
+    """``(out, softmax_max, softmax_sum)`` of 3-Floyd in float64 through the full quartic scores
+    (small shapes only)."""
+    q, k1, v1, k2, v2, k3, v3 = (t.to(F64) for t in (q, k1, v1, k2, v2, k3, v3))
+    s = floyd3_scores(q, k1, k2, k3, mask, scale)
+    mx = s.amax(dim=-1)
+    e = torch.exp(s - mx[..., None])
+    return _floyd3_values(e / e.sum(dim=-1, keepdim=True), v1, v2, v3), mx, e.sum(dim=-1)
+
+
+def floyd3_attention_backward(dy, q, k1, v1, k2, v2, k3, v3, mask=None, scale=1.0):
+    """``(dq, dk1, dv1, dk2, dv2, dk3, dv3)`` by float64 autograd through the full scores."""
+    leaves = [_leaf(t) for t in (q, k1, v1, k2, v2, k3, v3)]
+    ql, k1l, v1l, k2l, v2l, k3l, v3l = leaves
+    p = torch.softmax(floyd3_scores(ql, k1l, k2l, k3l, mask, scale), dim=-1)
+    return tuple(_grads(_floyd3_values(p, v1l, v2l, v3l), dy, leaves))
+
+
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max(|expected|), 0 for empty tensors; NaN positions must match."""
     if expected.numel() == 0:

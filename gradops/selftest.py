@@ -234,6 +234,29 @@ def _floyd(b, h, n, m, k, d, masked):
     return check
 
 
+def _floyd3(b, h, i, j, k, p, d, masked):
+    def check(dtype, device, backend):
+        q = _rand((b, h, i, j, k, d), dtype, device)
+        k1, v1 = _rand((b, h, p, j, k, d), dtype, device), _rand((b, h, p, j, k, d), dtype, device)
+        k2, v2 = _rand((b, h, i, p, k, d), dtype, device), _rand((b, h, i, p, k, d), dtype, device)
+        k3, v3 = _rand((b, h, i, j, p, d), dtype, device), _rand((b, h, i, j, p, d), dtype, device)
+        mask = None
+        if masked:
+            mask = torch.rand((b, 1, i, 1, k, p), generator=torch.Generator().manual_seed(1)) < 0.3
+            mask[:, :, 0, :, 0] = True  # fully masked rows: uniform softmax
+            mask = mask.to(device)
+        scale = (3 * d) ** -0.5
+        out, smax, ssum = api.floyd3_attention(q, k1, v1, k2, v2, k3, v3, mask, scale, backend=backend)
+        dy = _rand(tuple(out.shape), dtype, device)
+        grads = api.floyd3_attention_grad(dy, q, k1, v1, k2, v2, k3, v3, out, smax, ssum, mask, scale,
+                                          backend=backend)
+        eout, emax, esum = oracles.floyd3_attention(q, k1, v1, k2, v2, k3, v3, mask, scale)
+        egrads = oracles.floyd3_attention_backward(dy, q, k1, v1, k2, v2, k3, v3, mask, scale)
+        pairs = [("out", out, eout), ("softmax_max", smax, emax), ("softmax_sum", ssum, esum)]
+        return pairs + list(zip(("dq", "dk1", "dv1", "dk2", "dv2", "dk3", "dv3"), grads, egrads))
+    return check
+
+
 CASES: Dict[str, List[Tuple[str, str, Check]]] = {
     "layer_norm": [
         ("layer_norm fwd+bwd", "(4, 64)", _layer_norm((4, 64), 1)),
@@ -251,6 +274,10 @@ CASES: Dict[str, List[Tuple[str, str, Check]]] = {
     "floyd_attention": [
         ("floyd_attention fwd+bwd", "B=1 H=2 N=5 M=7 K=9 D=8 mask", _floyd(1, 2, 5, 7, 9, 8, True)),
         ("floyd_attention fwd+bwd", "B=2 H=1 N=4 M=3 K=6 D=16", _floyd(2, 1, 4, 3, 6, 16, False)),
+    ],
+    "floyd3_attention": [
+        ("floyd3_attention fwd+bwd", "B=1 H=2 I=3 J=4 K=5 P=6 D=8 mask", _floyd3(1, 2, 3, 4, 5, 6, 8, True)),
+        ("floyd3_attention fwd+bwd", "B=2 H=1 I=5 J=3 K=4 P=7 D=16", _floyd3(2, 1, 5, 3, 4, 7, 16, False)),
     ],
 }
 

@@ -4,5 +4,7 @@ gradients are gradops' backward operators, drop-in modules, and FloydNet's
 from . import functional
 from .modules import FloydAttention, LayerNorm, NsaCompress, RMSNorm
 from .pivotal import pivotal_attention
+from .pivotal3 import pivotal_attention3
 
-__all__ = ["functional", "LayerNorm", "RMSNorm", "NsaCompress", "FloydAttention", "pivotal_attention"]
+__all__ = ["functional", "LayerNorm", "RMSNorm", "NsaCompress", "FloydAttention", "pivotal_attention",
+           "pivotal_attention3"]

@@ -90,23 +90,37 @@ def _check_inputs(q_ik, k_ij, k_jk, v_ij, v_jk, op):
     return b, h, li, lk, lj, d
 
 
-def _mask_5d(attn_mask, full_shape, device, op):
-    """The mask with leading singleton dims added, checked to broadcast to ``full_shape``."""
+def broadcast_mask(attn_mask, full_shape, layout, device, op):
+    """The mask with leading singleton dims added, checked to broadcast to ``full_shape``
+    (``layout`` names its dims in messages, e.g. "(B, H, L_i, L_k, L_j)")."""
     require_tensor(op, "attn_mask", attn_mask)  # not None here: a non-tensor is an AclnnTypeError
     if attn_mask.is_complex():
         _fail(f"attn_mask has dtype {dtype_name(attn_mask.dtype)}, expected bool (True removes the pivot) or a "
               f"real dtype (an additive mask)", op=op)
     if attn_mask.device != device:
-        _fail(f"attn_mask is on {attn_mask.device}, expected the device of q_ik ({device})", op=op)
-    if attn_mask.dim() > 5:
-        _fail(f"attn_mask has {attn_mask.dim()} dims, expected at most 5, broadcastable to "
-              f"(B, H, L_i, L_k, L_j) == {tuple(full_shape)}", op=op)
-    mask = attn_mask.reshape((1,) * (5 - attn_mask.dim()) + tuple(attn_mask.shape))
+        _fail(f"attn_mask is on {attn_mask.device}, expected the device of the query ({device})", op=op)
+    rank = len(full_shape)
+    if attn_mask.dim() > rank:
+        _fail(f"attn_mask has {attn_mask.dim()} dims, expected at most {rank}, broadcastable to "
+              f"{layout} == {tuple(full_shape)}", op=op)
+    mask = attn_mask.reshape((1,) * (rank - attn_mask.dim()) + tuple(attn_mask.shape))
     for size, full in zip(mask.shape, full_shape):
         if size not in (1, full):
             _fail(f"attn_mask has shape {tuple(attn_mask.shape)}, expected a shape broadcastable to "
-                  f"(B, H, L_i, L_k, L_j) == {tuple(full_shape)}", op=op)
+                  f"{layout} == {tuple(full_shape)}", op=op)
     return mask
+
+
+def check_floats(op, dropout, scale, inf, softmax_cap, default_scale):
+    """``(dropout, scale, inf, softmax_cap)`` of a call, checked, as Python floats; a None
+    ``scale`` is ``default_scale``."""
+    dropout = check_float_attr(op, "dropout", dropout)
+    if not 0.0 <= dropout <= 1.0:
+        _fail(f"dropout is {short_repr(dropout)}, expected a float in [0, 1]", op=op)
+    scale = default_scale if scale is None else check_float_attr(op, "scale", scale)
+    inf = check_float_attr(op, "inf", inf)
+    softmax_cap = check_float_attr(op, "softmax_cap", softmax_cap)
+    return float(dropout), float(scale), float(inf), float(softmax_cap)
 
 
 def _operator_mask(attn_mask, b, li, lj):
@@ -186,24 +200,18 @@ class PivotalCall(NamedTuple):
 def resolve(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf, softmax_cap, op: str = _OP) -> PivotalCall:
     """Every check of a call, and which path takes it (the module docstring's rules)."""
     b, h, li, lk, lj, d = _check_inputs(q_ik, k_ij, k_jk, v_ij, v_jk, op)
-    dropout = check_float_attr(op, "dropout", dropout)
-    if not 0.0 <= dropout <= 1.0:
-        _fail(f"dropout is {short_repr(dropout)}, expected a float in [0, 1]", op=op)
-    if scale is None:  # with D = 0 every score is 0 whatever the scale: any finite one will do
-        scale = 1.0 / math.sqrt(2.0 * d) if d else 1.0
-    else:
-        scale = check_float_attr(op, "scale", scale)
-    inf = check_float_attr(op, "inf", inf)
-    softmax_cap = check_float_attr(op, "softmax_cap", softmax_cap)
+    # with D = 0 every score is 0 whatever the scale: any finite one will do
+    dropout, scale, inf, softmax_cap = check_floats(op, dropout, scale, inf, softmax_cap,
+                                                    1.0 / math.sqrt(2.0 * d) if d else 1.0)
     full_shape = (b, h, li, lk, lj)
-    mask = None if attn_mask is None else _mask_5d(attn_mask, full_shape, q_ik.device, op)
+    mask = None if attn_mask is None else broadcast_mask(attn_mask, full_shape, "(B, H, L_i, L_k, L_j)", q_ik.device, op)
 
     fusable_mask = mask is None or (mask.dtype == torch.bool and mask.shape[1] == 1 and mask.shape[3] == 1
                                     and inf >= FUSED_MIN_INF)
     if dropout == 0.0 and not softmax_cap > 0 and fusable_mask:
         fused_mask = None if mask is None else _operator_mask(attn_mask, b, li, lj)
-        return PivotalCall(True, fused_mask, float(scale), float(inf), float(softmax_cap), float(dropout))
-    return PivotalCall(False, mask, float(scale), float(inf), float(softmax_cap), float(dropout))
+        return PivotalCall(True, fused_mask, scale, inf, softmax_cap, dropout)
+    return PivotalCall(False, mask, scale, inf, softmax_cap, dropout)
 
 
 def chunked(call: PivotalCall, q_ik, k_ij, k_jk, v_ij, v_jk) -> torch.Tensor:

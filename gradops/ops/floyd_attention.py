@@ -47,20 +47,21 @@ def _check_dtypes(op, named):
 _LAYOUTS = {"q": "BHNMD", "k1": "BHNKD", "v1": "BHNKD", "k2": "BHKMD", "v2": "BHKMD"}
 
 
-def _check_shapes(op, q, k1, v1, k2, v2):
-    """Rank 5 each, and one size per dim (B, H, N, M, K, D) across the tensors that have it:
-    the size most of them have (a tie goes to the first, q's, or k1's for K). An error names
-    the tensor off it, the dims that differ and the tensors that agree."""
-    named = (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2))
+def agreed_sizes(op, named, layouts):
+    """Each tensor of ``named`` has the rank of its layout (``layouts[name]``, a letter per
+    dim), and one size per letter across the tensors that have it: the size most of them have
+    (a tie goes to the first in ``named``). An error (561002) names the tensor off it, the dims
+    that differ and the tensors that agree. Returns ``{letter: size}``."""
     for name, t in named:
-        check_rank(op, name, t, 5, 5, status=TILING)
+        rank = len(layouts[name])
+        check_rank(op, name, t, rank, rank, status=TILING)
     sizes = {}  # dim -> [(name, size)] in the order of ``named``
     for name, t in named:
-        for dim, size in zip(_LAYOUTS[name], t.shape):
+        for dim, size in zip(layouts[name], t.shape):
             sizes.setdefault(dim, []).append((name, size))
     agreed = {dim: most_common([size for _, size in pairs]) for dim, pairs in sizes.items()}
     for name, t in named:
-        layout = _LAYOUTS[name]
+        layout = layouts[name]
         wrong = [(dim, size) for dim, size in zip(layout, t.shape) if size != agreed[dim]]
         if wrong:
             rules = "; ".join(f"{dim} = {agreed[dim]} as in "
@@ -68,6 +69,13 @@ def _check_shapes(op, q, k1, v1, k2, v2):
                               for dim, _ in wrong)
             fail(op, TILING, f"{name} has shape {tuple(t.shape)} ([{', '.join(layout)}]), so "
                              f"{', '.join(f'{dim} = {size}' for dim, size in wrong)}, expected {rules}")
+    return agreed
+
+
+def _check_shapes(op, q, k1, v1, k2, v2):
+    """Rank 5 each, and one size per dim (B, H, N, M, K, D): :func:`agreed_sizes` (a tie goes to
+    q's, or k1's for K)."""
+    agreed = agreed_sizes(op, (("q", q), ("k1", k1), ("v1", v1), ("k2", k2), ("v2", v2)), _LAYOUTS)
     b, h, n, m, d = q.shape
     kk = agreed["K"]
     if kk < 1 and b * h * n * m > 0:
