@@ -508,6 +508,9 @@ def _errors(mesh):
         "nsa_compress: DTensor seq_lens": lambda: GF.nsa_compress(
             nxd, distribute_tensor(nw, mesh, [_placement("Shard(1)")]), NSA_BLOCK, NSA_STRIDE,
             distribute_tensor(torch.tensor(NSA_SEQ), mesh, [Replicate()])),
+        # 3-Floyd has no sharding rule: refused before torch's own error
+        "pivotal_attention3: DTensor": lambda: gradops.pivotal_attention3(
+            *(distribute_tensor(_draw((1, 2, 2, 2, 2, 4), 30 + i), mesh, [Replicate()]) for i in range(7))),
     }
     return outcomes(attempts)
 
@@ -727,7 +730,8 @@ def test_errors_are_aclnn_errors(world_results):
              "nsa_compress: plain weight": "weight is a plain tensor beside DTensor",
              "layer_norm: weight shape": "weight has shape (15,)",
              "nsa_compress: DTensor seq_lens": "seq_lens is a DTensor",
-             "pivotal_attention: plain attn_mask": "attn_mask is a plain tensor beside DTensor"}
+             "pivotal_attention: plain attn_mask": "attn_mask is a plain tensor beside DTensor",
+             "pivotal_attention3: DTensor": "q_ijk is a DTensor; 3-Floyd attention has no sharding rule"}
     for r in results:
         for name, word in words.items():
             status, message = r["errors"][name]

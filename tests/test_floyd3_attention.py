@@ -374,3 +374,32 @@ def test_compiles_fullgraph_as_the_custom_ops(backend):
     forward, backward = graphs
     assert gradops_ops_in(forward) == {"floyd3_attention"}
     assert gradops_ops_in(backward) == {"floyd3_attention_backward"}
+
+
+def test_a_brec_style_3_floyd_block_matches_floydnet(backend):
+    """As FloydNet's BREC model calls it (``example/BREC/model.py``, ``FloydBlock3``): q and the six
+    keys and values are chunks of one projection of the triple representation, rearranged
+    into heads (non-contiguous views), a scale of ``head_dim**-0.5 * sf``, no mask; run under
+    no_grad (BREC's forward) and with the projection's gradient."""
+    floydnet = pytest.importorskip("floydnet")
+    b, n, heads, head_dim, sf = 1, 5, 2, 8, 4.0
+    width = heads * head_dim
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(b, n, n, n, width, generator=gen, device="cpu").to(TEST_DEVICE)
+    weight = (torch.randn(7 * width, width, generator=gen, device="cpu") * width ** -0.5).to(TEST_DEVICE)
+
+    def block(attention, x, weight):
+        parts = torch.nn.functional.linear(x, weight).chunk(7, dim=-1)
+        q, k1, k2, k3, v1, v2, v3 = (t.unflatten(-1, (heads, head_dim)).permute(0, 4, 1, 2, 3, 5) for t in parts)
+        y = attention(q, k1, k2, k3, v1, v2, v3, scale=head_dim ** -0.5 * sf)
+        return y.permute(0, 2, 3, 4, 1, 5).flatten(-2)
+
+    with torch.no_grad():
+        ours = block(gradops.pivotal_attention3, x, weight)
+        theirs = block(floydnet.pivotal_attention3, x.double(), weight.double())
+    assert rel_error(ours, theirs) <= TOLERANCE[torch.float32]
+    w = weight.clone().requires_grad_()
+    (dw,) = torch.autograd.grad(block(gradops.pivotal_attention3, x, w).square().sum(), w)
+    w64 = weight.double().requires_grad_()
+    (dw64,) = torch.autograd.grad(block(floydnet.pivotal_attention3, x.double(), w64).square().sum(), w64)
+    assert rel_error(dw, dw64) <= TOLERANCE[torch.float32]

@@ -106,15 +106,22 @@ class _Floyd3Function(torch.autograd.Function):
         return _grads_needed(ctx, dy, torch.is_grad_enabled()) + (None, None, None)
 
 
-def _check_call(op, tensors, mask, scale) -> float:
-    """The functional's own checks (before the operator's): tensors where tensors belong, no
-    DTensor (3-Floyd has no sharding rule), a float scale; returns the scale."""
-    for name, t in zip(_NAMES, tensors):
-        require_tensor(op, name, t)
+def refuse_dtensors(op, names, tensors):
+    """3-Floyd attention has no sharding rule: a DTensor argument is refused (before torch's own
+    error for an op without one)."""
+    for name, t in zip(names, tensors):
         if type(t).__name__ == "DTensor":
             raise AclnnError(ACLNN_ERR_PARAM_INVALID,
                              f"{op}: {name} is a DTensor; 3-Floyd attention has no sharding rule: call it on "
                              f"each rank's local tensors (DTensor.to_local())")
+
+
+def _check_call(op, tensors, mask, scale) -> float:
+    """The functional's own checks (before the operator's): tensors where tensors belong, no
+    DTensor, a float scale; returns the scale."""
+    for name, t in zip(_NAMES, tensors):
+        require_tensor(op, name, t)
+    refuse_dtensors(op, _NAMES, tensors)
     require_tensor(op, "mask", mask, optional=True)
     return check_float_attr(op, "scale", scale)
 

@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops._checks import dtype_name, require_tensor
 from ._custom_ops import autocast_eligible
-from ._floyd3 import floyd3_attention
+from ._floyd3 import floyd3_attention, refuse_dtensors
 from .pivotal import FUSED_MIN_INF, _autocast_dtype, _fail, broadcast_mask, check_floats
 
 __all__ = ["pivotal_attention3", "TILE_ELEMENTS"]
@@ -55,6 +55,7 @@ def _check_inputs(tensors):
     names = ("q_ijk", "k_pjk", "k_ipk", "k_ijp", "v_pjk", "v_ipk", "v_ijp")
     for name, t in zip(names, tensors):  # None -> 161001, a non-tensor -> AclnnTypeError, first
         require_tensor(_OP, name, t)
+    refuse_dtensors(_OP, names, tensors)
     q = tensors[0]
     for name, t in zip(names, tensors):
         if t.dim() != 6:
