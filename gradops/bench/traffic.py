@@ -732,3 +732,160 @@ def floyd_main(args) -> int:
         json.dump({"benchmark": "gradops bench floyd --traffic", "results": results}, f, indent=1)
     print(f"wrote {path}" + (f" ({why})" if why else ""))
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 3-Floyd attention (gradops/kernels/floyd3_attention.py)
+# ---------------------------------------------------------------------------------------------
+Shape3 = Tuple[int, ...]  # B, H, I, J, K, P, D (or B, H, L, D: a cube of side L)
+FLOYD3_DEFAULT_SHAPE: Shape3 = (1, 1, 32, 32, 32, 32, 32)  # one slice of BREC's L = 32, D = 32 (bytes scale with B*H)
+FLOYD3_QUICK_SHAPE: Shape3 = (1, 1, 8, 8, 8, 8, 16)
+
+
+def floyd3_shape(shape: Sequence[int]) -> Tuple[int, int, int, int, int, int, int]:
+    """(B, H, I, J, K, P, D) from a 7-tuple, or from (B, H, L, D): I = J = K = P = L."""
+    shape = tuple(int(x) for x in shape)
+    if len(shape) == 4:
+        b, h, side, d = shape
+        return b, h, side, side, side, side, d
+    if len(shape) != 7:
+        raise ValueError(f"a 3-Floyd shape is B,H,I,J,K,P,D or B,H,L,D, got {shape}")
+    return shape
+
+
+def floyd3_inputs(shape: Sequence[int], dtype, masked: bool = False, seed: int = 0):
+    """``(q, k1, v1, k2, v2, k3, v3), dy, mask``: CPU inputs of ``shape`` (:func:`floyd3_shape`)
+    drawn from a CPU generator seeded with ``seed``, normal in float32 rounded to ``dtype``;
+    with ``masked``, a padded graph's mask: about 10% of the pivots removed, [B, 1, 1, 1, 1, P]
+    expanded to [B, 1, I, J, K, P] (stride 0: what a mask of padded nodes is)."""
+    b, h, i, j, k, p, d = floyd3_shape(shape)
+    dtype = _dtype(dtype)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float32).to(dtype)
+
+    inputs = (rnd(b, h, i, j, k, d), rnd(b, h, p, j, k, d), rnd(b, h, p, j, k, d), rnd(b, h, i, p, k, d),
+              rnd(b, h, i, p, k, d), rnd(b, h, i, j, p, d), rnd(b, h, i, j, p, d))
+    dy = rnd(b, h, i, j, k, d)
+    mask = None
+    if masked:
+        mask = (torch.rand(b, 1, 1, 1, 1, p, generator=gen) < 0.1).expand(b, 1, i, j, k, p)
+    return inputs, dy, mask
+
+
+def _labelled(traffic: dict, names: Sequence[str]) -> dict:
+    """Each launch's record with ``label``: its place in a chunk's launches (``names``, in order)."""
+    for n, launch in enumerate(traffic["launches"]):
+        launch["label"] = names[n % len(names)]
+    return traffic
+
+
+def floyd3_traffic(shape: Sequence[int], dtype, masked: bool = False, seed: int = 0,
+                   scale: Optional[float] = None) -> dict:
+    """The traffic of one 3-Floyd forward and, counted apart, one backward (fed with the
+    forward's statistics) through the kernels' backend functions, at ``shape`` (B, H, I, J, K,
+    P, D, or B, H, L, D) and ``dtype``, on :func:`floyd3_inputs`. A JSON-able dict as
+    :func:`floyd_traffic`'s: the case, ``chunks`` (the plan's), for ``fwd`` and ``bwd`` the
+    launches (each with its ``label``, ``floyd3_attention.FORWARD_NAMES`` / ``BACKWARD_NAMES``),
+    the torch operations and the totals in bytes and per score (scores = B*H*I*J*K*P), ``total``
+    their sum, and the interpreter's seconds."""
+    from ..kernels import floyd3_attention as f3
+
+    b, h, i, j, k, p, d = floyd3_shape(shape)
+    dtype = _dtype(dtype)
+    scores = b * h * i * j * k * p
+    scale = (3 * d) ** -0.5 if scale is None else float(scale)  # FloydNet's default, 1/sqrt(3 D)
+    inputs, dy, mask = floyd3_inputs((b, h, i, j, k, p, d), dtype, masked, seed)
+    plan = f3.chunk_plan(b * h, i, j, k, p, d, dtype, inputs[0].device)
+    result = {"shape": dict(zip(("B", "H", "I", "J", "K", "P", "D"), (b, h, i, j, k, p, d))),
+              "dtype": str(dtype).replace("torch.", ""), "masked": masked, "seed": seed, "scale": scale,
+              "scores": scores, "chunks": plan.count(b * h, i, j)}
+    start = time.perf_counter()
+    (out, smax, ssum), fwd = count_traffic(lambda: f3.floyd3_attention(*inputs, mask, scale))
+    fwd_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    _, bwd = count_traffic(lambda: f3.floyd3_attention_grad(dy, *inputs, smax, ssum, mask, scale))
+    bwd_seconds = time.perf_counter() - start
+    result["fwd"] = _labelled(fwd.to_dict(scores), f3.FORWARD_NAMES) | {"seconds": fwd_seconds}
+    result["bwd"] = _labelled(bwd.to_dict(scores), f3.BACKWARD_NAMES) | {"seconds": bwd_seconds}
+    distinct, issued = fwd.distinct + bwd.distinct, fwd.issued + bwd.issued
+    result["total"] = {"distinct": distinct, "issued": issued, "distinct_per_score": distinct / scores,
+                       "issued_per_score": issued / scores}
+    return result
+
+
+def floyd3_report(result: dict) -> str:
+    """The text of one :func:`floyd3_traffic` result: per launch (labelled) its distinct and
+    issued bytes loaded and stored and per score, then the totals."""
+    scores = result["scores"]
+    case = ",".join(str(v) for v in result["shape"].values())
+    lines = [f"3-Floyd attention traffic, B,H,I,J,K,P,D = {case}, {result['dtype']}"
+             + (", masked" if result["masked"] else "") + f": {scores} scores, {result['chunks']} chunk(s)"]
+    for key, title in (("fwd", "forward"), ("bwd", "backward")):
+        lines.append(f"{title} ({result[key]['seconds']:.1f} s in the interpreter), bytes per score:")
+        lines.append(f"{'#':>3} {'launch':<34} {'dist load':>10} {'dist store':>10} {'iss load':>10} "
+                     f"{'iss store':>10}")
+        for n, launch in enumerate(result[key]["launches"]):
+            lines.append(f"{n:>3} {launch['label']:<34} " + " ".join(
+                f"{launch[f'{part}_per_score']:>10.2f}" for part in _FOUR))
+        for op in result[key]["torch_ops"]:
+            lines.append(f"    torch {op['op']}: read {op['read']}, wrote {op['write']} bytes")
+        totals = result[key]["totals"]
+        lines.append(f"    {title} total: distinct {totals['distinct']} bytes ({totals['distinct_per_score']:.2f} per "
+                     f"score), issued {totals['issued']} ({totals['issued_per_score']:.2f})")
+    total = result["total"]
+    lines.append(f"forward+backward: distinct {total['distinct_per_score']:.2f}, issued "
+                 f"{total['issued_per_score']:.2f} bytes per score")
+    return "\n".join(lines)
+
+
+def floyd3_main(argv=None) -> int:
+    """``gradops bench floyd3 --traffic``: :func:`floyd3_traffic` for each --shape (B,H,I,J,K,P,D
+    or B,H,L,D; default :data:`FLOYD3_DEFAULT_SHAPE`, --quick :data:`FLOYD3_QUICK_SHAPE`) and
+    --dtype (default float16), printed, and with --json PATH the results written there. Takes
+    an argv list (``--traffic`` itself is accepted and ignored) or an argparse namespace with
+    those attributes (``shape`` as lists of ints, ``dtypes``, ``mask``, ``quick``, ``scale``).
+    Runs on the CPU through the Triton interpreter, which it switches on before triton is
+    imported."""
+    import argparse
+
+    from ..selftest import use_interpreter_on_cpu
+
+    if argv is None or isinstance(argv, (list, tuple)):
+        parser = argparse.ArgumentParser(prog="gradops bench floyd3 --traffic")
+        parser.add_argument("--traffic", action="store_true", help="(this command: accepted, ignored)")
+        parser.add_argument("--shape", action="append", default=None, type=lambda s: [int(x) for x in s.split(",")],
+                            help="B,H,I,J,K,P,D or B,H,L,D (repeatable)")
+        parser.add_argument("--dtype", dest="dtypes", action="append", default=None)
+        parser.add_argument("--mask", action="store_true", help="a padded graph's pivot mask")
+        parser.add_argument("--quick", action="store_true")
+        parser.add_argument("--scale", type=float, default=None)
+        parser.add_argument("--json", default=None, help="write the results there")
+        args = parser.parse_args(list(argv or []))
+    else:
+        args = argv
+    if getattr(args, "device", "cpu") == "cuda":
+        print("gradops bench floyd3 --traffic: counts through the Triton interpreter on the CPU (no --device cuda)",
+              file=sys.stderr)
+        return 2
+    use_interpreter_on_cpu("cpu")
+    shapes = getattr(args, "shape", None) or [FLOYD3_QUICK_SHAPE if getattr(args, "quick", False)
+                                              else FLOYD3_DEFAULT_SHAPE]
+    results = []
+    try:
+        for shape in shapes:
+            for dtype in getattr(args, "dtypes", None) or [DEFAULT_DTYPE]:
+                results.append(floyd3_traffic(shape, dtype, bool(getattr(args, "mask", False)),
+                                              scale=getattr(args, "scale", None)))
+                print(floyd3_report(results[-1]), flush=True)
+                print()
+    except (RuntimeError, ValueError) as e:
+        print(f"gradops bench floyd3 --traffic: {e}", file=sys.stderr)
+        return 2
+    path = getattr(args, "json", None)
+    if path:
+        with open(path, "w") as f:
+            json.dump({"benchmark": "gradops bench floyd3 --traffic", "results": results}, f, indent=1)
+        print(f"wrote {path}")
+    return 0
