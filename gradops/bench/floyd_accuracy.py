@@ -123,14 +123,22 @@ def oracle(inputs, dy, mask, scale: float) -> List[torch.Tensor]:
     differentiated by autograd, one (b, h) slice at a time (the float64 scores and their
     softmax of one slice, N*M*K*8 bytes each, not of the whole batch). Independent of every
     gradops backend: no gradops operator runs."""
+    return float64_autograd(floyd_einsum, inputs, dy, mask, scale)
+
+
+def float64_autograd(formula, inputs, dy, mask, scale: float) -> List[torch.Tensor]:
+    """Y and the gradient of each of ``inputs`` in float64: ``formula(*inputs, mask, scale)``
+    on the float64 copies of the inputs, differentiated by autograd, one (b, h) slice at a
+    time (``mask``, [B, 1, ...], sliced along b; its heads broadcast). The oracle of
+    :func:`oracle` and of ``floyd3_accuracy``; Y is shaped as ``dy``."""
     b_, h_ = inputs[0].shape[:2]
-    out = [torch.empty(t.shape, dtype=torch.float64, device=t.device) for t in (inputs[0], *inputs)]
+    out = [torch.empty(t.shape, dtype=torch.float64, device=t.device) for t in (dy, *inputs)]
     for b in range(b_):
         for h in range(h_):
             leaves = [t[b:b + 1, h:h + 1].double().requires_grad_() for t in inputs]
             m = None if mask is None else mask[b:b + 1]
             with torch.enable_grad():
-                y = floyd_einsum(*leaves, m, scale)
+                y = formula(*leaves, m, scale)
                 grads = torch.autograd.grad(y, leaves, dy[b:b + 1, h:h + 1].double())
             for i, t in enumerate([y.detach(), *grads]):
                 out[i][b:b + 1, h:h + 1] = t
@@ -358,19 +366,28 @@ def main(args) -> int:
         worst = max(ratios, key=lambda r: r["ratio"])
         print(f"worst ratio {worst['ratio']:.3f} (seed {worst['seed']}, {worst['dtype']}, strategy "
               f"{worst['strategy_run']}); goal <= {GOAL_RATIO}; {seconds:.0f} s")
-    out, why = harness.output_dir(args)
-    stem = args.tag or "floyd-accuracy-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    path = os.path.join(out, stem + ".json")
-    os.makedirs(out, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"benchmark": "gradops bench floyd --accuracy", "meta": harness.device_info(device),
-                   "goal_ratio": GOAL_RATIO, "seconds": seconds,
-                   "oracle": "FloydNet's formulation (bench.floyd_accuracy.floyd_einsum) in float64 under autograd",
-                   "rows": rows}, f, indent=1)
-    print(f"wrote {path}" + (f" ({why})" if why else ""))
+    write_json(args, "floyd-accuracy", {
+        "benchmark": "gradops bench floyd --accuracy", "meta": harness.device_info(device), "goal_ratio": GOAL_RATIO,
+        "seconds": seconds,
+        "oracle": "FloydNet's formulation (bench.floyd_accuracy.floyd_einsum) in float64 under autograd", "rows": rows})
     failed = [r for r in rows if _fails(r)]
     for r in failed:
         ratio = "- (FloydNet exact, ours not)" if r["ratio"] is None else f"{r['ratio']:.3f}"
         print(f"over the goal: seed {r['seed']} ({r['dtype']}, strategy {r['strategy_run']}, dY x {r['dy_scale']:g}): "
               f"ratio {ratio} > {GOAL_RATIO}", file=sys.stderr)
     return int(bool(failed))
+
+
+def write_json(args, prefix: str, data: dict) -> str:
+    """Write ``data`` as ``<--tag or prefix-<UTC time>>.json`` where the bench's results go
+    (``harness.output_dir``: --out, else the scratch folder on a CPU), print the path, return it."""
+    from . import harness
+
+    out, why = harness.output_dir(args)
+    stem = args.tag or f"{prefix}-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    path = os.path.join(out, stem + ".json")
+    os.makedirs(out, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    print(f"wrote {path}" + (f" ({why})" if why else ""))
+    return path
