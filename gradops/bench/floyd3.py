@@ -42,6 +42,7 @@ hands over to ``gradops.bench.traffic.floyd3_main`` (the bytes our kernels move)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -529,6 +530,10 @@ def parse_args(argv):
     p.add_argument("--batch", type=_positive, default=1, help="B (default 1)")
     p.add_argument("--direction", action="append", choices=DIRECTIONS,
                    help="fwd (under no_grad) or fwdbwd (forward then every input's gradient); repeatable; default both")
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="on a CPU, torch's intra-op threads for the run (default: 1 with --quick, whose tiny calls "
+                        "gain nothing from threads and, on a loaded machine, lose milliseconds per op at their "
+                        "barriers; else torch's default)")
     p.add_argument("--no-compile", action="store_true", help="on a GPU, leave out the torch.compile cases")
     p.add_argument("--compile", dest="compile_cpu", action="store_true",
                    help="on a CPU, add the torch.compile cases (compiling takes a while)")
@@ -568,7 +573,21 @@ def prepare(args, need_device: bool = True):
                     max_seconds=4.0 if quick_cpu else 2.0, quick_reps=3, quick_warmup=1, quick_max_seconds=0.5,
                     need_device=need_device, gpu_dtypes=("bfloat16", "float16"), cpu_dtypes=("float32",))
     args.compile = (args.device == "cuda" and not args.no_compile) or (args.device != "cuda" and args.compile_cpu)
+    if args.threads is None and args.device != "cuda" and args.quick:
+        args.threads = 1
     return args
+
+
+@contextlib.contextmanager
+def cpu_threads(args):
+    """torch's intra-op threads set to ``args.threads`` for the block on a CPU run (restored after)."""
+    before = torch.get_num_threads()
+    if args.device != "cuda" and args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def traffic_main(argv: Sequence[str]) -> int:
@@ -596,7 +615,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return memory_main(args)
     args = prepare(args)
     harness.announce(args, FAMILY)
-    result = run(args)
+    with cpu_threads(args):
+        result = run(args)
+        if args.device != "cuda":
+            result.meta["cpu_threads"] = torch.get_num_threads()
     harness.finish(result, args, FAMILY, PLOT, GOALS)
     print()
     print("\n".join(summary_lines(result)))
