@@ -121,7 +121,9 @@ def test_modes_that_cannot_run_exit_2(tmp_path, monkeypatch, capsys):
     assert "no floyd3_main" in capsys.readouterr().err
     seen = []
     monkeypatch.setattr(traffic, "floyd3_main", lambda argv: seen.append(argv) or 0, raising=False)
-    assert floyd3.main(["--traffic", "--quick"]) == 0 and seen == [["--quick"]]  # handed over, less --traffic
+    # handed over whole, before our parser (its --shape takes B,H,L,D too)
+    assert floyd3.main(["--traffic", "--shape", "1,1,8,16", "--json", "x"]) == 0
+    assert seen == [["--traffic", "--shape", "1,1,8,16", "--json", "x"]]
 
 
 def test_memory_harness_sees_floydnets_quartic_memory_and_ours_bounded():

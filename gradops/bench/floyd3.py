@@ -558,7 +558,9 @@ def parse_args(argv):
     p.add_argument("--memory-lengths", nargs="+", type=_positive, metavar="L",
                    help=f"with --memory: the lengths (default {' '.join(map(str, MEMORY_LENGTHS))})")
     p.add_argument("--traffic", action="store_true",
-                   help="the bytes our kernels move (gradops.bench.traffic.floyd3_main; through the Triton interpreter)")
+                   help="the bytes our kernels move, through the Triton interpreter: the rest of the command line "
+                        "goes to gradops.bench.traffic.floyd3_main (its options: --shape B,H,I,J,K,P,D or B,H,L,D, "
+                        "--dtype, --mask, --quick, --scale, --json PATH)")
     args = p.parse_args(argv)
     args.head_dim_given = args.head_dim is not None
     if args.head_dim is None:
@@ -591,7 +593,8 @@ def cpu_threads(args):
 
 
 def traffic_main(argv: Sequence[str]) -> int:
-    """``--traffic``: ``gradops.bench.traffic.floyd3_main(argv)`` (``argv`` without --traffic)."""
+    """``--traffic``: ``gradops.bench.traffic.floyd3_main(argv)``, which parses ``argv`` itself (its
+    options: --shape B,H,I,J,K,P,D or B,H,L,D, --dtype, --mask, --quick, --scale, --json)."""
     from . import traffic
 
     floyd3_main = getattr(traffic, "floyd3_main", None)
@@ -604,9 +607,9 @@ def traffic_main(argv: Sequence[str]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--traffic" in argv:  # its own options (traffic.floyd3_main parses them): before ours
+        return traffic_main(argv)
     args = parse_args(argv)
-    if args.traffic:
-        return traffic_main([a for a in argv if a != "--traffic"])
     if args.accuracy_run:  # on a CPU through the interpreter, which it switches on itself
         from . import floyd3_accuracy
 
