@@ -112,7 +112,7 @@ def compile_check_floyd3(dtype: torch.dtype, head_dim: int, arch: int = 90, side
 def table(rows: List[dict]) -> str:
     """A markdown table of :func:`compile_check_floyd3`'s rows."""
     keys = ("kernel", "dtype", "D", "L", "tile", "warps", "products", "registers", "spill_loads", "spill_stores",
-            "shared", "wgmma", "loop_loads", "loop_async_copies")
+            "shared", "mma", "wgmma", "loop_loads", "loop_async_copies", "fma_f32")
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for row in rows:
         lines.append("| " + " | ".join(str(row.get(key, row.get("error", ""))) for key in keys) + " |")
