@@ -80,7 +80,7 @@ from .floyd_config import ChunkPlan, chunk_budget, plan_rows, row_config, score_
 from .floyd_gemm import Product, gemm
 
 # A grid no side of which (I, J, K, P) passes this is small (floyd_config.chunk_budget): its
-# budget is not divided by CHUNK_PROBLEM_DIVISOR, so BREC's grids (L = 16-64: at B*H = 8,
+# budget is not divided by CHUNK_PROBLEM_DIVISOR, so BREC's grids (L = 16-64: at B*H = 8, D = 32,
 # L = 64 fp16 is 1.9 GB of workspace, under an H200's 2.2 GB share) are one chunk, 14
 # launches a step. Past it the hypercube grows as L^4 and is cut as the 2-pivot cube is.
 SMALL_GRID = 64
