@@ -862,6 +862,7 @@ def floyd3_main(argv=None) -> int:
         parser.add_argument("--quick", action="store_true")
         parser.add_argument("--scale", type=float, default=None)
         parser.add_argument("--json", default=None, help="write the results there")
+        parser.add_argument("--device", default="cpu", help="cpu (the count runs through the interpreter)")
         args = parser.parse_args(list(argv or []))
     else:
         args = argv
