@@ -159,3 +159,21 @@ def test_the_bench_calls_both_with_floydnets_signature():
         assert floyd3_accuracy.relative_errors([fns["fwd"]()], expected[:1])[0] < 1e-12
         got = fns["fwdbwd"]()
         assert len(got) == 8 and max(floyd3_accuracy.relative_errors(got, expected)) < 1e-12
+
+
+def test_takes_the_options_every_bench_takes(tmp_path):
+    args = floyd3.prepare(floyd3.parse_args(["--quick", "--dtype", "fp16", "torch.bfloat16", "--out", str(tmp_path),
+                                             "--tag", "t", "--no-plot", "--interpret", "--budget-seconds", "5",
+                                             "--max-seconds", "0.1", "--reps", "2", "--warmup", "0", "--device",
+                                             "cpu"]), need_device=False)
+    assert args.dtypes == ["float16", "bfloat16"] and args.deadline is not None and args.threads == 1
+    assert (args.reps, args.warmup, args.max_seconds, args.tag, args.out) == (2, 0, 0.1, "t", str(tmp_path))
+
+
+def test_a_spent_budget_records_every_case_as_skipped(tmp_path, capsys):
+    argv = [*FAST, "--quick", "--lengths", "4", "--heads", "1", "--budget-seconds", "0", "--out", str(tmp_path),
+            "--tag", "t"]
+    assert floyd3.main(argv) == 1
+    assert "measurements skipped" in capsys.readouterr().err
+    records = json.loads((tmp_path / "t.json").read_text())["records"]
+    assert len(records) == 4 and all(r["skipped"] for r in records)
