@@ -114,33 +114,8 @@ def _softmax_rows(
     r, live, mask_rows, stat = _rows(rows, cn, cm, g0, n0, m0, H, mask_ptr, smk_b, smk_n, sst_g, sst_n, sst_m,
                                      BLOCK_R)
     scale = _unpack_scale(scale_high, scale_low, tl.float32)
-    k_idx = tl.arange(0, BLOCK_K)
-    if ONE_TILE:  # the whole row in one tile: each score read once
-        inside = live[:, None] & (k_idx < K)[None, :]
-        s, _ = _scores(s_ptr, mask_rows, smk_k, r, k_idx, inside, K, scale, HAS_MASK)
-        row_max = tile_max(s)
-        e = tl.exp(s - row_max[:, None])
-        row_sum = tl.sum(e, axis=1)
-        _store(p_ptr, e * (1.0 / row_sum)[:, None], r, k_idx, inside, K)
-    else:
-        row_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        row_sum = tl.zeros([BLOCK_R], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            inside = live[:, None] & (k0 + k_idx < K)[None, :]
-            s, _ = _scores(s_ptr, mask_rows, smk_k, r, k0 + k_idx, inside, K, scale, HAS_MASK)
-            new_max = tl.maximum(row_max, tile_max(s), propagate_nan=tl.PropagateNan.ALL)
-            # a first tile of -inf scores only (infinite inputs) leaves the max -inf: shift by 0
-            # there, not by -inf (exp(-inf - -inf) is NaN), as one tile of the whole row would
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(s - shift[:, None]), axis=1)
-            row_max = new_max
-        inv_sum = 1.0 / row_sum
-        for k0 in range(0, K, BLOCK_K):
-            inside = live[:, None] & (k0 + k_idx < K)[None, :]
-            s, _ = _scores(s_ptr, mask_rows, smk_k, r, k0 + k_idx, inside, K, scale, HAS_MASK)
-            _store(p_ptr, tl.exp(s - row_max[:, None]) * inv_sum[:, None], r, k0 + k_idx, inside, K)
-    tl.store(max_ptr + stat, row_max, mask=live)
-    tl.store(sum_ptr + stat, row_sum, mask=live)
+    softmax_rows_body(s_ptr, p_ptr, max_ptr, sum_ptr, mask_rows, smk_k, r, live, stat, K, scale,
+                      HAS_MASK, BLOCK_R, BLOCK_K, ONE_TILE)
 
 
 @triton.jit
@@ -176,27 +151,75 @@ def _grad_rows(
     r, live, mask_rows, stat = _rows(rows, cn, cm, g0, n0, m0, H, mask_ptr, smk_b, smk_n, sst_g, sst_n, sst_m,
                                      BLOCK_R)
     scale = _unpack_scale(scale_high, scale_low, tl.float32)
+    grad_rows_body(s_ptr, dp_ptr, max_ptr, sum_ptr, p_ptr, ds_ptr, mask_rows, smk_k, r, live, stat, K, scale,
+                   HAS_MASK, BLOCK_R, BLOCK_K, ONE_TILE)
+
+
+# The rows' softmax and gradient, whatever a row's (slice, n, m) or 3-Floyd's (g, i, j, k): the
+# row kernels above and floyd3_attention's find their rows' mask and statistics, then call these.
+@triton.jit
+def softmax_rows_body(s_ptr, p_ptr, max_ptr, sum_ptr, mask_rows, smk_p, r, live, stat, NP, scale,
+                  HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr):
+    """The softmax of a program's rows of NP pivots: the row max and sum of exp(S - max) into
+    the statistics, P into ``p_ptr`` (the input dtype). One tile per row (each score read once)
+    or, past BLOCK_K pivots, an online max and sum, then P. Shared by the 2-pivot ``_softmax_rows``
+    and 3-Floyd's ``_softmax_rows3``, which differ in how a row finds its mask and statistics."""
+    k_idx = tl.arange(0, BLOCK_K)
+    if ONE_TILE:
+        inside = live[:, None] & (k_idx < NP)[None, :]
+        s, _ = _scores(s_ptr, mask_rows, smk_p, r, k_idx, inside, NP, scale, HAS_MASK)
+        row_max = tile_max(s)
+        e = tl.exp(s - row_max[:, None])
+        row_sum = tl.sum(e, axis=1)
+        _store(p_ptr, e * (1.0 / row_sum)[:, None], r, k_idx, inside, NP)
+    else:
+        row_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_R], tl.float32)
+        for k0 in range(0, NP, BLOCK_K):
+            inside = live[:, None] & (k0 + k_idx < NP)[None, :]
+            s, _ = _scores(s_ptr, mask_rows, smk_p, r, k0 + k_idx, inside, NP, scale, HAS_MASK)
+            new_max = tl.maximum(row_max, tile_max(s), propagate_nan=tl.PropagateNan.ALL)
+            # a first tile of -inf scores only leaves the max -inf: shift by 0 there (exp(-inf -
+            # -inf) is NaN), as one tile of the whole row would
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(s - shift[:, None]), axis=1)
+            row_max = new_max
+        inv_sum = 1.0 / row_sum
+        for k0 in range(0, NP, BLOCK_K):
+            inside = live[:, None] & (k0 + k_idx < NP)[None, :]
+            s, _ = _scores(s_ptr, mask_rows, smk_p, r, k0 + k_idx, inside, NP, scale, HAS_MASK)
+            _store(p_ptr, tl.exp(s - row_max[:, None]) * inv_sum[:, None], r, k0 + k_idx, inside, NP)
+    tl.store(max_ptr + stat, row_max, mask=live)
+    tl.store(sum_ptr + stat, row_sum, mask=live)
+
+
+@triton.jit
+def grad_rows_body(s_ptr, dp_ptr, max_ptr, sum_ptr, p_ptr, ds_ptr, mask_rows, smk_p, r, live, stat, NP, scale,
+               HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr):
+    """The backward rows: P from the saved statistics, Dr = sum_p P dP in float32, dS = P (dP -
+    Dr) scale (0 where masked), P and dS into their buffers (the input dtype). Shared by the
+    2-pivot ``_grad_rows`` and 3-Floyd's ``_grad_rows3``."""
     row_max = tl.load(max_ptr + stat, mask=live, other=0.0)
     inv_sum = 1.0 / tl.load(sum_ptr + stat, mask=live, other=1.0)
     k_idx = tl.arange(0, BLOCK_K)
-    if ONE_TILE:  # the whole row in one tile: each score and dP read once
-        inside = live[:, None] & (k_idx < K)[None, :]
-        p, dp, user = _probs_and_dp(s_ptr, dp_ptr, mask_rows, smk_k, r, k_idx, inside, K, row_max, inv_sum,
+    if ONE_TILE:
+        inside = live[:, None] & (k_idx < NP)[None, :]
+        p, dp, user = _probs_and_dp(s_ptr, dp_ptr, mask_rows, smk_p, r, k_idx, inside, NP, row_max, inv_sum,
                                     scale, HAS_MASK)
         dr = tl.sum(p * dp, axis=1)
-        _store_grads(p_ptr, ds_ptr, p, dp, dr, user, r, k_idx, inside, K, scale, HAS_MASK)
+        _store_grads(p_ptr, ds_ptr, p, dp, dr, user, r, k_idx, inside, NP, scale, HAS_MASK)
     else:
         dr = tl.zeros([BLOCK_R], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            inside = live[:, None] & (k0 + k_idx < K)[None, :]
-            p, dp, _ = _probs_and_dp(s_ptr, dp_ptr, mask_rows, smk_k, r, k0 + k_idx, inside, K, row_max, inv_sum,
+        for k0 in range(0, NP, BLOCK_K):
+            inside = live[:, None] & (k0 + k_idx < NP)[None, :]
+            p, dp, _ = _probs_and_dp(s_ptr, dp_ptr, mask_rows, smk_p, r, k0 + k_idx, inside, NP, row_max, inv_sum,
                                      scale, HAS_MASK)
             dr += tl.sum(p * dp, axis=1)
-        for k0 in range(0, K, BLOCK_K):
-            inside = live[:, None] & (k0 + k_idx < K)[None, :]
-            p, dp, user = _probs_and_dp(s_ptr, dp_ptr, mask_rows, smk_k, r, k0 + k_idx, inside, K, row_max,
+        for k0 in range(0, NP, BLOCK_K):
+            inside = live[:, None] & (k0 + k_idx < NP)[None, :]
+            p, dp, user = _probs_and_dp(s_ptr, dp_ptr, mask_rows, smk_p, r, k0 + k_idx, inside, NP, row_max,
                                         inv_sum, scale, HAS_MASK)
-            _store_grads(p_ptr, ds_ptr, p, dp, dr, user, r, k0 + k_idx, inside, K, scale, HAS_MASK)
+            _store_grads(p_ptr, ds_ptr, p, dp, dr, user, r, k0 + k_idx, inside, NP, scale, HAS_MASK)
 
 
 def _launch_rows(kernel, rows, k, *args, **consts):
