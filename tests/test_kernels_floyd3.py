@@ -146,8 +146,8 @@ def pairs_budget(monkeypatch):
     ``pairs`` (i, j) rows of a shape; returns the plan the call will walk."""
     def set_budget(pairs, shape, dtype):
         b, h, i, j, k, p, d = shape
-        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", f3.pair_bytes(k, p, d, dtype.itemsize) * pairs)
-        return f3.chunk_plan(b * h, i, j, k, p, d, dtype, torch.device("cpu"))
+        monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", f3.pair_bytes(k, p, d) * pairs)
+        return f3.chunk_plan(b * h, i, j, k, p, d, torch.device("cpu"))
     return set_budget
 
 
@@ -345,14 +345,15 @@ def test_unsupported():
 
 
 def test_small_grids_are_one_chunk():
-    """BREC's grids (L = 16-64, B*H = 8) plan one chunk on an H200 (141 GiB; its budget is the
-    device's share, not divided: floyd3_attention.SMALL_GRID); L = 128 is cut."""
+    """BREC's grids (B*H = 8, D = 32) plan one chunk on an H200 (141 GiB; its budget is the
+    device's share, not divided: floyd3_attention.SMALL_GRID) up to L = 48, two at L = 64;
+    L = 128 is cut further."""
     h200 = 150_000_000_000
-    for side in (16, 32, 64):
-        pair = f3.pair_bytes(side, side, 32, 2)
+    for side, chunks in ((16, 1), (32, 1), (48, 1), (64, 2)):
+        pair = f3.pair_bytes(side, side, 32)
         budget = config.device_budget(h200, 8 * side * side * pair, f3.small_grid(side, side, side, side))
-        assert config.plan_rows(8, side, side, pair, budget).count(8, side, side) == 1, side
-    pair = f3.pair_bytes(128, 128, 32, 2)
+        assert config.plan_rows(8, side, side, pair, budget).count(8, side, side) == chunks, side
+    pair = f3.pair_bytes(128, 128, 32)
     budget = config.device_budget(h200, 8 * 128 * 128 * pair, f3.small_grid(128, 128, 128, 128))
     assert config.plan_rows(8, 128, 128, pair, budget).count(8, 128, 128) > 1
 
@@ -362,9 +363,10 @@ def test_small_grids_are_one_chunk():
 # ---------------------------------------------------------------------------------------------
 def test_traffic_counts_each_launch(device, capsys):
     """floyd3_traffic labels 7 + 7 launches of one chunk and counts their bytes; the row kernels'
-    are exactly what they must move: S read and P written (4 + 2 bytes per score, fp16) and the
-    two statistics (8 bytes per row) forward; S, dP and the statistics read, P and dS written
-    backward; the first score GEMM writes S (4 per score). floyd3_main prints them."""
+    are exactly what they must move: S read and P written (4 + 4 bytes per score: P is float32,
+    split by the GEMMs that read it) and the two statistics (8 bytes per row) forward; S, dP and
+    the statistics read, P and dS written backward; the first score GEMM writes S (4 per
+    score). floyd3_main prints them."""
     if device != "cpu":
         pytest.skip("traffic is counted through the Triton interpreter")
     from gradops.bench import traffic
@@ -377,8 +379,8 @@ def test_traffic_counts_each_launch(device, capsys):
     fwd, bwd = result["fwd"]["launches"], result["bwd"]["launches"]
     assert [x["label"] for x in fwd] == list(f3.FORWARD_NAMES)
     assert [x["label"] for x in bwd] == list(f3.BACKWARD_NAMES)
-    assert (fwd[3]["distinct_load"], fwd[3]["distinct_store"]) == (4 * scores, 2 * scores + 8 * rows)
-    assert (bwd[3]["distinct_load"], bwd[3]["distinct_store"]) == (8 * scores + 8 * rows, 4 * scores)
+    assert (fwd[3]["distinct_load"], fwd[3]["distinct_store"]) == (4 * scores, 4 * scores + 8 * rows)
+    assert (bwd[3]["distinct_load"], bwd[3]["distinct_store"]) == (8 * scores + 8 * rows, 8 * scores)
     assert fwd[0]["distinct_store"] == 4 * scores and bwd[0]["distinct_store"] == 8 * scores
     assert not result["fwd"]["torch_ops"] and not result["bwd"]["torch_ops"]  # no copies: contiguous inputs
     assert result["total"]["distinct"] == result["fwd"]["totals"]["distinct"] + result["bwd"]["totals"]["distinct"]

@@ -655,7 +655,8 @@ def compile_check_rows(dtype: torch.dtype, k: int = 1024, arch: int = 90, masked
 # The GEMM (floyd_gemm.py) as the launches of the chunked and hybrid strategies use it, at the
 # shapes of the default grid (N = M = K = 512, D = 128): name -> (its half_bits, and per product:
 # rows, cols, contraction, the strides that are 1 (specialised by the JIT), ACCUMULATE, the
-# result's kind: "in" (the input dtype), "f32" or "half" (an int16 top plane)).
+# result's kind: "in" (the input dtype), "f32" or "half" (an int16 top plane); optionally a 7th,
+# "split": a float32 (a 16-bit b beside it, floyd_gemm's SPLIT: 3-Floyd's P and dS)).
 GEMM_CHECK = {
     "gemm_scores": (0, [(512, 512, 128, ("sat", "sbt", "soc"), False, "f32")]),  # chunked S = Q K1^T
     "gemm_scores_acc": (0, [(512, 512, 128, ("sat", "sbt", "scc", "soc"), True, "f32")]),  # S += Q K2^T
@@ -669,11 +670,12 @@ GEMM_CHECK = {
 }
 
 
-def compile_check_gemm(dtype: torch.dtype, arch: int = 90) -> List[dict]:
+def compile_check_gemm(dtype: torch.dtype, arch: int = 90, table: Optional[dict] = None) -> List[dict]:
     """Compile the GEMM (``floyd_gemm._gemm_kernel``) for ``sm_<arch>`` as each kind of launch
-    runs it (:data:`GEMM_CHECK`), each product with ``floyd_config.gemm_config``'s blocks;
-    report as :func:`compile_check` (``D`` and ``tile`` are the first product's contraction and
-    blocks, ``K`` None). float32 inputs keep their halves in float32: a "half" result is float32 there."""
+    runs it (``table``, :data:`GEMM_CHECK` by default), each product with
+    ``floyd_config.gemm_config``'s blocks; report as :func:`compile_check` (``D`` and ``tile`` are
+    the first product's contraction and blocks, ``K`` None). float32 inputs keep their halves in
+    float32: a "half" result is float32 there, and a "split" a is a plain float32 product."""
     from ..kernels import floyd_gemm
     from ..kernels.floyd_config import gemm_config
 
@@ -682,14 +684,15 @@ def compile_check_gemm(dtype: torch.dtype, arch: int = 90) -> List[dict]:
     ptr, _ = _ptr_types(dtype)
     kernel = floyd_gemm._gemm_kernel
     rows = []
-    for name, (half_bits, products) in GEMM_CHECK.items():
+    for name, (half_bits, products) in (GEMM_CHECK if table is None else table).items():
         if dtype == torch.float32:  # float32 halves are stored as they are
             half_bits = 0
+        split = dtype != torch.float32 and len(products[0]) > 6 and products[0][6] == "split"
         t = products[0][2]
         slots = products + [products[0]] * (3 - len(products))
-        configs = [gemm_config(*slot[:3], dtype.itemsize) for slot in slots]
+        configs = [gemm_config(*slot[:3], dtype.itemsize, split) for slot in slots]
         cfg = configs[0]
-        consts = dict(PRODUCTS=len(products), HALF_BITS=half_bits, **dot_constexprs_for(dtype),
+        consts = dict(PRODUCTS=len(products), HALF_BITS=half_bits, SPLIT=split, **dot_constexprs_for(dtype),
                       **{f"{key}{i}": c[key] for i, c in enumerate(configs) for key in ("BLOCK_R", "BLOCK_C", "BLOCK_T")},
                       **{f"ACCUMULATE{i}": i < len(products) and products[i][4] for i in range(3)})
         warps = max(c["num_warps"] for c in configs[:len(products)])
@@ -702,11 +705,13 @@ def compile_check_gemm(dtype: torch.dtype, arch: int = 90) -> List[dict]:
                 sig[arg] = "i32"
                 attrs[(idx,)] = [["tt.divisibility", 16]]
                 continue
-            _, _, _, unit, _, kind = slots[int(slot)]
+            unit, kind = slots[int(slot)][3], slots[int(slot)][5]
             if base in unit:
                 sig[arg], consts[arg] = "constexpr", 1
                 continue
-            if base in ("a", "b"):
+            if base == "a" and split:
+                sig[arg] = "*fp32"
+            elif base in ("a", "b"):
                 sig[arg] = ptr
             elif base == "acc":
                 sig[arg] = "*fp32"

@@ -1,6 +1,6 @@
 """Ahead-of-time sm_90 compile check of the 3-Floyd kernels (``gradops/kernels/floyd3_attention.py``):
 no GPU needed (Triton's bundled ptxas and nvdisasm), as ``gradops.bench.floyd``'s checks of the
-2-pivot kernels, whose helpers it uses (``compile_check_gemm``'s signature builder, ``_compile_sm``,
+2-pivot kernels, whose helpers it uses (``compile_check_gemm`` with its own table, ``_compile_sm``,
 ``_row_signature``).
 
 :func:`compile_check_floyd3` compiles every kind of launch a 3-Floyd forward and backward makes,
@@ -14,8 +14,7 @@ loops that wait where they stand (``loop_loads``: 0 when the pipeliner issued th
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import torch
 
@@ -30,39 +29,27 @@ _GRAD = ("sar", "sbc", "soc")  # dK = dS^T Q: dS^T along p (its rows), Q along d
 _GRAD_ACC = _GRAD + ("scc",)
 
 
-def gemm_kinds(side: int, head_dim: int) -> Dict[str, List[Tuple[int, int, int, tuple, bool, str]]]:
+def gemm_kinds(side: int, head_dim: int) -> Dict[str, List[tuple]]:
     """The GEMM launches of one forward and backward on a cube of side ``side`` (I = J = K = P),
     one chunk (``grads_split``: the middle chunk of a sum that spans chunks, every product
     accumulating in float32), as ``gradops.bench.floyd.GEMM_CHECK``'s entries: per product
     (rows, cols, contraction, unit strides, ACCUMULATE, the result: "f32" or "in" the input
-    dtype). Sides 2 and 3 of S compile alike at a cube (same sizes, same strides that are 1)."""
+    dtype, and "split" where a is the float32 P or dS beside a 16-bit b). Sides 2 and 3 of S
+    compile alike at a cube (same sizes, same strides that are 1)."""
     L, D = side, head_dim
     score, score_acc = (L, L, D, _SCORE, False, "f32"), (L, L, D, _SCORE_ACC, True, "f32")
-    grad = (L, D, L, _GRAD, False, "in")
+    grad = (L, D, L, _GRAD, False, "in", "split")
     return {
         "s_side1": [score], "s_side23": [score_acc],  # forward S = Q K1^T, S += Q K2^T (Q K3^T)
-        "y_side1": [(L, D, L, _VALUE, False, "f32")], "y_side2": [(L, D, L, _VALUE_ACC, True, "f32")],
-        "y_side3": [(L, D, L, _VALUE_ACC, True, "in")],  # Y = part + P V3, rounded
+        "y_side1": [(L, D, L, _VALUE, False, "f32", "split")],
+        "y_side2": [(L, D, L, _VALUE_ACC, True, "f32", "split")],
+        "y_side3": [(L, D, L, _VALUE_ACC, True, "in", "split")],  # Y = part + P V3, rounded
         "sdp_side1": [score, score], "sdp_side23": [score_acc, score_acc],  # backward S and dP side by side
-        "grads_side1": [(L, D, L, _VALUE, False, "f32"), grad, grad],  # dQ1 (partial), dK1, dV1
-        "grads_side2": [(L, D, L, _VALUE_ACC, True, "f32"), grad, grad],
-        "grads_side3": [(L, D, L, _VALUE_ACC, True, "in"), grad, grad],  # dQ rounded, dK3, dV3
-        "grads_split": [(L, D, L, _VALUE_ACC, True, "f32")] + [(L, D, L, _GRAD_ACC, True, "f32")] * 2,
+        "grads_side1": [(L, D, L, _VALUE, False, "f32", "split"), grad, grad],  # dQ1 (partial), dK1, dV1
+        "grads_side2": [(L, D, L, _VALUE_ACC, True, "f32", "split"), grad, grad],
+        "grads_side3": [(L, D, L, _VALUE_ACC, True, "in", "split"), grad, grad],  # dQ rounded, dK3, dV3
+        "grads_split": [(L, D, L, _VALUE_ACC, True, "f32", "split")] + [(L, D, L, _GRAD_ACC, True, "f32", "split")] * 2,
     }
-
-
-@contextlib.contextmanager
-def _gemm_table(table):
-    """``gradops.bench.floyd.GEMM_CHECK`` replaced by ``table`` for the block: its
-    ``compile_check_gemm`` then compiles these launches with its own signature builder."""
-    from . import floyd
-
-    old = floyd.GEMM_CHECK
-    floyd.GEMM_CHECK = table
-    try:
-        yield
-    finally:
-        floyd.GEMM_CHECK = old
 
 
 def compile_check_rows3(dtype: torch.dtype, pivots: int, arch: int = 90, masked: bool = True) -> List[dict]:
@@ -99,8 +86,7 @@ def compile_check_floyd3(dtype: torch.dtype, head_dim: int, arch: int = 90, side
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError("the 3-Floyd kernels take float16, bfloat16 and float32 inputs")
     kinds = gemm_kinds(side, head_dim)
-    with _gemm_table({name: (0, products) for name, products in kinds.items()}):
-        rows = compile_check_gemm(dtype, arch)
+    rows = compile_check_gemm(dtype, arch, table={name: (0, products) for name, products in kinds.items()})
     for row in rows:
         row.update(D=head_dim, L=side)
         row.pop("K", None)

@@ -29,26 +29,31 @@ fit. With k always whole, every product of a chunk is one strided view per opera
 
 **Per chunk, forward, 7 launches:** S = three GEMMs into one float32 buffer [Gc, Ic, Jc, K, P]
 (the second and third add the first's sum through ``acc``); ``_softmax_rows3`` writes the row
-max and the sum of exp(S - max) (the statistics) and P in the input dtype; Y = three GEMMs, the
+max and the sum of exp(S - max) (the statistics) and P, in float32; Y = three GEMMs, the
 first two into a float32 partial, the third adds it and stores Y rounded once.
 
 **Per chunk, backward, 7 launches:** S and dP together, side by side (one launch per side: the
 forward's GEMMs with the forward's blocks on the forward's chunks, so S is bitwise the
 forward's; dP the same pattern with dY for Q and the values for the keys); ``_grad_rows3``: P
 from the statistics, Dr = sum_p P dP in float32 (not dY.Y from a rounded Y), dS = P (dP - Dr)
-scale (0 where masked), P and dS in the input dtype; then per side one launch of three
+scale (0 where masked), P and dS in float32; then per side one launch of three
 products: the side's dQ term (float32 partial, the third rounded), dK = dS^T Q and dV = P^T dY
 for that side's keys: dK3/dV3 sum over k (whole in the chunk), dK2/dV2 over j (whole unless j
 is split), dK1/dV1 over i (across i-chunks unless the chunk has every i). A sum that spans
 chunks continues in a float32 accumulator through ``acc`` (``_floyd_memory.reduction``); the
 last chunk of it stores the rounded result.
 
-So a call launches 7 + 7 kernels per chunk, and BREC's grids (L = 16-64) are one chunk on a
-GPU (``SMALL_GRID``). FLOP: 6 GEMM units of B*H*I*J*K*P*D multiply-adds forward (3 for S, 3
+So a call launches 7 + 7 kernels per chunk, and BREC's grids (L = 16-48; two at L = 64) are one
+chunk on a GPU (``SMALL_GRID``). FLOP: 6 GEMM units of B*H*I*J*K*P*D multiply-adds forward (3 for S, 3
 for Y), 15 backward (S, dP, dQ, dK, dV: 3 each).
 
-**Precision.** Scores, dP, Dr and every sum float32; 16-bit inputs go to tensor cores with P
-and dS rounded to the input dtype before their GEMMs (as every flash-attention kernel); float32
+**Precision.** Scores, dP, P, dS, Dr and every sum float32. 16-bit inputs go to tensor cores;
+P and dS, float32 in memory, enter them split in two (``floyd_gemm``'s SPLIT: their rounding to
+the input dtype and the remainder's, 22 bits of the value in float16, 16 in bfloat16), not
+rounded once as a flash-attention kernel rounds them: with P and dS rounded to float16 the
+error of Y and of the gradients was 2-4x the reference's, up to 0.84x FloydNet's own (float16,
+``bench floyd3 --accuracy``), where the goal is 0.5x. It costs 2 bytes per score per read and
+write of P and dS, and those GEMMs' tensor-core work twice (they are memory-bound). float32
 inputs use IEEE products, never TF32 (``_floyd_common.dot_constexprs``); each output is rounded
 once. float64 inputs take the reference (``unsupported``). A fully masked row (every pivot
 removed) has S = -FLT_MAX everywhere: a uniform softmax (sum = P) and dS exactly 0, so dQ is
@@ -80,9 +85,9 @@ from .floyd_config import ChunkPlan, chunk_budget, plan_rows, row_config, score_
 from .floyd_gemm import Product, gemm
 
 # A grid no side of which (I, J, K, P) passes this is small (floyd_config.chunk_budget): its
-# budget is not divided by CHUNK_PROBLEM_DIVISOR, so BREC's grids (L = 16-64: at B*H = 8, D = 32,
-# L = 64 fp16 is 1.9 GB of workspace, under an H200's 2.2 GB share) are one chunk, 14
-# launches a step. Past it the hypercube grows as L^4 and is cut as the 2-pivot cube is.
+# budget is not divided by CHUNK_PROBLEM_DIVISOR, so BREC's grids (at B*H = 8, D = 32) are one
+# chunk, 14 launches a step, up to L = 48 (0.8 GB of workspace) and two at L = 64 (2.4 GB, past
+# an H100's or H200's share). Past it the hypercube grows as L^4 and is cut as the 2-pivot cube is.
 SMALL_GRID = 64
 
 # Launches per chunk (module docstring): what the tests and the docs count.
@@ -117,11 +122,10 @@ def unsupported(q) -> "str | None":
 # ----------------------------------------------------------------------------------------------
 # The plan: the one place that sizes a chunk
 # ----------------------------------------------------------------------------------------------
-def pair_bytes(k: int, p: int, d: int, element_size: int) -> int:
-    """Workspace bytes per (i, j) row of a chunk: its K rows of P scores at
-    ``floyd_config.score_bytes`` (S and dP float32, P and dS in the input dtype) and their
-    float32 partial Y/dQ (4 D each)."""
-    return k * (p * score_bytes(element_size) + 4 * d)
+def pair_bytes(k: int, p: int, d: int) -> int:
+    """Workspace bytes per (i, j) row of a chunk: its K rows of P scores (S, dP, P and dS, all
+    float32) and their float32 partial Y/dQ (4 D each)."""
+    return k * (p * score_bytes(4) + 4 * d)
 
 
 def small_grid(i: int, j: int, k: int, p: int) -> bool:
@@ -129,14 +133,13 @@ def small_grid(i: int, j: int, k: int, p: int) -> bool:
     return max(i, j, k, p) <= SMALL_GRID
 
 
-def chunk_plan(bh: int, i: int, j: int, k: int, p: int, d: int, dtype: torch.dtype,
-               device: torch.device) -> ChunkPlan:
+def chunk_plan(bh: int, i: int, j: int, k: int, p: int, d: int, device: torch.device) -> ChunkPlan:
     """The chunks of a call: ``floyd_config.plan_rows`` over (slices, i, j) at :func:`pair_bytes`
     per (i, j) row, within ``floyd_config.chunk_budget`` (the device's total memory, never its
     free memory: a forward and its backward must walk the same chunks, so that the backward's
     scores are bitwise the forward's; ``floyd_config.CHUNK_BUDGET_BYTES`` overrides it). A
-    function of the shape, the dtype and the device alone."""
-    pair = pair_bytes(k, p, d, dtype.itemsize)
+    function of the shape and the device alone (the workspace is float32 whatever the dtype)."""
+    pair = pair_bytes(k, p, d)
     budget = chunk_budget(total_memory(device), bh * i * j * pair, small_grid(i, j, k, p))
     return plan_rows(bh, i, j, pair, budget)
 
@@ -272,10 +275,12 @@ class _Workspace:
     """One chunk's buffers, allocated once per call at the largest chunk's size, viewed as
     [Gc, Ic, Jc, K, x] for each chunk (a tail chunk uses a prefix)."""
 
-    def __init__(self, plan: ChunkPlan, k: int, p: int, d: int, dtype, device, names: Sequence[str]):
+    def __init__(self, plan: ChunkPlan, k: int, p: int, d: int, device, names: Sequence[str]):
         rows = plan.groups * plan.block_n * plan.block_m * k
-        sizes = {"s": (rows * p, torch.float32), "dp": (rows * p, torch.float32), "p": (rows * p, dtype),
-                 "ds": (rows * p, dtype), "part": (rows * d, torch.float32)}
+        # P and dS in float32 too: the GEMMs that read them split each into two 16-bit halves
+        # (floyd_gemm's SPLIT) rather than round it (module docstring, "Precision")
+        sizes = {"s": (rows * p, torch.float32), "dp": (rows * p, torch.float32), "p": (rows * p, torch.float32),
+                 "ds": (rows * p, torch.float32), "part": (rows * d, torch.float32)}
         self._flat = {name: torch.empty(sizes[name][0], dtype=sizes[name][1], device=device) for name in names}
         self.k = k
 
@@ -343,8 +348,8 @@ def floyd3_attention(q, k1, v1, k2, v2, k3, v3, mask, scale) -> Tuple[torch.Tens
     out5 = out.view(B * H, I, J, K, D)
     mask_t, mask_strides, has_mask = _mask_args(mask, q5)
     bits = _scale_bits(scale)
-    plan = chunk_plan(B * H, I, J, K, P, D, q.dtype, dev)
-    work = _Workspace(plan, K, P, D, q.dtype, dev, ("s", "p", "part"))
+    plan = chunk_plan(B * H, I, J, K, P, D, dev)
+    work = _Workspace(plan, K, P, D, dev, ("s", "p", "part"))
     for c in chunks(plan, B * H, I, J):
         s, p, part = work.view("s", c, P), work.view("p", c, P), work.view("part", c, D)
         for product in _scores_products(q5[c.gs, c.ns, c.ms], [_chunk_of(x, keys[x - 1], c) for x in (1, 2, 3)], s):
@@ -381,8 +386,8 @@ def floyd3_attention_grad(dy, q, k1, v1, k2, v2, k3, v3, softmax_max, softmax_su
         smax, ssum = smax.contiguous(), ssum.contiguous()
     mask_t, mask_strides, has_mask = _mask_args(mask, q5)
     bits = _scale_bits(scale)
-    plan = chunk_plan(B * H, I, J, K, P, D, dtype, dev)
-    work = _Workspace(plan, K, P, D, dtype, dev, ("s", "dp", "p", "ds", "part"))
+    plan = chunk_plan(B * H, I, J, K, P, D, dev)
+    work = _Workspace(plan, K, P, D, dev, ("s", "dp", "p", "ds", "part"))
 
     # float32 accumulators of the sums that span chunks: dK1/dV1 over i (one slice's, every j),
     # dK2/dV2 over j (one i-chunk's); none where the chunks hold their sums

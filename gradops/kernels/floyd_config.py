@@ -357,15 +357,20 @@ GEMM_STAGES = {2: 3, 4: 1}
 
 
 @functools.lru_cache(maxsize=1024)
-def gemm_config(rows: int, cols: int, inner: int, element_size: int) -> Dict[str, int]:
+def gemm_config(rows: int, cols: int, inner: int, element_size: int, split: bool = False) -> Dict[str, int]:
     """Blocks of one GEMM of the chunked strategy: ``rows`` x ``cols`` outputs per batch
-    entry, ``inner`` the contraction. A function of these alone, so that the same product
-    of the forward and the backward is computed the same way, bitwise. Cached (a call
-    launches 14 per chunk): read-only."""
+    entry, ``inner`` the contraction, ``element_size`` the (16-bit) b operand's. A function of
+    these alone, so that the same product of the forward and the backward is computed the same
+    way, bitwise. ``split`` (a float32 a split in two halves: floyd_gemm's SPLIT) halves the
+    contraction step: a step holds a's float32 tile and both halves, and at 32 x 64 x 32 that
+    spilled 1-3 register pairs (sm_90 compile, 3-Floyd's dQ/dK1/dV1 launch at D = 64), none at
+    a step of 16. Cached (a call launches 14 per chunk): read-only."""
     widest, step = GEMM_BLOCK[min(element_size, 4)], GEMM_STEP[min(element_size, 4)]
     block_r = min(widest, max(16, triton.next_power_of_2(rows)))
     block_c = min(widest, max(16, triton.next_power_of_2(cols)))
     block_t = min(step, max(16, triton.next_power_of_2(inner)))
+    if split:
+        block_t = max(16, block_t // 2)
     warps = 8 if block_r * block_c >= 128 * 128 else 4
     return dict(BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_T=block_t, num_warps=warps,
                 num_stages=GEMM_STAGES[min(element_size, 4)])

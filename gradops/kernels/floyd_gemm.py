@@ -6,7 +6,9 @@ Every product of a score's m-side half is a GEMM batched over (slice, m) and eve
 GEMM batched over (slice, n); the operands are views of the inputs, of the outputs and of the
 chunk buffers, transposed and sliced as each product needs (strides only: no operand is copied
 into another layout, no Python loop over slices or rows). 16-bit operands go to tensor cores,
-float32 ones to IEEE FMA (never TF32), both into a float32 accumulator; with ``acc`` the kernel
+float32 ones to IEEE FMA (never TF32), a float32 ``a`` beside a 16-bit ``b`` (3-Floyd's P and
+dS) to tensor cores split in two (its rounding to 16 bits and the remainder's), all into a
+float32 accumulator; with ``acc`` the kernel
 adds a float32 tile to its accumulator before the store: that is how the second half of a Y or
 a dQ and a sum that spans chunks are taken inside a GEMM, with no elementwise pass of its own,
 and a result is rounded once. The result is stored in ``out``'s dtype, or (``half_bits`` 24 or
@@ -80,7 +82,7 @@ def _gemm_tile(
     batch, tile, a_ptr, b_ptr, acc_ptr, out_ptr, lo_ptr, B1, R, C, T,
     sa0, sa1, sar, sat, sb0, sb1, sbt, sbc, sc0, sc1, scr, scc, so0, so1, sor, soc,
     ACCUMULATE: tl.constexpr, HALF_BITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Output tile ``tile`` of batch entry ``batch`` = (i0, i1) of one product: [BLOCK_R,
     BLOCK_C], the products accumulated in float32 over the contraction T, BLOCK_T at a time,
@@ -102,6 +104,13 @@ def _gemm_tile(
         if UPCAST:  # bfloat16 under the Triton interpreter, whose bf16 tl.dot is wrong (triton#11584)
             a = a.to(tl.float32)
             b = b.to(tl.float32)
+        if SPLIT and not UPCAST:
+            # a float32 (3-Floyd's P or dS), b 16-bit: a = hi + lo, both in b's dtype, two
+            # tensor-core products; hi + lo holds 22 bits of a (fp16; 16 for bf16), where one
+            # rounding to 16 bits alone cost 3-Floyd twice the error of the inputs' rounding
+            a_hi = a.to(b.dtype)
+            acc = tl.dot(a_hi, b, acc, input_precision=PRECISION, out_dtype=tl.float32)
+            a = (a - a_hi.to(tl.float32)).to(b.dtype)
         acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=tl.float32)
         a_ptrs += step * sat
         b_ptrs += step * sbt
@@ -124,7 +133,7 @@ def _gemm_kernel(
     a2, b2, acc2, out2, lo2, R2, C2, T2,
     sa0_2, sa1_2, sar_2, sat_2, sb0_2, sb1_2, sbt_2, sbc_2, sc0_2, sc1_2, scr_2, scc_2, so0_2, so1_2, sor_2, soc_2,
     PRODUCTS: tl.constexpr, ACCUMULATE0: tl.constexpr, ACCUMULATE1: tl.constexpr, ACCUMULATE2: tl.constexpr,
-    HALF_BITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HALF_BITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_R0: tl.constexpr, BLOCK_C0: tl.constexpr, BLOCK_T0: tl.constexpr,
     BLOCK_R1: tl.constexpr, BLOCK_C1: tl.constexpr, BLOCK_T1: tl.constexpr,
     BLOCK_R2: tl.constexpr, BLOCK_C2: tl.constexpr, BLOCK_T2: tl.constexpr,
@@ -148,24 +157,25 @@ def _gemm_kernel(
         _gemm_tile(batch, tile, a0, b0, acc0, out0, lo0, B1, R0, C0, T0,
                    sa0_0, sa1_0, sar_0, sat_0, sb0_0, sb1_0, sbt_0, sbc_0, sc0_0, sc1_0, scr_0, scc_0,
                    so0_0, so1_0, sor_0, soc_0,
-                   ACCUMULATE0, HALF_BITS, PRECISION, UPCAST, BLOCK_R0, BLOCK_C0, BLOCK_T0)
+                   ACCUMULATE0, HALF_BITS, PRECISION, UPCAST, SPLIT, BLOCK_R0, BLOCK_C0, BLOCK_T0)
     elif PRODUCTS > 1:
         if tile < t0 + t1:
             _gemm_tile(batch, tile - t0, a1, b1, acc1, out1, lo1, B1, R1, C1, T1,
                        sa0_1, sa1_1, sar_1, sat_1, sb0_1, sb1_1, sbt_1, sbc_1, sc0_1, sc1_1, scr_1, scc_1,
                        so0_1, so1_1, sor_1, soc_1,
-                       ACCUMULATE1, HALF_BITS, PRECISION, UPCAST, BLOCK_R1, BLOCK_C1, BLOCK_T1)
+                       ACCUMULATE1, HALF_BITS, PRECISION, UPCAST, SPLIT, BLOCK_R1, BLOCK_C1, BLOCK_T1)
         elif PRODUCTS > 2:
             _gemm_tile(batch, tile - t0 - t1, a2, b2, acc2, out2, lo2, B1, R2, C2, T2,
                        sa0_2, sa1_2, sar_2, sat_2, sb0_2, sb1_2, sbt_2, sbc_2, sc0_2, sc1_2, scr_2, scc_2,
                        so0_2, so1_2, sor_2, soc_2,
-                       ACCUMULATE2, HALF_BITS, PRECISION, UPCAST, BLOCK_R2, BLOCK_C2, BLOCK_T2)
+                       ACCUMULATE2, HALF_BITS, PRECISION, UPCAST, SPLIT, BLOCK_R2, BLOCK_C2, BLOCK_T2)
 
 
 class Product(NamedTuple):
     """One product of a :func:`gemm` launch: ``out = a @ b (+ acc)`` over 4-D views, a
     ``[B0, B1, R, T]``, b ``[B0, B1, T, C]``, out, acc (float32) and lo ``[B0, B1, R, C]``, any
-    strides. ``lo``: the low plane of a result stored in 24 bits (``out`` its int16 top plane)."""
+    strides; a and b of one dtype, or a float32 a beside a 16-bit b (split: :func:`gemm`).
+    ``lo``: the low plane of a result stored in 24 bits (``out`` its int16 top plane)."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -196,15 +206,21 @@ def gemm(*products: Product, half_bits: int = 0) -> None:
     if any(tuple(p.a.shape[:2]) != (b0, b1) for p in products):
         raise ValueError(f"the products of one launch share their batch: {[tuple(p.a.shape[:2]) for p in products]}")
     first = products[0]
+    # a float32 beside a 16-bit b: the products of the launch split a (SPLIT, _gemm_tile)
+    split = first.a.dtype == torch.float32 and first.b.dtype != torch.float32
+    if any((p.a.dtype, p.b.dtype) != (first.a.dtype, first.b.dtype) for p in products) or \
+            (first.a.dtype != first.b.dtype and not split):
+        raise ValueError(f"one launch takes one pair of operand dtypes, a float32 a beside a 16-bit b or one dtype: "
+                         f"{[(p.a.dtype, p.b.dtype) for p in products]}")
     slots = products + [products[0]] * (3 - len(products))  # unused slots: never read
-    configs = [gemm_config(p.a.shape[2], p.b.shape[3], p.a.shape[3], p.a.element_size()) for p in slots]
+    configs = [gemm_config(p.a.shape[2], p.b.shape[3], p.a.shape[3], p.b.element_size(), split) for p in slots]
     tiles = sum(-(-p.a.shape[2] // c["BLOCK_R"]) * -(-p.b.shape[3] // c["BLOCK_C"])
                 for p, c in zip(products, configs))
     blocks = {f"{key}{i}": c[key] for i, c in enumerate(configs) for key in ("BLOCK_R", "BLOCK_C", "BLOCK_T")}
     accumulate = {f"ACCUMULATE{i}": i < len(products) and products[i].acc is not None for i in range(3)}
     _gemm_kernel[(b0 * b1 * tiles,)](b1, *_args(slots[0]), *_args(slots[1]), *_args(slots[2]),
-                                      PRODUCTS=len(products), HALF_BITS=half_bits, **accumulate, **blocks,
-                                      **dot_constexprs(first.a.dtype, first.a.device),
+                                      PRODUCTS=len(products), HALF_BITS=half_bits, SPLIT=split, **accumulate,
+                                      **blocks, **dot_constexprs(first.b.dtype, first.b.device),
                                       num_warps=max(c["num_warps"] for c in configs[:len(products)]),
                                       num_stages=configs[0]["num_stages"])
 
