@@ -3,7 +3,7 @@
     gradops                 same as ``gradops selftest``
     gradops selftest        every operator, every available backend, against float64 oracles
     gradops info            versions (and the tested range), devices, backends
-    gradops bench FAMILY    benchmarks (norm, nsa, floyd, model, overhead, floydnet, floyd3): see
+    gradops bench FAMILY    benchmarks (norm, nsa, floyd, floyd3, model, overhead, floydnet, all): see
                             ``gradops bench FAMILY --help``
     gradops bench all       every family at its GPU shapes, one folder of results and a summary
 
@@ -109,7 +109,7 @@ def cmd_info(args) -> int:
     return 0
 
 
-BENCH_FAMILIES = ("norm", "nsa", "floyd", "model", "overhead", "floydnet", "all", "floyd3")
+BENCH_FAMILIES = ("norm", "nsa", "floyd", "floyd3", "model", "overhead", "floydnet", "all")
 SELFTEST_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 

@@ -127,7 +127,7 @@ def test_every_command_takes_the_same_options(family, capsys):
 def test_bench_help_lists_the_families_and_the_shared_options(capsys):
     assert cli.main(["bench", "--help"]) == 0
     usage = capsys.readouterr().out
-    assert "norm,nsa,floyd,model,overhead,floydnet,all" in usage and "--out DIR" in usage and "float32 (fp32)" in usage
+    assert "norm,nsa,floyd,floyd3,model,overhead,floydnet,all" in usage and "--out DIR" in usage and "float32 (fp32)" in usage
     assert cli.main(["bench"]) == 2  # no family: the same text, and a usage error
 
 
