@@ -18,9 +18,9 @@ tests/test_kernels_floyd.py, whose reasoning carries over: the sums here are ove
 instead of 2 K, at most a few dozen):
 - float32 inputs: IEEE products (never TF32) and float32 sums over at most 3*max(P, D, I, J, K)
   < 100 terms: errors of a few ulps (2^-24 each); 2e-5 is ~170 ulps of headroom.
-- float16 inputs: P and dS rounded to float16 before their GEMMs (as every flash-attention
-  kernel) and every result rounded to float16 once: a few units of 2^-11 each; 4e-3 is ~8
-  ulps of float16.
+- float16 inputs: P and dS float32, split into two float16 halves for their GEMMs (22 bits of
+  each), and every result rounded to float16 once: a few units of 2^-11 each; 4e-3 is ~8 ulps
+  of float16.
 - the statistics are float32 from the same rounded inputs: 1e-5 relative; a fully masked row
   exactly max -FLT_MAX and sum P, its dQ exactly 0.
 """

@@ -57,17 +57,16 @@ def compile_check_rows3(dtype: torch.dtype, pivots: int, arch: int = 90, masked:
     blocks at P = ``pivots``, for a contiguous mask (``masked``) and statistics."""
     from ..kernels import floyd3_attention as f3
     from ..kernels.floyd_config import row_config
-    from .floyd import _compile_sm, _ptr_types, _row_signature
+    from .floyd import _compile_sm, _row_signature
 
-    ptr, _ = _ptr_types(dtype)
     cfg = row_config(pivots)
     rows = []
     for name, kernel in (("rows3_softmax", f3._softmax_rows3), ("rows3_grad", f3._grad_rows3)):
         consts = dict(HAS_MASK=masked, BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], ONE_TILE=cfg["ONE_TILE"])
-        # the mask's p and the statistics' k: unit strides; P and dS in the input dtype, the rest float32
+        # the mask's p and the statistics' k: unit strides; every buffer float32 (P and dS too,
+        # whatever the input dtype: the GEMMs split them), the mask bytes
         sig, attrs = _row_signature(kernel, consts, ("smk_p", "sst_k"),
-                                    lambda arg: "*u8" if arg == "mask_ptr" else ptr if arg in ("p_ptr", "ds_ptr")
-                                    else "*fp32", f3.NOT_SPECIALISED[kernel.__name__])
+                                    lambda arg: "*u8" if arg == "mask_ptr" else "*fp32", f3.NOT_SPECIALISED[kernel.__name__])
         row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": None, "L": pivots, "masked": masked,
                "tile": f"{cfg['BLOCK_R']}x{cfg['BLOCK_K']}", "warps": cfg["num_warps"], "products": 0}
         rows.append(_compile_sm(kernel, sig, consts, attrs, arch, cfg["num_warps"], 1, row,
