@@ -408,3 +408,37 @@ def test_a_brec_style_3_floyd_block_matches_floydnet(backend):
     w64 = weight.double().requires_grad_()
     (dw64,) = torch.autograd.grad(block(floydnet.pivotal_attention3, x.double(), w64).square().sum(), w64)
     assert rel_error(dw, dw64) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("sizes", [(1, 1, 0, 2, 2, 3, 2), (1, 1, 2, 0, 2, 3, 2)], ids=["I=0", "J=0"])
+@pytest.mark.parametrize("options", [{}, {"softmax_cap": 1.0}], ids=["fused", "chunked"])
+def test_pivotal_attention3_empty_grids(backend, sizes, options):
+    tensors = floydnet_order(make_inputs(*sizes))
+    y = gradops.pivotal_attention3(*leaves(tensors), **options)
+    assert y.shape == tensors[0].shape and y.numel() == 0
+
+
+def test_infinite_inf_takes_floydnets_nan_rows(backend):
+    """inf = float("inf"): FloydNet's fully masked row is a softmax of -inf scores, NaN; the
+    operator's would be uniform, so such a call takes the chunked path, FloydNet's formula."""
+    b, h, i, j, k, p, d = SHAPE
+    tensors = floydnet_order(make_inputs(*SHAPE))
+    mask = make_mask(b, i, j, k, p)  # rows (0, *, 0) fully masked
+    ours = gradops.pivotal_attention3(*tensors, attn_mask=mask, inf=float("inf"))
+    theirs = floydnet_float64(tensors, torch.ones_like(tensors[0]).double(), attn_mask=mask, inf=float("inf"))[0]
+    assert torch.equal(torch.isnan(ours), torch.isnan(theirs)) and torch.isnan(ours[:, :, 0, :, 0]).all()
+    assert rel_error(ours, theirs) <= TOLERANCE[torch.float32]
+
+
+def test_torch_func_grad_matches_autograd_and_jvp_is_refused():
+    """torch.func.grad runs the operator's backward; forward mode has no rule and says so (the
+    bare custom op would give a silent zero tangent)."""
+    from torch.func import grad, jvp
+
+    tensors = floydnet_order(make_inputs(1, 1, 2, 3, 2, 3, 4, dtype=torch.float64))
+    q = tensors[0].clone().requires_grad_()
+    gradops.pivotal_attention3(q, *tensors[1:]).square().sum().backward()
+    by_func = grad(lambda x: gradops.pivotal_attention3(x, *tensors[1:]).square().sum())(tensors[0])
+    assert torch.equal(by_func, q.grad)
+    with pytest.raises(NotImplementedError, match="jvp"):
+        jvp(lambda x: gradops.pivotal_attention3(x, *tensors[1:]), (tensors[0],), (torch.ones_like(tensors[0]),))

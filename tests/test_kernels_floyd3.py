@@ -147,7 +147,7 @@ def pairs_budget(monkeypatch):
     def set_budget(pairs, shape, dtype):
         b, h, i, j, k, p, d = shape
         monkeypatch.setattr(config, "CHUNK_BUDGET_BYTES", f3.pair_bytes(k, p, d) * pairs)
-        return f3.chunk_plan(b * h, i, j, k, p, d, torch.device("cpu"))
+        return f3.chunk_plan(b * h, i, j, k, p, d, dtype.itemsize, torch.device("cpu"))
     return set_budget
 
 
@@ -344,18 +344,18 @@ def test_unsupported():
         assert f3.unsupported(torch.empty(1, 1, 1, 1, 1, 4, dtype=dtype)) is None
 
 
-def test_small_grids_are_one_chunk():
-    """BREC's grids (B*H = 8, D = 32) plan one chunk on an H200 (141 GiB; its budget is the
-    device's share, not divided: floyd3_attention.SMALL_GRID) up to L = 48, two at L = 64;
-    L = 128 is cut further."""
-    h200 = 150_000_000_000
-    for side, chunks in ((16, 1), (32, 1), (48, 1), (64, 2)):
-        pair = f3.pair_bytes(side, side, 32)
-        budget = config.device_budget(h200, 8 * side * side * pair, f3.small_grid(side, side, side, side))
-        assert config.plan_rows(8, side, side, pair, budget).count(8, side, side) == chunks, side
-    pair = f3.pair_bytes(128, 128, 32)
-    budget = config.device_budget(h200, 8 * 128 * 128 * pair, f3.small_grid(128, 128, 128, 128))
-    assert config.plan_rows(8, 128, 128, pair, budget).count(8, 128, 128) > 1
+def test_a_chunk_stays_within_the_inputs_bytes(monkeypatch):
+    """No chunk's workspace (S, dP, P, dS float32, 16 bytes a score) grows into the L^4
+    hypercube: at most the seven inputs' bytes, O(L^3 D) (64 MiB at least: small calls in one
+    chunk). BREC's sizes (B*H = 8, D = 32, bfloat16) on an H200: one chunk at L = 16, two at 32
+    and 48, three at 64; at L = 128 a chunk holds 1/32 of the hypercube's workspace."""
+    monkeypatch.setattr(f3, "total_memory", lambda device: 150_000_000_000)  # an H200's 141 GiB
+    for side, chunks in ((16, 1), (32, 2), (48, 2), (64, 3), (128, 16)):
+        plan = f3.chunk_plan(8, side, side, side, side, 32, 2, torch.device("cpu"))
+        workspace = plan.groups * plan.block_n * plan.block_m * f3.pair_bytes(side, side, 32)
+        inputs = 8 * 32 * 2 * 7 * side ** 3
+        assert workspace <= max(config.MIN_CHUNK_BUDGET_BYTES, inputs), side
+        assert plan.count(8, side, side) == chunks, side
 
 
 # ---------------------------------------------------------------------------------------------

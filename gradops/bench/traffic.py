@@ -797,7 +797,7 @@ def floyd3_traffic(shape: Sequence[int], dtype, masked: bool = False, seed: int 
     scores = b * h * i * j * k * p
     scale = (3 * d) ** -0.5 if scale is None else float(scale)  # FloydNet's default, 1/sqrt(3 D)
     inputs, dy, mask = floyd3_inputs((b, h, i, j, k, p, d), dtype, masked, seed)
-    plan = f3.chunk_plan(b * h, i, j, k, p, d, inputs[0].device)
+    plan = f3.chunk_plan(b * h, i, j, k, p, d, inputs[0].element_size(), inputs[0].device)
     result = {"shape": dict(zip(("B", "H", "I", "J", "K", "P", "D"), (b, h, i, j, k, p, d))),
               "dtype": str(dtype).replace("torch.", ""), "masked": masked, "seed": seed, "scale": scale,
               "scores": scores, "chunks": plan.count(b * h, i, j)}

@@ -17,7 +17,8 @@ batch per launch), and the softmax and dS are row kernels over float32 scores in
 of (slices g) x (rows i) x (rows j) with every k and every pivot p, as many (i, j) rows as the
 budget holds (``floyd_config.plan_rows``, the 2-pivot planner, at ``pair_bytes`` per (i, j):
 K rows of P scores and the float32 partial Y/dQ); the budget is ``floyd_config.chunk_budget``
-(its ``CHUNK_BUDGET_BYTES`` overrides it, for tests and benchmarks). Several slices only where
+of at most the seven inputs' bytes (its ``CHUNK_BUDGET_BYTES`` overrides it, for tests and
+benchmarks). Several slices only where
 the chunk covers every i and j; rows of j split only where 16 rows of i with every j do not
 fit. With k always whole, every product of a chunk is one strided view per operand (``_side``):
 
@@ -43,8 +44,8 @@ is split), dK1/dV1 over i (across i-chunks unless the chunk has every i). A sum 
 chunks continues in a float32 accumulator through ``acc`` (``_floyd_memory.reduction``); the
 last chunk of it stores the rounded result.
 
-So a call launches 7 + 7 kernels per chunk, and BREC's grids (L = 16-48; two at L = 64) are one
-chunk on a GPU (``SMALL_GRID``). FLOP: 6 GEMM units of B*H*I*J*K*P*D multiply-adds forward (3 for S, 3
+So a call launches 7 + 7 kernels per chunk: one chunk for small calls, a few at BREC's sizes
+(a chunk's workspace is bounded by the inputs' bytes: ``chunk_plan``). FLOP: 6 GEMM units of B*H*I*J*K*P*D multiply-adds forward (3 for S, 3
 for Y), 15 backward (S, dP, dQ, dK, dV: 3 each).
 
 **Precision.** Scores, dP, P, dS, Dr and every sum float32. 16-bit inputs go to tensor cores;
@@ -61,8 +62,8 @@ exactly 0 there.
 
 **Memory** beyond inputs and outputs: one chunk's buffers (S, P forward; S, dP, P, dS backward;
 the float32 partial Y/dQ) within the budget, and float32 accumulators of the sums that span
-chunks (input-sized: one slice's dK1/dV1, one i-chunk's dK2/dV2). Never a tensor of the whole
-hypercube. An input whose (b, h, ...) rows do not merge as the views need (e.g. its j and k
+chunks (input-sized: one slice's dK1/dV1, one i-chunk's dK2/dV2). A chunk's buffers are at most
+the inputs' bytes (64 MiB at least), O(L^3 D): never the L^4 hypercube past L ~ D. An input whose (b, h, ...) rows do not merge as the views need (e.g. its j and k
 axes swapped in memory) is copied once (``_rows_merge``); the mask is read through its strides
 (an expanded view costs nothing); the statistics too.
 
@@ -84,11 +85,6 @@ from .floyd_chunked import grad_rows_body, softmax_rows_body
 from .floyd_config import ChunkPlan, chunk_budget, plan_rows, row_config, score_bytes, total_memory
 from .floyd_gemm import Product, gemm
 
-# A grid no side of which (I, J, K, P) passes this is small (floyd_config.chunk_budget): its
-# budget is not divided by CHUNK_PROBLEM_DIVISOR, so BREC's grids (at B*H = 8, D = 32) are one
-# chunk, 14 launches a step, up to L = 48 (0.8 GB of workspace) and two at L = 64 (2.4 GB, past
-# an H100's or H200's share). Past it the hypercube grows as L^4 and is cut as the 2-pivot cube is.
-SMALL_GRID = 64
 
 # Launches per chunk (module docstring): what the tests and the docs count.
 FORWARD_LAUNCHES = 7
@@ -128,20 +124,20 @@ def pair_bytes(k: int, p: int, d: int) -> int:
     return k * (p * score_bytes(4) + 4 * d)
 
 
-def small_grid(i: int, j: int, k: int, p: int) -> bool:
-    """Whether a call is a small grid (SMALL_GRID): its budget is the whole problem's workspace."""
-    return max(i, j, k, p) <= SMALL_GRID
-
-
-def chunk_plan(bh: int, i: int, j: int, k: int, p: int, d: int, device: torch.device) -> ChunkPlan:
+def chunk_plan(bh: int, i: int, j: int, k: int, p: int, d: int, element_size: int,
+               device: torch.device) -> ChunkPlan:
     """The chunks of a call: ``floyd_config.plan_rows`` over (slices, i, j) at :func:`pair_bytes`
-    per (i, j) row, within ``floyd_config.chunk_budget`` (the device's total memory, never its
-    free memory: a forward and its backward must walk the same chunks, so that the backward's
-    scores are bitwise the forward's; ``floyd_config.CHUNK_BUDGET_BYTES`` overrides it). A
-    function of the shape and the device alone (the workspace is float32 whatever the dtype)."""
+    per (i, j) row, within ``floyd_config.chunk_budget`` of a problem whose workspace is taken
+    as at most the seven inputs' bytes: a chunk's scores then stay O(L^3 D), as the inputs, and
+    never grow into the L^4 hypercube (16 bytes a score, where FloydNet holds 3-4 score tensors),
+    while at least ``MIN_CHUNK_BUDGET_BYTES`` keeps small calls in one chunk. The device's
+    total memory, never its free memory, bounds it too: a forward and its backward must walk
+    the same chunks, so that the backward's scores are bitwise the forward's
+    (``floyd_config.CHUNK_BUDGET_BYTES`` overrides it all). A function of the shape, the
+    dtype's size and the device alone."""
     pair = pair_bytes(k, p, d)
-    budget = chunk_budget(total_memory(device), bh * i * j * pair, small_grid(i, j, k, p))
-    return plan_rows(bh, i, j, pair, budget)
+    inputs = bh * d * element_size * (i * j * k + 2 * (p * j * k + i * p * k + i * j * p))
+    return plan_rows(bh, i, j, pair, chunk_budget(total_memory(device), min(bh * i * j * pair, inputs), True))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,7 +344,7 @@ def floyd3_attention(q, k1, v1, k2, v2, k3, v3, mask, scale) -> Tuple[torch.Tens
     out5 = out.view(B * H, I, J, K, D)
     mask_t, mask_strides, has_mask = _mask_args(mask, q5)
     bits = _scale_bits(scale)
-    plan = chunk_plan(B * H, I, J, K, P, D, dev)
+    plan = chunk_plan(B * H, I, J, K, P, D, q.dtype.itemsize, dev)
     work = _Workspace(plan, K, P, D, dev, ("s", "p", "part"))
     for c in chunks(plan, B * H, I, J):
         s, p, part = work.view("s", c, P), work.view("p", c, P), work.view("part", c, D)
@@ -386,7 +382,7 @@ def floyd3_attention_grad(dy, q, k1, v1, k2, v2, k3, v3, softmax_max, softmax_su
         smax, ssum = smax.contiguous(), ssum.contiguous()
     mask_t, mask_strides, has_mask = _mask_args(mask, q5)
     bits = _scale_bits(scale)
-    plan = chunk_plan(B * H, I, J, K, P, D, dev)
+    plan = chunk_plan(B * H, I, J, K, P, D, q.dtype.itemsize, dev)
     work = _Workspace(plan, K, P, D, dev, ("s", "dp", "p", "ds", "part"))
 
     # float32 accumulators of the sums that span chunks: dK1/dV1 over i (one slice's, every j),

@@ -98,8 +98,8 @@ def _scores(s_ptr, mask_rows, smk_k, r, k_idx, inside, K, scale, HAS_MASK: tl.co
 
 @triton.jit
 def _store(ptr, x, r, k_idx, inside, K):
-    """A tile into a [rows, K] buffer in its dtype (the input dtype: P and dS enter their
-    GEMMs rounded, as in every flash-attention kernel)."""
+    """A tile into a [rows, K] buffer in its dtype (2-pivot: the input dtype, P and dS enter
+    their GEMMs rounded, as in every flash-attention kernel; 3-Floyd: float32, split by them)."""
     tl.store(ptr + r[:, None] * K + k_idx[None, :], x.to(ptr.dtype.element_ty), mask=inside)
 
 
@@ -161,8 +161,9 @@ def _grad_rows(
 def softmax_rows_body(s_ptr, p_ptr, max_ptr, sum_ptr, mask_rows, smk_p, r, live, stat, NP, scale,
                   HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr):
     """The softmax of a program's rows of NP pivots: the row max and sum of exp(S - max) into
-    the statistics, P into ``p_ptr`` (the input dtype). One tile per row (each score read once)
-    or, past BLOCK_K pivots, an online max and sum, then P. Shared by the 2-pivot ``_softmax_rows``
+    the statistics, P into ``p_ptr`` (in its dtype: the input dtype for 2-pivot, float32 for
+    3-Floyd). One tile per row (each score read once) or, past BLOCK_K pivots, an online max
+    and sum, then P. Shared by the 2-pivot ``_softmax_rows``
     and 3-Floyd's ``_softmax_rows3``, which differ in how a row finds its mask and statistics."""
     k_idx = tl.arange(0, BLOCK_K)
     if ONE_TILE:
@@ -197,8 +198,8 @@ def softmax_rows_body(s_ptr, p_ptr, max_ptr, sum_ptr, mask_rows, smk_p, r, live,
 def grad_rows_body(s_ptr, dp_ptr, max_ptr, sum_ptr, p_ptr, ds_ptr, mask_rows, smk_p, r, live, stat, NP, scale,
                HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr):
     """The backward rows: P from the saved statistics, Dr = sum_p P dP in float32, dS = P (dP -
-    Dr) scale (0 where masked), P and dS into their buffers (the input dtype). Shared by the
-    2-pivot ``_grad_rows`` and 3-Floyd's ``_grad_rows3``."""
+    Dr) scale (0 where masked), P and dS into their buffers (in their dtype, as above). Shared by
+    the 2-pivot ``_grad_rows`` and 3-Floyd's ``_grad_rows3``."""
     row_max = tl.load(max_ptr + stat, mask=live, other=0.0)
     inv_sum = 1.0 / tl.load(sum_ptr + stat, mask=live, other=1.0)
     k_idx = tl.arange(0, BLOCK_K)

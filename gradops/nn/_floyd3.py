@@ -13,6 +13,7 @@ from ..ops._checks import check_float_attr, require_tensor
 from ._custom_ops import (backend_arg, double_backward_error, empty_like_spec, fresh, no_autocast, register_autocast,
                           takes_eager_path)
 from ._floyd import autocast_inputs
+from ._transforms import transformable, transformed
 
 _NAMES = ("q", "k1", "v1", "k2", "v2", "k3", "v3")
 
@@ -70,8 +71,8 @@ def _grads_needed(ctx, dy, grad_enabled):
     if dy is None:
         dy = torch.zeros_like(out)
     if grad_enabled:
-        grads = torch.ops.gradops.floyd3_attention_backward(dy, *tensors, out, smax, ssum, mask, ctx.scale,
-                                                            ctx.backend)
+        grads = transformed(torch.ops.gradops.floyd3_attention_backward)(dy, *tensors, out, smax, ssum, mask,
+                                                                         ctx.scale, ctx.backend)
     else:
         grads = _floyd3_ops.prepare_floyd3_attention_grad(dy, *tensors, out, smax, ssum, mask, ctx.scale,
                                                           backend=ctx.backend).run()
@@ -82,9 +83,13 @@ def _backward(ctx, dy, _dmax, _dsum):
     return _grads_needed(ctx, dy, True) + (None, None, None)
 
 
+_NO_DOUBLE_BACKWARD = double_backward_error("floyd3_attention", "floydnet.pivotal_attention3 (einsums)")
 torch.library.register_autograd("gradops::floyd3_attention", _backward, setup_context=_setup)
-torch.library.register_autograd("gradops::floyd3_attention_backward",
-                                double_backward_error("floyd3_attention", "floydnet.pivotal_attention3 (einsums)"))
+torch.library.register_autograd("gradops::floyd3_attention_backward", _NO_DOUBLE_BACKWARD)
+# torch.func transforms (see _transforms): grad and vjp through these rules; jvp is refused (no
+# forward-mode rule), where the bare custom op would give a silent zero tangent
+transformable("floyd3_attention", _setup, _backward)
+transformable("floyd3_attention_backward", None, _NO_DOUBLE_BACKWARD)
 register_autocast("floyd3_attention", True)  # matmul-like, as scaled_dot_product_attention
 register_autocast("floyd3_attention_backward", False)
 
@@ -142,5 +147,5 @@ def floyd3_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, 
     if takes_eager_path(q):
         tensors = autocast_inputs(tensors)
         return _Floyd3Function.apply(*tensors, mask, scale, backend_arg(op, backend))
-    out, _, _ = torch.ops.gradops.floyd3_attention(*tensors, mask, scale, backend_arg(op, backend))
+    out, _, _ = transformed(torch.ops.gradops.floyd3_attention)(*tensors, mask, scale, backend_arg(op, backend))
     return out

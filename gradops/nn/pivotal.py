@@ -22,7 +22,8 @@ Two paths:
   heads and over k (it then reduces to the operator's ``[B,1,N,1,K]``). The operator excludes
   a masked pivot exactly, where FloydNet writes the finite ``-inf`` value; the two agree
   whenever ``exp(-inf - max)`` underflows, so the fused path also requires
-  ``inf >= FUSED_MIN_INF``.
+  ``inf >= FUSED_MIN_INF``, and a finite ``inf`` (FloydNet's fully masked row is NaN at
+  ``inf = float("inf")``, the operator's uniform).
 - chunked: everything else (dropout, the cap, additive masks, masks varying over heads or
   over k, a small ``inf``). Plain PyTorch autograd over tiles of (i, k) whose scores stay
   under ``TILE_ELEMENTS``; each tile is wrapped in activation checkpointing, so neither the
@@ -123,6 +124,13 @@ def check_floats(op, dropout, scale, inf, softmax_cap, default_scale):
     return float(dropout), float(scale), float(inf), float(softmax_cap)
 
 
+def excludes_masked_pivots(inf: float) -> bool:
+    """Whether FloydNet's boolean mask at this ``inf`` removes a masked pivot as the fused
+    operators do: ``exp(-inf - max)`` underflows (``inf >= FUSED_MIN_INF``) and a fully masked
+    row is uniform, not NaN (``inf`` finite: FloydNet's ``-inf`` row softmaxes to NaN)."""
+    return FUSED_MIN_INF <= inf < math.inf
+
+
 def _operator_mask(attn_mask, b, li, lj):
     """The operator's ``[B,1,L_i,1,L_j]`` mask of a boolean ``attn_mask`` constant over heads and
     k: ``attn_mask`` itself when it is that already (contiguous), else expanded and copied."""
@@ -158,6 +166,8 @@ def _tile(q, k1, v1, k2, v2, mask, scale: float, softmax_cap: float, inf: float,
 def _chunked(q, k1, k2, v1, v2, mask, scale, softmax_cap, inf, dropout):
     b, h, li, lk, d = q.shape
     lj = k1.shape[3]
+    if li * lk == 0:  # no (i, k) row: one empty tile (FloydNet's empty result, and its graph)
+        return _tile(q, k1, v1, k2, v2, mask, scale, softmax_cap, inf, dropout)
     per_k = max(1, b * h * lj)
     ck = lk if per_k * lk <= TILE_ELEMENTS else max(1, TILE_ELEMENTS // per_k)
     ci = max(1, TILE_ELEMENTS // (per_k * ck))
@@ -207,7 +217,7 @@ def resolve(q_ik, k_ij, k_jk, v_ij, v_jk, attn_mask, dropout, scale, inf, softma
     mask = None if attn_mask is None else broadcast_mask(attn_mask, full_shape, "(B, H, L_i, L_k, L_j)", q_ik.device, op)
 
     fusable_mask = mask is None or (mask.dtype == torch.bool and mask.shape[1] == 1 and mask.shape[3] == 1
-                                    and inf >= FUSED_MIN_INF)
+                                    and excludes_masked_pivots(inf))
     if dropout == 0.0 and not softmax_cap > 0 and fusable_mask:
         fused_mask = None if mask is None else _operator_mask(attn_mask, b, li, lj)
         return PivotalCall(True, fused_mask, scale, inf, softmax_cap, dropout)

@@ -16,9 +16,10 @@ neither path here does.
 
 Two paths, chosen as ``pivotal_attention`` chooses:
 - fused: gradops' 3-Floyd operator (``gradops.nn.functional.floyd3_attention``), when there is
-  no dropout, no cap, and the mask is None or boolean and constant over heads, with
-  ``inf >= FUSED_MIN_INF`` (the operator removes a masked pivot exactly, FloydNet writes a
-  finite ``-inf``: the two agree when ``exp(-inf - max)`` underflows);
+  no dropout, no cap, and the mask is None or boolean and constant over heads, with a finite
+  ``inf >= FUSED_MIN_INF`` (the operator removes a masked pivot exactly, FloydNet writes
+  ``-inf``: the two agree when ``exp(-inf - max)`` underflows and ``inf`` is finite:
+  ``pivotal.excludes_masked_pivots``);
 - chunked: everything else. Plain PyTorch autograd over tiles of (i, j), every k and pivot,
   whose scores stay under ``TILE_ELEMENTS``, each tile under activation checkpointing, so
   neither pass holds more than a tile of scores. Half inputs compute in float32 there.
@@ -38,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from ..ops._checks import dtype_name, require_tensor
 from ._custom_ops import autocast_eligible
 from ._floyd3 import floyd3_attention, refuse_dtensors
-from .pivotal import FUSED_MIN_INF, _autocast_dtype, _fail, broadcast_mask, check_floats
+from .pivotal import _autocast_dtype, _fail, broadcast_mask, check_floats, excludes_masked_pivots
 
 __all__ = ["pivotal_attention3", "TILE_ELEMENTS"]
 
@@ -105,6 +106,8 @@ def _tile(q, k1, k2, k3, v1, v2, v3, mask, scale: float, softmax_cap: float, inf
 def _chunked(tensors, mask, scale, softmax_cap, inf, dropout):
     q, k1, k2, k3, v1, v2, v3 = tensors
     b, h, li, lj, lk, _ = q.shape
+    if li * lj == 0:  # no (i, j) row: one empty tile (FloydNet's empty result, and its graph)
+        return _tile(*tensors, mask, scale, softmax_cap, inf, dropout)
     lp = k1.shape[2]
     per_j = max(1, b * h * lk * lp)  # scores of one (i, j) pair
     cj = lj if per_j * lj <= TILE_ELEMENTS else max(1, TILE_ELEMENTS // per_j)
@@ -160,7 +163,7 @@ def pivotal_attention3(
     mask = None
     if attn_mask is not None:
         mask = broadcast_mask(attn_mask, (b, h, i, j, k, p), _MASK_LAYOUT, q_ijk.device, _OP)
-    fusable_mask = mask is None or (mask.dtype == torch.bool and mask.shape[1] == 1 and inf >= FUSED_MIN_INF)
+    fusable_mask = mask is None or (mask.dtype == torch.bool and mask.shape[1] == 1 and excludes_masked_pivots(inf))
     if dropout == 0.0 and not softmax_cap > 0 and fusable_mask:
         # gradops' argument order is (q, k1, v1, k2, v2, k3, v3)
         return floyd3_attention(q_ijk, k_pjk, v_pjk, k_ipk, v_ipk, k_ijp, v_ijp, mask, scale)
