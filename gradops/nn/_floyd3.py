@@ -15,6 +15,7 @@ from ._custom_ops import (backend_arg, double_backward_error, empty_like_spec, f
 from ._floyd import autocast_inputs
 from ._transforms import transformable, transformed
 
+_OP = "floyd3_attention"
 _NAMES = ("q", "k1", "v1", "k2", "v2", "k3", "v3")
 
 
@@ -141,11 +142,15 @@ def floyd3_attention(q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, 
     removes the pivot), ``scale`` (default 1.0, as the operator). For FloydNet's argument
     order, default scale and general masks use :func:`gradops.pivotal_attention3`.
     """
-    op = "floyd3_attention"
     tensors = (q, k1, v1, k2, v2, k3, v3)
-    scale = _check_call(op, tensors, mask, scale)
-    if takes_eager_path(q):
-        tensors = autocast_inputs(tensors)
-        return _Floyd3Function.apply(*tensors, mask, scale, backend_arg(op, backend))
-    out, _, _ = transformed(torch.ops.gradops.floyd3_attention)(*tensors, mask, scale, backend_arg(op, backend))
+    return checked_call(tensors, mask, _check_call(_OP, tensors, mask, scale), backend_arg(_OP, backend))
+
+
+def checked_call(tensors, mask, scale: float, backend: str) -> Tensor:
+    """The operator's output for a call whose tensors, mask and scale the caller has checked as
+    :func:`floyd3_attention` does (``pivotal_attention3``'s fused path): the eager path, or the
+    custom op (the operator's own checks run in both)."""
+    if takes_eager_path(tensors[0]):
+        return _Floyd3Function.apply(*autocast_inputs(tensors), mask, scale, backend)
+    out, _, _ = transformed(torch.ops.gradops.floyd3_attention)(*tensors, mask, scale, backend)
     return out

@@ -37,8 +37,8 @@ import torch.nn.functional as torch_F
 from torch.utils.checkpoint import checkpoint
 
 from ..ops._checks import dtype_name, require_tensor
-from ._custom_ops import autocast_eligible
-from ._floyd3 import floyd3_attention, refuse_dtensors
+from ._custom_ops import autocast_eligible, backend_arg
+from ._floyd3 import checked_call, refuse_dtensors
 from .pivotal import _autocast_dtype, _fail, broadcast_mask, check_floats, excludes_masked_pivots
 
 __all__ = ["pivotal_attention3", "TILE_ELEMENTS"]
@@ -165,8 +165,8 @@ def pivotal_attention3(
         mask = broadcast_mask(attn_mask, (b, h, i, j, k, p), _MASK_LAYOUT, q_ijk.device, _OP)
     fusable_mask = mask is None or (mask.dtype == torch.bool and mask.shape[1] == 1 and excludes_masked_pivots(inf))
     if dropout == 0.0 and not softmax_cap > 0 and fusable_mask:
-        # gradops' argument order is (q, k1, v1, k2, v2, k3, v3)
-        return floyd3_attention(q_ijk, k_pjk, v_pjk, k_ipk, v_ipk, k_ijp, v_ijp, mask, scale)
+        # gradops' argument order is (q, k1, v1, k2, v2, k3, v3); the tensors are checked above
+        return checked_call((q_ijk, k_pjk, v_pjk, k_ipk, v_ipk, k_ijp, v_ijp), mask, scale, backend_arg(_OP, None))
     dtype = _autocast_dtype(q_ijk.device.type)
     if dtype is not None:
         tensors = tuple(t.to(dtype) if autocast_eligible(t, q_ijk.device.type) else t for t in tensors)
