@@ -150,17 +150,25 @@ def _tile(q, k1, v1, k2, v2, mask, scale: float, softmax_cap: float, inf: float,
     qs = q.to(compute) * scale
     k1, v1, k2, v2 = (t.to(compute) for t in (k1, v1, k2, v2))
     s = torch.einsum("bhikd,bhijd->bhikj", qs, k1) + torch.einsum("bhikd,bhjkd->bhikj", qs, k2)
+    p = floydnet_weights(s, mask, softmax_cap, inf, dropout)
+    y = torch.einsum("bhikj,bhijd->bhikd", p, v1) + torch.einsum("bhikj,bhjkd->bhikd", p, v2)
+    return y.to(q.dtype)
+
+
+def floydnet_weights(s, mask, softmax_cap: float, inf: float, dropout: float):
+    """FloydNet's attention weights from a tile's scores ``s`` (pivot last, in the compute
+    dtype), as both ``pivotal_attention`` and ``pivotal_attention3`` compute them: the cap,
+    the mask, the softmax over the pivot, dropout."""
     if softmax_cap > 0:
         s = softmax_cap * torch.tanh(s / softmax_cap)
     if mask is not None:
         # an additive mask is added in the compute dtype (a float64 mask beside float32 scores
         # would otherwise promote the scores to float64 and fail against the float32 values)
-        s = s.masked_fill(mask, -inf) if mask.dtype == torch.bool else s + mask.to(compute)
+        s = s.masked_fill(mask, -inf) if mask.dtype == torch.bool else s + mask.to(s.dtype)
     p = torch.softmax(s, dim=-1)
     if dropout > 0.0:
         p = torch_F.dropout(p, p=dropout)  # training=True, as FloydNet: the caller decides
-    y = torch.einsum("bhikj,bhijd->bhikd", p, v1) + torch.einsum("bhikj,bhjkd->bhikd", p, v2)
-    return y.to(q.dtype)
+    return p
 
 
 def _chunked(q, k1, k2, v1, v2, mask, scale, softmax_cap, inf, dropout):

@@ -33,13 +33,12 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as torch_F
 from torch.utils.checkpoint import checkpoint
 
 from ..ops._checks import dtype_name, require_tensor
 from ._custom_ops import autocast_eligible, backend_arg
 from ._floyd3 import checked_call, refuse_dtensors
-from .pivotal import _autocast_dtype, _fail, broadcast_mask, check_floats, excludes_masked_pivots
+from .pivotal import _autocast_dtype, _fail, broadcast_mask, check_floats, excludes_masked_pivots, floydnet_weights
 
 __all__ = ["pivotal_attention3", "TILE_ELEMENTS"]
 
@@ -90,14 +89,7 @@ def _tile(q, k1, k2, k3, v1, v2, v3, mask, scale: float, softmax_cap: float, inf
     k1, k2, k3, v1, v2, v3 = (t.to(compute) for t in (k1, k2, k3, v1, v2, v3))
     s = (torch.einsum("bhijkd,bhpjkd->bhijkp", qs, k1) + torch.einsum("bhijkd,bhipkd->bhijkp", qs, k2)
          + torch.einsum("bhijkd,bhijpd->bhijkp", qs, k3))
-    if softmax_cap > 0:
-        s = softmax_cap * torch.tanh(s / softmax_cap)
-    if mask is not None:
-        # an additive mask is added in the compute dtype (as pivotal_attention's chunked path)
-        s = s.masked_fill(mask, -inf) if mask.dtype == torch.bool else s + mask.to(compute)
-    p = torch.softmax(s, dim=-1)
-    if dropout > 0.0:
-        p = torch_F.dropout(p, p=dropout)  # training=True, as FloydNet: the caller decides
+    p = floydnet_weights(s, mask, softmax_cap, inf, dropout)
     y = (torch.einsum("bhijkp,bhpjkd->bhijkd", p, v1) + torch.einsum("bhijkp,bhipkd->bhijkd", p, v2)
          + torch.einsum("bhijkp,bhijpd->bhijkd", p, v3))
     return y.to(q.dtype)
